@@ -1,0 +1,30 @@
+# `make train` runs the default job, `make test` the test suite; each sets up .venv first.
+PY ?= python3
+# torch and torchvision must be a matching pair (a mismatched torchvision fails to import)
+TORCH ?= torch==2.14.1 torchvision==0.29.1
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: train test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q $(TORCH)
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/python train.py $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(ARGS)
+
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "slow or not slow" $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf outputs multirun .pytest_cache

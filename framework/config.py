@@ -1,0 +1,469 @@
+"""Config schemas and validation.
+
+Every config group has a dataclass schema registered in Hydra's ConfigStore as ``base_<name>``;
+the YAML files of ``conf/`` extend them (``defaults: [base_x, _self_]``), so an unknown key or a
+value of the wrong type fails when Hydra composes the config, before anything runs.
+
+``validate(cfg)`` then checks what a schema cannot: value ranges and combinations (a strategy that
+does not fit the model, a backend this machine lacks, ...). It raises ``ConfigError`` naming the
+key and the allowed values, and runs in the launching process, before any worker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. ``key`` is the dotted config key at fault."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"  # auto | gloo | nccl | mpi (auto: nccl with CUDA, else gloo)
+    timeout_s: int = 600  # collective timeout of the process group
+    init_method: str = (
+        "env"  # env (MASTER_ADDR/PORT from the launcher) | tcp://host:port | file:///path
+    )
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "ddp"  # none | ddp
+    # DDP knobs (torch.nn.parallel.DistributedDataParallel)
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
+    powersgd_rank: int = 1
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | amp (float16 autocast + GradScaler) | bf16 (bfloat16 autocast)
+    init_scale: float = 65536.0  # GradScaler's starting loss scale (amp only)
+    growth_interval: int = 2000
+
+
+@dataclass
+class MemoryConfig:
+    name: str = "none"  # none | checkpoint
+    checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
+    empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
+
+
+@dataclass
+class LoaderFields:
+    name: str = MISSING
+    batch_size: int = 8  # micro-batch of ONE data-parallel rank
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None  # only with num_workers > 0 (torch's default: 2)
+    drop_last: bool = True
+    shuffle: bool = True
+    sampler: str = "distributed"
+
+
+@dataclass
+class TextDataConfig(LoaderFields):
+    name: str = "text"
+    path: str | None = None  # file or folder of text; null: this Python's standard library source
+    seq_len: int = 128
+    max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
+    val_fraction: float = 0.0
+
+
+@dataclass
+class ImagesDataConfig(LoaderFields):
+    name: str = "images"
+    num_samples: int = 2048
+    image_size: int = 32
+    channels: int = 3
+    num_classes: int = 10
+    noise: float = 1.0
+
+
+@dataclass
+class VectorsDataConfig(LoaderFields):
+    name: str = "vectors"
+    num_samples: int = 4096
+    dim: int = 32
+    num_classes: int = 8
+
+
+@dataclass
+class VarlenDataConfig(LoaderFields):
+    name: str = "varlen"
+    num_samples: int = 4096
+    vocab_size: int = 32
+    num_classes: int = 4
+    min_len: int = 4
+    max_len: int = 128
+    mean_len: float = 24.0  # long-tailed (log-normal) lengths around this mean
+
+
+@dataclass
+class GPTConfig:
+    name: str = "gpt"
+    vocab_size: int = 256
+    block_size: int = 128  # longest sequence the model accepts
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+
+
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    in_dim: int = 32
+    hidden: int = 256
+    depth: int = 3
+    num_classes: int = 8
+    dropout: float = 0.0
+
+
+@dataclass
+class ResNetConfig:
+    name: str = "resnet"
+    arch: str = "resnet18"  # any torchvision.models resnet builder name
+    num_classes: int = 10
+    small_input: bool = True  # 3x3 stem without max-pool, for 32x32 images
+
+
+@dataclass
+class LSTMConfig:
+    name: str = "lstm"
+    vocab_size: int = 32
+    embed_dim: int = 64
+    hidden: int = 128
+    num_layers: int = 1
+    num_classes: int = 4
+    bidirectional: bool = False
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    momentum: float = 0.9  # sgd only
+    grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
+    schedule: str = "cosine"  # cosine | constant
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb | none
+    project: str = "hydradist"
+    entity: str | None = None
+    mode: str = "offline"  # offline | online | disabled
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- top level
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int | None = None  # null: 1 for parallel=none, else one per GPU (CPU: 2)
+    max_restarts: int = 0
+    monitor_interval_s: float = 0.1
+    start_method: str = "spawn"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N optimizer steps (0: never); always saved at the end if > 0
+    dir: str | None = None  # null: <run dir>/checkpoints
+    resume: str | None = None  # a checkpoint folder to resume from
+
+
+@dataclass
+class MetricsConfig:
+    peak_tflops: float | None = None  # per-device peak for MFU; null: known GPUs only
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    backend: Any = MISSING
+    parallel: Any = MISSING
+    precision: Any = MISSING
+    memory: Any = MISSING
+    data: Any = MISSING
+    model: Any = MISSING
+    optim: Any = MISSING
+    logger: Any = MISSING
+    seed: int = 1337
+    steps: int = 100  # optimizer steps
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True  # progress bar on rank 0
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "backend": {"base_backend": BackendConfig},
+    "parallel": {"base_parallel": ParallelConfig},
+    "precision": {"base_precision": PrecisionConfig},
+    "memory": {"base_memory": MemoryConfig},
+    "data": {
+        "base_text": TextDataConfig,
+        "base_images": ImagesDataConfig,
+        "base_vectors": VectorsDataConfig,
+        "base_varlen": VarlenDataConfig,
+    },
+    "model": {
+        "base_gpt": GPTConfig,
+        "base_mlp": MLPConfig,
+        "base_resnet": ResNetConfig,
+        "base_lstm": LSTMConfig,
+    },
+    "optim": {"base_optim": OptimConfig},
+    "logger": {"base_logger": LoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Put every schema into Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schemas in GROUP_SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)
+
+
+# ----------------------------------------------------------------------------- validation
+
+ALLOWED = {
+    "backend.name": ("auto", "gloo", "nccl", "mpi"),
+    "parallel.name": ("none", "ddp"),
+    "parallel.comm_hook": ("none", "fp16", "bf16", "powersgd"),
+    "precision.name": ("fp32", "amp", "bf16"),
+    "memory.name": ("none", "checkpoint"),
+    "optim.name": ("adamw", "sgd"),
+    "optim.schedule": ("cosine", "constant"),
+    "logger.name": ("wandb", "none"),
+    "logger.mode": ("offline", "online", "disabled"),
+    "device": ("auto", "cpu", "cuda"),
+    "data.sampler": ("distributed",),
+    "launch.start_method": ("spawn", "fork", "forkserver"),
+}
+
+# Which data each model can train on: (model, data) pairs that make a task.
+MODEL_DATA = {
+    "gpt": ("text",),
+    "mlp": ("vectors",),
+    "resnet": ("images",),
+    "lstm": ("varlen",),
+}
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _at_least(cfg: DictConfig, key: str, low: int) -> None:
+    value = _get(cfg, key)
+    _require(value >= low, key, f"got {value}; must be an integer >= {low}")
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    import torch
+
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def resolve_backend(cfg: DictConfig) -> str:
+    return (
+        {"cpu": "gloo", "cuda": "nccl"}[resolve_device(cfg)]
+        if cfg.backend.name == "auto"
+        else cfg.backend.name
+    )
+
+
+def resolve_nproc(cfg: DictConfig) -> int:
+    """Local worker processes to start: explicit, else 1 for parallel=none, else per GPU (CPU: 2)."""
+    import torch
+
+    if cfg.launch.nproc_per_node is not None:
+        return cfg.launch.nproc_per_node
+    if cfg.parallel.name == "none":
+        return 1
+    if resolve_device(cfg) == "cuda":
+        return torch.cuda.device_count()
+    return 2
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
+    import torch
+    import torch.distributed as dist
+
+    for key, allowed in ALLOWED.items():
+        value = _get(cfg, key)
+        _require(value in allowed, key, f"got {value!r}; allowed: {', '.join(allowed)}")
+
+    _at_least(cfg, "steps", 1)
+    _at_least(cfg, "accumulation_steps", 1)
+    _at_least(cfg, "data.batch_size", 1)
+    _at_least(cfg, "data.num_workers", 0)
+    _at_least(cfg, "backend.timeout_s", 1)
+    _at_least(cfg, "launch.max_restarts", 0)
+    _at_least(cfg, "checkpoint.every", 0)
+    _at_least(cfg, "metrics.log_every", 1)
+    _at_least(cfg, "memory.checkpoint_every", 1)
+    _at_least(cfg, "memory.empty_cache_every", 0)
+    if cfg.launch.nproc_per_node is not None:
+        _at_least(cfg, "launch.nproc_per_node", 1)
+    _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
+    if cfg.data.prefetch_factor is not None:
+        _require(
+            cfg.data.num_workers > 0,
+            "data.prefetch_factor",
+            "only applies with data.num_workers > 0; set it to null or raise num_workers",
+        )
+    if cfg.data.persistent_workers:
+        _require(
+            cfg.data.num_workers > 0,
+            "data.persistent_workers",
+            "needs data.num_workers > 0",
+        )
+
+    # device and backend this machine can run
+    if cfg.device == "cuda":
+        _require(
+            torch.cuda.is_available(),
+            "device",
+            "cuda requested but no CUDA device is visible; use device=cpu or device=auto",
+        )
+    backend = cfg.backend.name
+    if backend == "nccl":
+        _require(
+            torch.cuda.is_available() and dist.is_nccl_available(),
+            "backend",
+            "nccl needs CUDA GPUs and a CUDA build of torch; none here. Use backend=gloo (or backend=auto)",
+        )
+        _require(
+            resolve_device(cfg) == "cuda",
+            "backend",
+            "nccl communicates CUDA tensors; set device=cuda or device=auto",
+        )
+    if backend == "mpi":
+        _require(
+            dist.is_mpi_available(),
+            "backend",
+            "mpi is not built into this torch (the PyPI wheels leave it out); use backend=gloo or "
+            "backend=nccl, or build torch from source against an MPI library",
+        )
+    if backend == "gloo":
+        _require(
+            dist.is_gloo_available(),
+            "backend",
+            "gloo is not built into this torch; use backend=nccl",
+        )
+    init = cfg.backend.init_method
+    _require(
+        init == "env" or init.startswith("tcp://") or init.startswith("file://"),
+        "backend.init_method",
+        f"got {init!r}; allowed: env, tcp://HOST:PORT, file:///PATH",
+    )
+
+    # world size and strategy
+    nproc = resolve_nproc(cfg)
+    _require(
+        nproc >= 1,
+        "launch.nproc_per_node",
+        "no CUDA device visible for one worker per GPU; set launch.nproc_per_node",
+    )
+    if cfg.parallel.name == "none":
+        _require(
+            nproc == 1,
+            "launch.nproc_per_node",
+            f"parallel=none runs one process without a wrapper, got {nproc} workers; "
+            "set launch.nproc_per_node=1 or choose parallel=ddp",
+        )
+    if resolve_device(cfg) == "cuda" and cfg.launch.nproc_per_node is not None:
+        _require(
+            nproc <= torch.cuda.device_count(),
+            "launch.nproc_per_node",
+            f"got {nproc} workers but only {torch.cuda.device_count()} GPUs are visible",
+        )
+
+    # model and data fit together
+    model, data = cfg.model.name, cfg.data.name
+    _require(model in MODEL_DATA, "model", f"got {model!r}; allowed: {', '.join(MODEL_DATA)}")
+    _require(
+        data in MODEL_DATA[model],
+        "data",
+        f"model={model} trains on data={'|'.join(MODEL_DATA[model])}, got data={data}; "
+        f"add data={MODEL_DATA[model][0]} (or use experiment={model})",
+    )
+    if model == "gpt":
+        _require(
+            cfg.model.n_embd % cfg.model.n_head == 0,
+            "model.n_head",
+            f"n_embd={cfg.model.n_embd} must divide evenly into n_head={cfg.model.n_head} heads",
+        )
+        _require(
+            cfg.data.seq_len <= cfg.model.block_size,
+            "data.seq_len",
+            f"got {cfg.data.seq_len}; must be <= model.block_size={cfg.model.block_size}",
+        )
+        _require(cfg.data.seq_len >= 2, "data.seq_len", "must be >= 2")
+    if model == "lstm":
+        _require(
+            cfg.data.vocab_size <= cfg.model.vocab_size,
+            "model.vocab_size",
+            f"got {cfg.model.vocab_size}; must be >= data.vocab_size={cfg.data.vocab_size}",
+        )
+    if data == "varlen":
+        _require(
+            1 <= cfg.data.min_len <= cfg.data.max_len,
+            "data.min_len",
+            "need 1 <= min_len <= max_len",
+        )
+    if data == "text" and cfg.data.path is not None:
+        import os
+
+        _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
+    if cfg.checkpoint.resume is not None:
+        import os
+
+        _require(
+            os.path.isdir(cfg.checkpoint.resume),
+            "checkpoint.resume",
+            f"no checkpoint folder at {cfg.checkpoint.resume!r}",
+        )

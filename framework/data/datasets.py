@@ -1,0 +1,161 @@
+"""Datasets that need no download: a byte-level text corpus and small synthetic, learnable tasks.
+
+Every item is ``(inputs, target)`` where ``inputs`` is a tuple of tensors passed to the model as
+positional arguments. Each dataset names its ``collate`` and how many tokens a batch holds
+(``tokens_in``; None for models that do not read tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data.dataloader import default_collate
+
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
+def default_corpus_files() -> list[Path]:
+    """This Python's standard library source: text present on every machine that runs us."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def read_corpus(path: str | None, max_bytes: int) -> bytes:
+    """Read a file, a folder (all files, sorted, recursively) or the default corpus."""
+    if path is None:
+        files = default_corpus_files()
+    else:
+        root = Path(path)
+        if not root.exists():
+            raise FileNotFoundError(f"data.path: no file or folder at {path!r}")
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    chunks, total = [], 0
+    for f in files:
+        data = f.read_bytes()[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return b"".join(chunks)
+
+
+class ByteTextDataset(Dataset):
+    """Next-byte prediction over consecutive, non-overlapping windows of the corpus."""
+
+    def __init__(self, path: str | None, seq_len: int, max_bytes: int):
+        raw = read_corpus(path, max_bytes)
+        if len(raw) < seq_len + 1:
+            raise ValueError(
+                f"data.path: corpus holds {len(raw)} bytes, fewer than seq_len+1={seq_len + 1}"
+            )
+        self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> Batch:
+        start = i * self.seq_len
+        chunk = self.data[start : start + self.seq_len + 1].long()
+        return (chunk[:-1],), chunk[1:]
+
+    collate = staticmethod(default_collate)
+
+    @staticmethod
+    def tokens_in(batch: Batch) -> int:
+        return batch[1].numel()
+
+
+class SyntheticImages(Dataset):
+    """Each class has a fixed random template; a sample is its class template plus Gaussian noise."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        image_size: int,
+        channels: int,
+        num_classes: int,
+        noise: float,
+        seed: int,
+    ):
+        g = torch.Generator().manual_seed(seed)
+        templates = torch.randn(num_classes, channels, image_size, image_size, generator=g)
+        self.labels = torch.randint(num_classes, (num_samples,), generator=g)
+        self.images = templates[self.labels] + noise * torch.randn(
+            num_samples, channels, image_size, image_size, generator=g
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> Batch:
+        return (self.images[i],), self.labels[i]
+
+    collate = staticmethod(default_collate)
+    tokens_in = staticmethod(lambda batch: None)
+
+
+class SyntheticVectors(Dataset):
+    """Gaussian vectors labelled by the argmax of a fixed random linear map."""
+
+    def __init__(self, num_samples: int, dim: int, num_classes: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        weight = torch.randn(dim, num_classes, generator=g)
+        self.x = torch.randn(num_samples, dim, generator=g)
+        self.y = (self.x @ weight).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> Batch:
+        return (self.x[i],), self.y[i]
+
+    collate = staticmethod(default_collate)
+    tokens_in = staticmethod(lambda batch: None)
+
+
+class VarlenSequences(Dataset):
+    """Token sequences with long-tailed (log-normal) lengths; label = the most frequent token class
+    (token % num_classes), which a recurrent model must read the whole sequence to tell."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        vocab_size: int,
+        num_classes: int,
+        min_len: int,
+        max_len: int,
+        mean_len: float,
+        seed: int,
+    ):
+        g = torch.Generator().manual_seed(seed)
+        sigma = 0.8  # log-normal spread: a long tail of long sequences
+        mu = math.log(mean_len) - sigma**2 / 2
+        lengths = torch.exp(mu + sigma * torch.randn(num_samples, generator=g)).round().long()
+        self.lengths = lengths.clamp(min_len, max_len)
+        self.seqs = [
+            torch.randint(1, vocab_size, (int(n),), generator=g) for n in self.lengths
+        ]  # 0 is padding
+        self.labels = torch.stack(
+            [torch.bincount(s % num_classes, minlength=num_classes).argmax() for s in self.seqs]
+        )
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int):
+        return self.seqs[i], self.labels[i]
+
+    @staticmethod
+    def collate(items) -> Batch:
+        seqs, labels = zip(*items, strict=True)
+        lengths = torch.tensor([len(s) for s in seqs])
+        padded = torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True, padding_value=0)
+        return (padded, lengths), torch.stack(labels)
+
+    @staticmethod
+    def tokens_in(batch: Batch) -> int:
+        return int(batch[0][1].sum())

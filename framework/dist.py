@@ -1,0 +1,103 @@
+"""Process group set-up and rank helpers.
+
+Glossary: a *rank* is one worker process; the *world* is all of them; a mesh *axis* (later
+issues) names a group of ranks, not a tensor dim.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None: single process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 does the rank-0-only work: files, progress bar, W&B."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def init_distributed(
+    device_kind: str, backend: str | None, timeout_s: int, init_method: str = "env"
+) -> DistInfo:
+    """Join the process group the launcher set up (RANK/WORLD_SIZE/MASTER_* in the environment).
+
+    ``backend=None`` means a single process without a process group (parallel=none).
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        # Local workers share the cores: without this each one would start a thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+    if backend is not None:
+        timeout = timedelta(seconds=timeout_s)
+        if init_method == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Under torch's elastic agent, build the group on the agent's store with a prefix per
+            # restart: after a worker dies, restarted gloo workers would otherwise read their dead
+            # peers' addresses from the store and fail to connect.
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timeout,
+            )
+            prefix = f"hydradist/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(prefix, store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        else:
+            url = "env://" if init_method == "env" else init_method
+            dist.init_process_group(
+                backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout
+            )
+    return DistInfo(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Mean of `tensor` over all ranks (a copy; the input is left alone)."""
+    out = tensor.detach().clone()
+    if info.distributed:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        out /= info.world_size
+    return out
+
+
+def all_gather_object(obj, info: DistInfo) -> list:
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out

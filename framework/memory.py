@@ -1,0 +1,107 @@
+"""Activation checkpointing and memory accounting.
+
+Accounting counts the bytes a rank really holds, from the tensors themselves (local shards for
+sharded tensors), never from a formula.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+
+
+def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
+    """Recompute every `every`-th block of ``model.blocks`` in backward instead of keeping its
+    activations (non-reentrant torch.utils.checkpoint). Returns how many blocks were wrapped."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(
+            f"memory=checkpoint: {type(model).__name__} has no `blocks` list to checkpoint"
+        )
+    wrapped = 0
+    for i, block in enumerate(blocks):
+        if i % every == 0:
+            blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            wrapped += 1
+    return wrapped
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly sharded) tensor that lives on this rank."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes held by this rank."""
+    params = list(model.parameters())
+    optim_bytes = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optim_bytes += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return {
+        "param_bytes": sum(_nbytes(p) for p in params),
+        "grad_bytes": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "optim_bytes": optim_bytes,
+    }
+
+
+class SavedActivationMeter:
+    """Bytes that autograd saves for backward, counted in `saved_tensors_hooks` (works on CPU).
+
+    Storages are counted once (views of one storage share it) and parameters are left out: they
+    are model state, not activations. ``peak`` is the most bytes held at once in one `measure`.
+    """
+
+    def __init__(self, model: nn.Module):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.peak = 0
+
+    @contextmanager
+    def measure(self):
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen and ptr not in self._param_ptrs and storage.device.type != "meta":
+                seen.add(ptr)
+                total += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.peak = max(self.peak, total)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Return the caching allocator's unused blocks to the device (CUDA). CPU tensors are freed
+    to the system allocator at once, so on CPU there is nothing to release: a no-op."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

@@ -1,0 +1,79 @@
+"""Throughput and model FLOPs utilisation (MFU).
+
+MFU = achieved model FLOP/s / peak FLOP/s of the devices. Model FLOPs per token for a transformer
+are 6N + 12·L·H·Q·T (PaLM, appendix B; as nanoGPT): 6N for forward+backward through N weights and
+12·L·H·Q·T for attention scores over T positions. Recomputation (checkpointing) is not counted:
+MFU measures useful work.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendor datasheets, no sparsity).
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+    "V100": 125.0,
+}
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    """Per-device peak FLOP/s: the configured figure, else a known GPU's datasheet, else None."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return None
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float | None:
+    fn = getattr(model, "flops_per_token", None)
+    return fn(seq_len) if fn is not None and seq_len is not None else None
+
+
+def mfu(
+    flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, world_size: int
+) -> float | None:
+    if flops_per_tok is None or tokens_per_s is None or peak is None:
+        return None
+    return flops_per_tok * tokens_per_s / (peak * world_size)
+
+
+class Throughput:
+    """Accumulates per-step time, samples and tokens; the first step (warm-up) is left out of the
+    rates when there are more."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.samples: list[int] = []
+        self.tokens: list[int | None] = []
+
+    def add(self, seconds: float, samples: int, tokens: int | None) -> None:
+        self.times.append(seconds)
+        self.samples.append(samples)
+        self.tokens.append(tokens)
+
+    def _window(self) -> slice:
+        return slice(1, None) if len(self.times) > 1 else slice(None)
+
+    def rates(self) -> dict[str, float | None]:
+        w = self._window()
+        elapsed = sum(self.times[w])
+        tokens = self.tokens[w]
+        return {
+            "samples_per_s": sum(self.samples[w]) / elapsed if elapsed else None,
+            "tokens_per_s": sum(tokens) / elapsed if elapsed and None not in tokens else None,
+        }
+
+    def median_step_time(self) -> float | None:
+        return statistics.median(self.times[self._window()]) if self.times else None

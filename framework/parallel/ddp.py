@@ -1,0 +1,42 @@
+"""DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets that overlap
+with the backward pass. Optional communication hooks compress gradients before the all-reduce."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from framework.dist import DistInfo
+
+
+def apply_ddp(model: nn.Module, cfg: DictConfig, info: DistInfo) -> DDP:
+    # Newer torch renames broadcast_buffers (syncing buffers such as BatchNorm statistics from
+    # rank 0 before each forward) to forward_sync_buffers; same knob.
+    buffers_kw = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
+    ddp = DDP(
+        model,
+        device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+        find_unused_parameters=cfg.find_unused_parameters,
+        **{buffers_kw: cfg.broadcast_buffers},
+    )
+    if cfg.comm_hook == "fp16":
+        ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+    elif cfg.comm_hook == "bf16":
+        ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+    elif cfg.comm_hook == "powersgd":
+        # Low-rank gradient compression with error feedback; plain all-reduce for the first steps.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=dist.group.WORLD,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=2,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp

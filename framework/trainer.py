@@ -1,0 +1,328 @@
+"""One rank's training run, readable top to bottom: build, loop (accumulate, step, measure, log,
+save), summarise. Every rank runs this; rank-0-only work is marked as such."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from tqdm import tqdm
+
+from framework import checkpoint
+from framework.config import resolve_backend, resolve_device
+from framework.data import DataPipeline, build_data, to_device
+from framework.dist import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_mean,
+    destroy_distributed,
+    init_distributed,
+)
+from framework.memory import (
+    SavedActivationMeter,
+    apply_activation_checkpointing,
+    device_peak_bytes,
+    model_state_bytes,
+    peak_rss_bytes,
+    release_cached_memory,
+)
+from framework.metrics import Throughput, flops_per_token, mfu, peak_flops
+from framework.optim import build_optimizer, build_scheduler
+from framework.parallel import Parallelized, apply_parallelism
+from framework.precision import Precision, build_precision
+from framework.tracking import Tracker, build_tracker
+from models import build_model
+
+MEMORY_SAMPLE_EVERY = 50  # measure saved activations on step 0 and every this many steps
+
+
+def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+    """Train as one rank; returns the run summary on rank 0 (None elsewhere)."""
+    backend = None if cfg.parallel.name == "none" else resolve_backend(cfg)
+    info = init_distributed(
+        resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method
+    )
+    writer = RunFiles(run_dir, info)
+    try:
+        summary = train(cfg, info, writer, choices)
+        return summary if info.is_main else None
+    except BaseException as err:
+        writer.write_summary(
+            {"status": "failed", "error": f"{type(err).__name__}: {err}", "choices": choices}
+        )
+        raise
+    finally:
+        destroy_distributed()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Parts:
+    """What a rank trains with, built once by `build`."""
+
+    model: nn.Module  # the plain model (parameter counts, FLOPs)
+    par: Parallelized  # the wrapped module to run, and its gradient-sync switch
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: DataPipeline
+    precision: Precision
+    start_step: int
+
+
+def build(cfg: DictConfig, info: DistInfo) -> Parts:
+    # The build order, written once. Process group (already up) -> model, from the same seed on
+    # every rank so replicas start identical -> activation checkpointing (wraps blocks, so before
+    # any wrapper that shards or replicates them) -> data-parallel wrapper (DDP hooks the final
+    # parameters) -> optimizer (over the wrapped parameters) -> resume -> data -> precision.
+    seed_everything(cfg.seed)
+    model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"}
+    model = build_model(cfg.model.name, **model_kwargs).to(info.device)
+    if cfg.memory.name == "checkpoint":
+        apply_activation_checkpointing(model, cfg.memory.checkpoint_every)
+    par = apply_parallelism(model, cfg.parallel, info)
+    optimizer = build_optimizer(par.module, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpoint.load(cfg.checkpoint.resume, par.module, optimizer)
+        scheduler.last_epoch = start_step - 1
+        scheduler.step()  # the learning rate of step `start_step`
+    data = build_data(cfg.data, info, cfg.seed)
+    precision = build_precision(cfg.precision, info.device)
+    return Parts(model, par, optimizer, scheduler, data, precision, start_step)
+
+
+def train(
+    cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str]
+) -> dict[str, Any]:
+    parts = build(cfg, info)
+    tracker = build_tracker(
+        cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main
+    )
+    try:
+        summary = loop(cfg, info, parts, files, tracker, choices)
+    except BaseException:
+        tracker.finish(ok=False)
+        raise
+    tracker.summary(summary)
+    tracker.finish(ok=True)
+    return summary
+
+
+def loop(
+    cfg: DictConfig,
+    info: DistInfo,
+    parts: Parts,
+    files: RunFiles,
+    tracker: Tracker,
+    choices: dict[str, str],
+) -> dict[str, Any]:
+    model, par, optimizer, scheduler, data, precision = (
+        parts.model,
+        parts.par,
+        parts.optimizer,
+        parts.scheduler,
+        parts.data,
+        parts.precision,
+    )
+    accum = cfg.accumulation_steps
+    global_batch = cfg.data.batch_size * accum * info.world_size
+    counts_tokens = cfg.data.name in ("text", "varlen")  # sequence data: report tokens/s
+    fpt = flops_per_token(model, cfg.data.get("seq_len"))
+    peak = peak_flops(info.device, cfg.metrics.peak_tflops)
+    meter = SavedActivationMeter(model)
+    throughput = Throughput()
+    local_work: list[int] = []  # this rank's tokens (samples for fixed-size data) per step
+    losses: list[float] = []
+    state_bytes: dict[str, int] = {}
+
+    batches = data.batches(skip=parts.start_step * accum)
+    progress = tqdm(  # rank 0 only
+        total=cfg.steps,
+        initial=parts.start_step,
+        disable=not (info.is_main and cfg.progress),
+        dynamic_ncols=True,
+    )
+    par.module.train()
+    for step in range(parts.start_step, cfg.steps):
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=info.device)
+        step_work, step_samples = 0, 0
+        sample_memory = step == parts.start_step or step % MEMORY_SAMPLE_EVERY == 0
+        for micro in range(accum):
+            epoch, batch = next(batches)
+            inputs, target = to_device(batch, info.device, non_blocking=cfg.data.pin_memory)
+            step_work += data.tokens_in(batch) or target.size(0)
+            step_samples += target.size(0)
+            # Gradients are synchronised on the last micro-batch only: one all-reduce per step.
+            with par.grad_sync(micro == accum - 1):
+                with (
+                    precision.autocast(),
+                    meter.measure() if sample_memory and micro == 0 else nullcontext(),
+                ):
+                    logits = par.module(*inputs)
+                    loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+                precision.scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach()
+
+        precision.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(par.module.parameters(), max_norm)
+        precision.scaler.step(optimizer)  # skipped when amp found inf/nan gradients
+        precision.scaler.update()
+        if sample_memory:
+            state_bytes = model_state_bytes(
+                par.module, optimizer
+            )  # before zero_grad frees the grads
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
+            release_cached_memory(info.device)
+
+        # One small all-reduce for the step's mean loss and total work; .item() is a sync point
+        # that ends the step, so the time below is the step's true time.
+        totals = all_reduce_mean(
+            torch.stack([loss_sum / accum, torch.tensor(float(step_work), device=info.device)]),
+            info,
+        )
+        loss_value, tokens = totals[0].item(), round(totals[1].item() * info.world_size)
+        tokens = tokens if counts_tokens else None
+        elapsed = time.perf_counter() - t0
+        throughput.add(elapsed, step_samples * info.world_size, tokens)
+        local_work.append(step_work)
+        losses.append(loss_value)
+
+        if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
+            record = {
+                "step": step + 1,
+                "loss": loss_value,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm.item(),
+                "step_time_s": elapsed,
+                "samples_per_s": step_samples * info.world_size / elapsed,
+                "tokens_per_s": tokens / elapsed if tokens is not None else None,
+                "mfu": mfu(fpt, tokens / elapsed if tokens else None, peak, info.world_size),
+                "epoch": epoch,
+                "loss_scale": precision.scaler.get_scale()
+                if precision.scaler.is_enabled()
+                else None,
+            }
+            files.log_step(record)  # rank 0 only
+            tracker.log(record, step=step + 1)  # rank 0 only
+        progress.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+        progress.update(1)
+
+        if cfg.checkpoint.every and (
+            (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps
+        ):
+            checkpoint.save(
+                checkpoint_dir(cfg, files.run_dir, step + 1), par.module, optimizer, step + 1
+            )
+    progress.close()
+
+    summary = summarize(
+        cfg,
+        info,
+        choices,
+        global_batch,
+        losses,
+        throughput,
+        fpt,
+        peak,
+        meter,
+        state_bytes,
+        local_work,
+    )
+    files.write_summary(summary)
+    return summary
+
+
+def summarize(
+    cfg, info, choices, global_batch, losses, throughput, fpt, peak, meter, state_bytes, local_work
+) -> dict[str, Any]:
+    """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
+    local = {
+        **state_bytes,
+        "activation_bytes": meter.peak,
+        "device_peak_bytes": device_peak_bytes(info.device),
+        "rss_peak_bytes": peak_rss_bytes(),
+        "work": local_work,
+    }
+    everyone = all_gather_object(local, info)
+    memory = {
+        key: (max(r[key] for r in everyone) if everyone[0][key] is not None else None)
+        for key in (
+            "param_bytes",
+            "grad_bytes",
+            "optim_bytes",
+            "activation_bytes",
+            "device_peak_bytes",
+            "rss_peak_bytes",
+        )
+    }
+    # Load balance: per step, the busiest rank's work over the mean; averaged over steps.
+    per_step = list(zip(*(r["work"] for r in everyone), strict=True))
+    imbalance = (
+        sum(max(s) / (sum(s) / len(s)) for s in per_step) / len(per_step) if per_step else None
+    )
+    rates = throughput.rates()
+    return {
+        "status": "ok",
+        "choices": choices,
+        "world_size": info.world_size,
+        "global_batch_size": global_batch,
+        "steps": cfg.steps,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "throughput": rates,
+        "step_time_s": throughput.median_step_time(),
+        "mfu": mfu(fpt, rates["tokens_per_s"], peak, info.world_size),
+        "tflops_per_device": fpt * rates["tokens_per_s"] / info.world_size / 1e12
+        if fpt and rates["tokens_per_s"]
+        else None,
+        "memory": memory,
+        "comm": None,  # filled by the communication-accounting issue
+        "load_balance": {"imbalance": imbalance},
+    }
+
+
+def checkpoint_dir(cfg: DictConfig, run_dir: str, step: int) -> str:
+    return os.path.join(
+        cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"), f"step-{step:06d}"
+    )
+
+
+class RunFiles:
+    """The run directory's files, written by rank 0 only (other ranks' calls do nothing)."""
+
+    def __init__(self, run_dir: str, info: DistInfo):
+        self.run_dir = run_dir
+        self.is_main = info.is_main
+        if self.is_main:
+            os.makedirs(run_dir, exist_ok=True)
+            self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        if self.is_main:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if self.is_main:
+            path = os.path.join(self.run_dir, "summary.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(summary, f, indent=2)
+            os.replace(path + ".tmp", path)  # never a half-written summary

@@ -1,0 +1,114 @@
+"""Config composition and validation: every choice composes, bad input fails early and clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.config import MODEL_DATA, ConfigError, validate
+from tests.helpers import CONF, compose_config
+
+GROUPS = ["backend", "parallel", "precision", "memory", "data", "model", "optim", "logger"]
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_every_group_has_choices_and_a_schema():
+    for group in GROUPS:
+        assert choices(group), group
+    for name in ("auto", "gloo", "nccl", "mpi"):
+        assert name in choices("backend")
+    assert {"none", "ddp"} <= set(choices("parallel"))
+    assert {"fp32", "amp", "bf16"} == set(choices("precision"))
+    assert {"gpt", "mlp", "resnet", "lstm"} == set(choices("model"))
+
+
+def _unavailable(group: str, name: str) -> bool:
+    """Choices this machine cannot run (validate must refuse them with a clear error instead)."""
+    if group == "backend" and name == "nccl":
+        return not torch.cuda.is_available()
+    if group == "backend" and name == "mpi":
+        return not dist.is_mpi_available()
+    return False
+
+
+@pytest.mark.parametrize("group,name", [(g, n) for g in GROUPS for n in choices(g)])
+def test_every_group_choice_composes(group, name):
+    overrides = [f"{group}={name}"]
+    if group == "model":
+        overrides.append(f"data={MODEL_DATA[name][0]}")
+    if group == "data":
+        model = next(m for m, data in MODEL_DATA.items() if name in data)
+        overrides.append(f"model={model}")
+    if group == "parallel" and name == "none":
+        overrides.append("launch.nproc_per_node=1")
+    cfg = compose_config(overrides)
+    assert cfg[group].name == name
+    if _unavailable(group, name):
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        assert err.value.key == "backend" and "backend=gloo" in str(err.value)
+    else:
+        validate(cfg)
+
+
+@pytest.mark.parametrize("name", choices("experiment"))
+def test_every_experiment_composes(name):
+    cfg = compose_config([f"experiment={name}"])
+    validate(cfg)
+    assert cfg.model.name in MODEL_DATA and cfg.data.name in MODEL_DATA[cfg.model.name]
+
+
+def test_smoke_is_a_tiny_gpt_without_dropout():
+    cfg = compose_config(["experiment=smoke"])
+    assert cfg.model.name == "gpt" and cfg.model.dropout == 0.0 and cfg.steps <= 20
+
+
+def test_defaults_are_the_documented_job():
+    cfg = compose_config()
+    assert (cfg.model.name, cfg.data.name, cfg.parallel.name, cfg.logger.name) == ("gpt", "text", "ddp", "wandb")
+    assert cfg.logger.mode == "offline"
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["steps=abc", "model.n_layr=3", "data.batch_size=1.5", "parallel.bucket_cap_mb=big", "launch.nproc_per_node=two"],
+)
+def test_typos_and_wrong_types_fail_at_compose_time(override):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
+        compose_config([override])
+
+
+@pytest.mark.parametrize(
+    "overrides,key,hint",
+    [
+        (["steps=-1"], "steps", ">= 1"),
+        (["accumulation_steps=0"], "accumulation_steps", ">= 1"),
+        (["launch.nproc_per_node=0"], "launch.nproc_per_node", ">= 1"),
+        (["parallel=none", "launch.nproc_per_node=2"], "launch.nproc_per_node", "parallel=none"),
+        (["parallel.comm_hook=int8"], "parallel.comm_hook", "powersgd"),
+        (["model=resnet"], "data", "data=images"),
+        (["model.n_head=3"], "model.n_head", "n_head"),
+        (["data.seq_len=256", "model.block_size=128"], "data.seq_len", "block_size"),
+        (["data.path=/no/such/corpus"], "data.path", "/no/such/corpus"),
+        (["data.prefetch_factor=4"], "data.prefetch_factor", "num_workers"),
+        (["checkpoint.resume=/no/such/ckpt"], "checkpoint.resume", "/no/such/ckpt"),
+        (["optim.lr=0"], "optim.lr", "> 0"),
+    ],
+)
+def test_validate_names_the_key_and_what_is_allowed(overrides, key, hint):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(overrides))
+    assert err.value.key == key
+    assert hint in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_nccl_without_cuda_is_refused():
+    with pytest.raises(ConfigError, match="nccl needs CUDA"):
+        validate(compose_config(["backend=nccl"]))
