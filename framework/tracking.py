@@ -14,12 +14,16 @@ from omegaconf import DictConfig
 
 
 class Tracker(Protocol):
+    offline_dir: str | None  # the local W&B run folder to `wandb sync`, when offline
+
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
     def summary(self, summary: dict[str, Any]) -> None: ...
     def finish(self, ok: bool) -> None: ...
 
 
 class NullTracker:
+    offline_dir = None
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
 
@@ -52,6 +56,10 @@ class WandbTracker:
             config={**config, "choices": choices},  # the whole resolved config (holds no secrets)
             settings=wandb.Settings(x_disable_stats=True, console="off"),
         )
+
+    @property
+    def offline_dir(self) -> str | None:
+        return os.path.dirname(self.run.dir) if self.run.settings.mode == "offline" else None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)

@@ -1,0 +1,99 @@
+"""train.py as a user runs it: a real run end to end, sweeps, bad input and worker failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, read_metrics, read_summary, train_cli
+
+SUMMARY_KEYS = {
+    "status", "choices", "world_size", "global_batch_size", "steps", "first_loss", "final_loss",
+    "throughput", "step_time_s", "mfu", "memory", "comm", "load_balance",
+}  # fmt: skip
+
+
+def test_smoke_run_trains_across_two_workers_and_logs_to_wandb_offline(tmp_path):
+    run = tmp_path / "run"
+    proc = train_cli(["experiment=smoke", "steps=12", "progress=true"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    for key in ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s"):
+        assert all(m[key] is not None for m in metrics), key
+
+    summary = read_summary(run)
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["status"] == "ok" and summary["world_size"] == 2
+    assert summary["global_batch_size"] == 2 * 4
+    assert summary["choices"]["parallel"] == "ddp" and summary["choices"]["experiment"] == "smoke"
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["throughput"]["tokens_per_s"] > 0
+    assert set(summary["memory"]) >= {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "device_peak_bytes"}
+    assert summary["memory"]["param_bytes"] > 0 and summary["memory"]["activation_bytes"] > 0
+    assert summary["load_balance"]["imbalance"] == pytest.approx(1.0)
+
+    # one run directory for the run, not one per rank; one offline W&B run that `wandb sync` can upload
+    assert not list(run.glob("rank*"))
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+    assert f"wandb sync {offline[0]}" in proc.stdout
+    assert "it/s" in proc.stderr or "s/it" in proc.stderr  # the progress bar, rank 0 only
+    assert (proc.stderr.count("12/12")) >= 1
+
+
+def test_multirun_sweeps_strategies_each_job_its_own_group_and_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = train_cli(
+        ["-m", "experiment=smoke", "steps=3", "logger=none", "parallel=none,ddp", "precision=fp32,bf16",
+         f"hydra.sweep.dir={sweep}"]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert len(summaries) == 4
+    seen = {(s["choices"]["parallel"], s["choices"]["precision"]) for s in summaries}
+    assert seen == {("none", "fp32"), ("none", "bf16"), ("ddp", "fp32"), ("ddp", "bf16")}
+    for s in summaries:
+        assert s["status"] == "ok"
+        assert s["world_size"] == (1 if s["choices"]["parallel"] == "none" else 2)
+
+
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["launch.nproc_per_node=0"], "launch.nproc_per_node"),
+        (["backend=nccl"], "backend"),
+        (["steps=-1"], "steps"),
+        (["steps=abc"], "steps"),
+        (["model=lstm"], "data"),
+    ],
+)
+def test_bad_input_is_one_clear_message_and_no_worker_starts(tmp_path, args, key):
+    run = tmp_path / "run"
+    proc = train_cli(["logger=none", *args], run)
+    assert proc.returncode != 0
+    assert key in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (run / "metrics.jsonl").exists() and not (run / "summary.json").exists()
+
+
+def test_worker_failure_exits_nonzero_and_shows_the_workers_error(tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("abc")  # fewer bytes than one training sequence: each worker fails to build data
+    run = tmp_path / "run"
+    proc = train_cli(["experiment=smoke", "logger=none", f"data.path={tiny}"], run)
+    assert proc.returncode != 0
+    assert "worker rank 0 failed" in proc.stderr
+    assert "fewer than seq_len+1" in proc.stderr
+    assert read_summary(run)["status"] == "failed"
+
+
+def test_default_corpus_is_read_locally():
+    from framework.data.datasets import default_corpus_files
+
+    files = default_corpus_files()
+    assert files and all(Path(f).suffix == ".py" for f in files)
+    assert (ROOT / "conf" / "data" / "text.yaml").exists()
