@@ -458,7 +458,9 @@ def validate(cfg: DictConfig) -> None:
     if data == "text" and cfg.data.path is not None:
         import os
 
-        _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
+        _require(
+            os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}"
+        )
     if cfg.checkpoint.resume is not None:
         import os
 

@@ -127,7 +127,11 @@ def train(
 def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
     """Rank 0's closing lines: what the run did and where its files are."""
     rate = summary["throughput"]
-    speed = f"{rate['tokens_per_s']:.0f} tokens/s" if rate["tokens_per_s"] else f"{rate['samples_per_s']:.1f} samples/s"
+    speed = (
+        f"{rate['tokens_per_s']:.0f} tokens/s"
+        if rate["tokens_per_s"]
+        else f"{rate['samples_per_s']:.1f} samples/s"
+    )
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
         f"{speed}, {summary['step_time_s'] * 1000:.1f} ms/step on {summary['world_size']} rank(s)\n"
@@ -135,7 +139,10 @@ def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
         flush=True,
     )
     if tracker.offline_dir:
-        print(f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})", flush=True)
+        print(
+            f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
+            flush=True,
+        )
 
 
 def loop(

@@ -32,7 +32,13 @@ def test_smoke_run_trains_across_two_workers_and_logs_to_wandb_offline(tmp_path)
     assert summary["choices"]["parallel"] == "ddp" and summary["choices"]["experiment"] == "smoke"
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["throughput"]["tokens_per_s"] > 0
-    assert set(summary["memory"]) >= {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "device_peak_bytes"}
+    assert set(summary["memory"]) >= {
+        "param_bytes",
+        "grad_bytes",
+        "optim_bytes",
+        "activation_bytes",
+        "device_peak_bytes",
+    }
     assert summary["memory"]["param_bytes"] > 0 and summary["memory"]["activation_bytes"] > 0
     assert summary["load_balance"]["imbalance"] == pytest.approx(1.0)
 
@@ -82,7 +88,9 @@ def test_bad_input_is_one_clear_message_and_no_worker_starts(tmp_path, args, key
 
 def test_worker_failure_exits_nonzero_and_shows_the_workers_error(tmp_path):
     tiny = tmp_path / "tiny.txt"
-    tiny.write_text("abc")  # fewer bytes than one training sequence: each worker fails to build data
+    tiny.write_text(
+        "abc"
+    )  # fewer bytes than one training sequence: each worker fails to build data
     run = tmp_path / "run"
     proc = train_cli(["experiment=smoke", "logger=none", f"data.path={tiny}"], run)
     assert proc.returncode != 0

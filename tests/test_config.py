@@ -71,13 +71,24 @@ def test_smoke_is_a_tiny_gpt_without_dropout():
 
 def test_defaults_are_the_documented_job():
     cfg = compose_config()
-    assert (cfg.model.name, cfg.data.name, cfg.parallel.name, cfg.logger.name) == ("gpt", "text", "ddp", "wandb")
+    assert (cfg.model.name, cfg.data.name, cfg.parallel.name, cfg.logger.name) == (
+        "gpt",
+        "text",
+        "ddp",
+        "wandb",
+    )
     assert cfg.logger.mode == "offline"
 
 
 @pytest.mark.parametrize(
     "override",
-    ["steps=abc", "model.n_layr=3", "data.batch_size=1.5", "parallel.bucket_cap_mb=big", "launch.nproc_per_node=two"],
+    [
+        "steps=abc",
+        "model.n_layr=3",
+        "data.batch_size=1.5",
+        "parallel.bucket_cap_mb=big",
+        "launch.nproc_per_node=two",
+    ],
 )
 def test_typos_and_wrong_types_fail_at_compose_time(override):
     with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
@@ -108,7 +119,9 @@ def test_validate_names_the_key_and_what_is_allowed(overrides, key, hint):
     assert hint in str(err.value)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
 def test_nccl_without_cuda_is_refused():
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         validate(compose_config(["backend=nccl"]))

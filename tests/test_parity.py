@@ -29,7 +29,15 @@ def reference(tmp_path_factory):
     [
         ("ddp_2x4", ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"]),
         ("none_accum4x2", ["parallel=none", "data.batch_size=2", "accumulation_steps=4"]),
-        ("ddp_2x_accum4x1", ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=1", "accumulation_steps=4"]),
+        (
+            "ddp_2x_accum4x1",
+            [
+                "parallel=ddp",
+                "launch.nproc_per_node=2",
+                "data.batch_size=1",
+                "accumulation_steps=4",
+            ],
+        ),
     ],
 )
 def test_same_losses_however_the_global_batch_is_split(tmp_path, reference, name, args):

@@ -1,0 +1,196 @@
+"""Unit tests of the parts: models, precision, memory accounting, samplers, schedules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from framework.config import OptimConfig, PrecisionConfig
+from framework.data.datasets import VarlenSequences
+from framework.data.samplers import ResumableDistributedSampler
+from framework.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes
+from framework.optim import build_optimizer, lr_factor
+from framework.precision import build_precision
+from models import GPT, MLP, LSTMClassifier, ResNet
+from tests.helpers import ROOT
+
+
+def test_models_never_import_torch_distributed():
+    for path in (ROOT / "models").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not any(name.startswith("torch.distributed") for name in names), path
+
+
+def test_model_shapes():
+    assert GPT(n_layer=2, n_head=2, n_embd=16, block_size=8)(torch.randint(256, (3, 8))).shape == (
+        3,
+        8,
+        256,
+    )
+    assert MLP(in_dim=5, num_classes=3)(torch.randn(4, 5)).shape == (4, 3)
+    assert ResNet(num_classes=7)(torch.randn(2, 3, 16, 16)).shape == (2, 7)
+    lstm = LSTMClassifier(vocab_size=10, num_classes=3)
+    assert lstm(torch.randint(1, 10, (4, 6)), torch.tensor([6, 3, 1, 2])).shape == (4, 3)
+
+
+def test_gpt_is_causal():
+    model = GPT(n_layer=2, n_head=2, n_embd=16, block_size=8).eval()
+    x = torch.randint(256, (1, 8))
+    y = x.clone()
+    y[0, 5:] = (y[0, 5:] + 1) % 256  # change the future only
+    assert torch.allclose(model(x)[0, :5], model(y)[0, :5], atol=1e-6)
+
+
+def test_lstm_ignores_padding():
+    torch.manual_seed(0)
+    model = LSTMClassifier(vocab_size=10, num_classes=3).eval()
+    seq = torch.tensor([[3, 4, 5]])
+    padded = torch.tensor([[3, 4, 5, 0, 0, 0]])
+    a = model(seq, torch.tensor([3]))
+    b = model(padded, torch.tensor([3]))
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_gpt_flops_per_token_is_6n_plus_attention():
+    model = GPT(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64)
+    n = sum(p.numel() for p in model.parameters()) - model.pos_emb.weight.numel()
+    assert model.flops_per_token(16) == 6 * n + 12 * 3 * 4 * 8 * 16
+
+
+def test_state_bytes_are_exact_on_a_known_model():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(10, 5), torch.nn.Linear(5, 2, bias=False)
+    )  # 55 + 10 params
+    opt = build_optimizer(model, OmegaConf.structured(OptimConfig(name="adamw")))
+    assert model_state_bytes(model, opt) == {
+        "param_bytes": 65 * 4,
+        "grad_bytes": 0,
+        "optim_bytes": 0,
+    }
+    model(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    # AdamW keeps exp_avg and exp_avg_sq per parameter (fp32) plus a scalar step per tensor
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    assert model_state_bytes(model, opt) == {
+        "param_bytes": 260,
+        "grad_bytes": 260,
+        "optim_bytes": 2 * 260 + steps,
+    }
+
+
+def test_saved_activation_meter_counts_saved_inputs_not_parameters():
+    lin = torch.nn.Linear(100, 100, bias=False)
+    meter = SavedActivationMeter(lin)
+    x = torch.randn(8, 100, requires_grad=True)
+    with meter.measure():
+        y = lin(x)  # saves its input x (8*100 floats) and the weight (a parameter: not counted)
+    assert meter.peak == 8 * 100 * 4
+    y.sum().backward()
+
+
+def test_activation_checkpointing_saves_less_and_keeps_gradients_identical():
+    def grads_and_saved(checkpointed: bool):
+        torch.manual_seed(0)
+        model = GPT(n_layer=4, n_head=2, n_embd=32, block_size=16)
+        if checkpointed:
+            assert apply_activation_checkpointing(model, every=1) == 4
+        meter = SavedActivationMeter(model)
+        x = torch.randint(256, (4, 16))
+        with meter.measure():
+            loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}, meter.peak
+
+    plain, plain_bytes = grads_and_saved(False)
+    ckpt, ckpt_bytes = grads_and_saved(True)
+    assert ckpt_bytes <= 0.4 * plain_bytes
+    strip = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in ckpt.items()}
+    assert strip.keys() == plain.keys()
+    for name in plain:
+        assert torch.equal(plain[name], strip[name]), name
+
+
+def test_amp_scales_the_loss_and_bf16_does_not():
+    amp = build_precision(OmegaConf.structured(PrecisionConfig(name="amp")), torch.device("cpu"))
+    bf16 = build_precision(OmegaConf.structured(PrecisionConfig(name="bf16")), torch.device("cpu"))
+    assert amp.scaler.is_enabled() and not bf16.scaler.is_enabled()
+    lin = torch.nn.Linear(4, 4)
+    with amp.autocast():
+        assert lin(torch.randn(2, 4)).dtype == torch.float16
+    with bf16.autocast():
+        assert lin(torch.randn(2, 4)).dtype == torch.bfloat16
+    assert amp.scaler.scale(torch.tensor(1.0)).item() == 65536.0
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = OmegaConf.structured(OptimConfig(warmup_steps=10, min_lr_ratio=0.1))
+    assert lr_factor(0, cfg, 100) == pytest.approx(0.1)
+    assert lr_factor(9, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
+    assert lr_factor(55, cfg, 100) < lr_factor(20, cfg, 100)
+
+
+@pytest.mark.parametrize("world,drop_last", [(1, False), (2, False), (3, False), (3, True)])
+def test_sampler_covers_every_sample_once_per_epoch(world, drop_last):
+    n = 100
+    per_rank = [
+        list(
+            ResumableDistributedSampler(
+                range(n), num_replicas=world, rank=r, seed=1, drop_last=drop_last
+            )
+        )
+        for r in range(world)
+    ]
+    everything = [i for indices in per_rank for i in indices]
+    if drop_last:  # documented: the tail that does not divide evenly is dropped
+        assert len(everything) == (n // world) * world and len(set(everything)) == len(everything)
+    else:  # documented: padded with repeats from the start so every rank gets as many
+        assert set(everything) == set(range(n)) and len(everything) - n < world
+
+
+def test_sampler_order_does_not_depend_on_world_size():
+    one = list(ResumableDistributedSampler(range(40), num_replicas=1, rank=0, seed=3))
+    two = [
+        list(ResumableDistributedSampler(range(40), num_replicas=2, rank=r, seed=3))
+        for r in range(2)
+    ]
+    assert [i for pair in zip(*two, strict=True) for i in pair] == one
+
+
+def test_resumed_sampler_continues_where_it_stopped():
+    sampler = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
+    sampler.set_epoch(3)
+    full = list(sampler)
+    resumed = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
+    resumed.load_state_dict({"epoch": 3, "start": 10})
+    assert list(resumed) == full[10:]
+    assert list(resumed) == full  # only the resumed epoch starts part-way
+
+
+def test_varlen_lengths_are_long_tailed_and_labels_learnable():
+    data = VarlenSequences(
+        2000, vocab_size=32, num_classes=4, min_len=4, max_len=128, mean_len=24, seed=0
+    )
+    lengths = data.lengths.float()
+    assert lengths.min() >= 4 and lengths.max() <= 128
+    assert lengths.max() > 3 * lengths.median()  # a long tail
+    (tokens, lens), labels = VarlenSequences.collate([data[0], data[1]])
+    assert tokens.shape == (2, int(lens.max())) and labels.shape == (2,)
+
+
+def test_text_corpus_reads_a_folder(tmp_path: Path):
+    from framework.data.datasets import ByteTextDataset
+
+    (tmp_path / "a.txt").write_bytes(b"x" * 50)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_bytes(b"y" * 50)
+    data = ByteTextDataset(str(tmp_path), seq_len=9, max_bytes=1000)
+    assert len(data) == 99 // 9
+    (x,), y = data[0]
+    assert torch.equal(x[1:], y[:-1])
