@@ -33,10 +33,24 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return int(state["trainer"]["step"])
 
 
-def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole, unsharded model state on every rank, for export (plain names, no wrapper prefixes)."""
+def full_model_state_dict(par) -> dict[str, torch.Tensor]:
+    """The whole, unsharded model state on every rank, under the plain model's names (no wrapper
+    prefixes): FSDP/TP shards gathered, pipeline stages merged. Collective: every rank calls it."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    state = get_model_state_dict(par.module, options=StateDictOptions(full_state_dict=True))
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    if par.pp_group is not None:  # each stage holds some layers: merge them
+        parts: list = [None] * dist.get_world_size(par.pp_group)
+        dist.all_gather_object(parts, state, group=par.pp_group)
+        state = {k: v for part in parts for k, v in part.items()}
+    return state
+
+
+def export(path: str, par, is_main: bool) -> None:
+    """Write the full model state dict for use outside this framework (`torch.load(path,
+    weights_only=True)` into the plain model). Rank 0 writes."""
+    state = full_model_state_dict(par)
+    if is_main:
+        torch.save(state, path)

@@ -40,8 +40,14 @@ class BackendConfig:
 
 @dataclass
 class ParallelConfig:
-    name: str = "ddp"  # none | ddp
-    # DDP knobs (torch.nn.parallel.DistributedDataParallel)
+    name: str = "ddp"  # none | dp | ddp | fsdp | tp | pp | hybrid
+    # Degrees of the mesh pp x dp_replicate x dp_shard x tp (fsdp, tp, pp, hybrid).
+    # -1: the ranks left over; 0 (tp, pp): auto, 2-way where the world and the model allow.
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    # DDP (torch.nn.parallel.DistributedDataParallel)
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
@@ -49,6 +55,23 @@ class ParallelConfig:
     broadcast_buffers: bool = True
     comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
     powersgd_rank: int = 1
+    # FSDP
+    version: int = 2  # 2: fully_shard (FSDP2); 1: FullyShardedDataParallel (FSDP1)
+    reshard_after_forward: bool = True  # True: FULL_SHARD (ZeRO-3); False: SHARD_GRAD_OP (ZeRO-2)
+    reduce_dtype: str = "fp32"  # gradient reduction dtype under bf16/amp: fp32 | bf16
+    sync_every_microbatch: bool = (
+        False  # accumulation: reduce-scatter every micro-batch (less memory)
+    )
+    sharding_strategy: str = (
+        "FULL_SHARD"  # FSDP1: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
+    )
+    # tensor parallel
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+    # pipeline parallel
+    schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble
+    n_microbatches: int = 4
+    stages_per_rank: int = 0  # 0: auto (1 for GPipe/1F1B, 2 for interleaved and V schedules)
 
 
 @dataclass
@@ -196,6 +219,7 @@ class CheckpointConfig:
     every: int = 0  # save every N optimizer steps (0: never); always saved at the end if > 0
     dir: str | None = None  # null: <run dir>/checkpoints
     resume: str | None = None  # a checkpoint folder to resume from
+    export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
 
 
 @dataclass
@@ -259,7 +283,17 @@ def register_configs() -> None:
 
 ALLOWED = {
     "backend.name": ("auto", "gloo", "nccl", "mpi"),
-    "parallel.name": ("none", "ddp"),
+    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"),
+    "parallel.version": (1, 2),
+    "parallel.reduce_dtype": ("fp32", "bf16"),
+    "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+    "parallel.schedule": (
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+    ),
     "parallel.comm_hook": ("none", "fp16", "bf16", "powersgd"),
     "precision.name": ("fp32", "amp", "bf16"),
     "memory.name": ("none", "checkpoint"),
@@ -334,7 +368,7 @@ def validate(cfg: DictConfig) -> None:
 
     for key, allowed in ALLOWED.items():
         value = _get(cfg, key)
-        _require(value in allowed, key, f"got {value!r}; allowed: {', '.join(allowed)}")
+        _require(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")
 
     _at_least(cfg, "steps", 1)
     _at_least(cfg, "accumulation_steps", 1)
@@ -408,11 +442,11 @@ def validate(cfg: DictConfig) -> None:
         "launch.nproc_per_node",
         "no CUDA device visible for one worker per GPU; set launch.nproc_per_node",
     )
-    if cfg.parallel.name == "none":
+    if cfg.parallel.name in ("none", "dp"):
         _require(
             nproc == 1,
             "launch.nproc_per_node",
-            f"parallel=none runs one process without a wrapper, got {nproc} workers; "
+            f"parallel={cfg.parallel.name} runs one process, got {nproc} workers; "
             "set launch.nproc_per_node=1 or choose parallel=ddp",
         )
     if resolve_device(cfg) == "cuda" and cfg.launch.nproc_per_node is not None:
@@ -421,6 +455,8 @@ def validate(cfg: DictConfig) -> None:
             "launch.nproc_per_node",
             f"got {nproc} workers but only {torch.cuda.device_count()} GPUs are visible",
         )
+
+    _validate_strategy(cfg, nproc)
 
     # model and data fit together
     model, data = cfg.model.name, cfg.data.name
@@ -468,4 +504,79 @@ def validate(cfg: DictConfig) -> None:
             os.path.isdir(cfg.checkpoint.resume),
             "checkpoint.resume",
             f"no checkpoint folder at {cfg.checkpoint.resume!r}",
+        )
+
+
+def world_size_of(cfg: DictConfig) -> int:
+    """The world the run will have: the launcher's (torchrun sets WORLD_SIZE) or ours."""
+    import os
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return resolve_nproc(cfg)
+
+
+def _validate_strategy(cfg: DictConfig, nproc: int) -> None:
+    """Strategy-specific checks: degrees against the world size and the model's shape."""
+    import torch
+
+    from framework.parallel.dims import DimsError, ParallelDims
+    from framework.parallel.pipeline import stages_per_rank
+
+    p, model = cfg.parallel, cfg.model.name
+    if p.name == "dp":
+        _require(
+            torch.cuda.is_available() and torch.cuda.device_count() > 1,
+            "parallel",
+            "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
+            "device; none here. Use parallel=ddp, which is faster anyway",
+        )
+    if p.name in ("tp", "pp", "hybrid"):
+        _require(
+            model == "gpt",
+            "parallel",
+            f"parallel={p.name} splits transformer blocks and heads: model=gpt only, got model={model}",
+        )
+    if p.name not in ("fsdp", "tp", "pp", "hybrid"):
+        return
+    n_layer, n_head = (cfg.model.n_layer, cfg.model.n_head) if model == "gpt" else (None, None)
+    try:
+        dims = ParallelDims.from_config(p, world_size_of(cfg), n_layer, n_head)
+    except DimsError as err:
+        raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+    if p.version == 1:
+        _require(
+            dims.tp == 1 and dims.pp == 1,
+            "parallel.version",
+            "FSDP1 (version=1) shards data-parallel only; use version=2 with tp or pp",
+        )
+        hybrid = p.sharding_strategy == "HYBRID_SHARD"
+        _require(
+            hybrid == (dims.dp_replicate > 1),
+            "parallel.sharding_strategy",
+            "HYBRID_SHARD needs parallel.dp_replicate > 1 (replicas of shard groups) and the other strategies dp_replicate=1",
+        )
+    if dims.pp > 1:
+        _require(
+            cfg.precision.name != "amp",
+            "precision",
+            "amp (float16 loss scaling) is not supported with pipeline parallel; use precision=bf16",
+        )
+        local_batch = cfg.data.batch_size * cfg.accumulation_steps
+        _require(
+            local_batch % p.n_microbatches == 0,
+            "parallel.n_microbatches",
+            f"must divide the local batch data.batch_size x accumulation_steps = {local_batch}",
+        )
+        stages = dims.pp * stages_per_rank(p)
+        _require(
+            p.n_microbatches >= stages or p.schedule in ("GPipe", "1F1B"),
+            "parallel.n_microbatches",
+            f"the {p.schedule} schedule needs at least as many micro-batches as stages ({stages})",
+        )
+    if dims.tp > 1 and p.sequence_parallel:
+        _require(
+            cfg.data.seq_len % dims.tp == 0,
+            "data.seq_len",
+            f"sequence parallel splits sequences over tp={dims.tp} ranks; {cfg.data.seq_len} does not divide",
         )

@@ -95,6 +95,14 @@ def all_reduce_mean(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of `tensor` over all ranks (a copy; the input is left alone)."""
+    out = tensor.detach().clone()
+    if info.distributed:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
 def all_gather_object(obj, info: DistInfo) -> list:
     if not info.distributed:
         return [obj]

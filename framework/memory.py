@@ -19,17 +19,19 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 
 def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
-    """Recompute every `every`-th block of ``model.blocks`` in backward instead of keeping its
-    activations (non-reentrant torch.utils.checkpoint). Returns how many blocks were wrapped."""
+    """Recompute every `every`-th block of ``model.blocks`` (a list, or a dict of a pipeline
+    stage's blocks) in backward instead of keeping its activations: non-reentrant
+    torch.utils.checkpoint. Returns how many blocks were wrapped."""
     blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(
-            f"memory=checkpoint: {type(model).__name__} has no `blocks` list to checkpoint"
-        )
+    if not isinstance(blocks, nn.ModuleList | nn.ModuleDict):
+        raise ValueError(f"memory=checkpoint: {type(model).__name__} has no `blocks` to checkpoint")
+    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else list(range(len(blocks)))
     wrapped = 0
-    for i, block in enumerate(blocks):
+    for i, key in enumerate(keys):
         if i % every == 0:
-            blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            blocks[key] = checkpoint_wrapper(
+                blocks[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            )
             wrapped += 1
     return wrapped
 
@@ -68,7 +70,7 @@ class SavedActivationMeter:
     """
 
     def __init__(self, model: nn.Module):
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.peak = 0
 
     @contextmanager
@@ -78,6 +80,10 @@ class SavedActivationMeter:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
+            if isinstance(t, nn.Parameter) or hasattr(
+                t, "to_local"
+            ):  # model state, not activations
+                return t
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in seen and ptr not in self._param_ptrs and storage.device.type != "meta":

@@ -19,17 +19,16 @@ from tqdm import tqdm
 
 from framework import checkpoint
 from framework.config import resolve_backend, resolve_device
-from framework.data import DataPipeline, build_data, to_device
+from framework.data import DataPipeline, build_data, concat_batches, to_device
 from framework.dist import (
     DistInfo,
     all_gather_object,
-    all_reduce_mean,
+    all_reduce_sum,
     destroy_distributed,
     init_distributed,
 )
 from framework.memory import (
     SavedActivationMeter,
-    apply_activation_checkpointing,
     device_peak_bytes,
     model_state_bytes,
     peak_rss_bytes,
@@ -37,31 +36,31 @@ from framework.memory import (
 )
 from framework.metrics import Throughput, flops_per_token, mfu, peak_flops
 from framework.optim import build_optimizer, build_scheduler
-from framework.parallel import Parallelized, apply_parallelism
+from framework.parallel import Parallelized, parallelize
 from framework.precision import Precision, build_precision
 from framework.tracking import Tracker, build_tracker
 from models import build_model
 
-MEMORY_SAMPLE_EVERY = 50  # measure saved activations on step 0 and every this many steps
+MEMORY_SAMPLE_EVERY = 50  # measure saved activations on the first step and every this many steps
 
 
 def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
     """Train as one rank; returns the run summary on rank 0 (None elsewhere)."""
-    backend = None if cfg.parallel.name == "none" else resolve_backend(cfg)
+    backend = None if cfg.parallel.name in ("none", "dp") else resolve_backend(cfg)
     info = init_distributed(
         resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method
     )
-    writer = RunFiles(run_dir, info)
+    files = RunFiles(run_dir, info)
     try:
-        summary = train(cfg, info, writer, choices)
+        summary = train(cfg, info, files, choices)
         return summary if info.is_main else None
     except BaseException as err:
-        writer.write_summary(
+        files.write_summary(
             {"status": "failed", "error": f"{type(err).__name__}: {err}", "choices": choices}
         )
         raise
     finally:
-        destroy_distributed()
+        destroy_distributed()  # on error paths too
 
 
 def seed_everything(seed: int) -> None:
@@ -73,8 +72,8 @@ def seed_everything(seed: int) -> None:
 class Parts:
     """What a rank trains with, built once by `build`."""
 
-    model: nn.Module  # the plain model (parameter counts, FLOPs)
-    par: Parallelized  # the wrapped module to run, and its gradient-sync switch
+    model: nn.Module  # the plain model (FLOPs)
+    par: Parallelized  # the module to run, its gradient-sync switch, its data-parallel coordinates
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: DataPipeline
@@ -83,16 +82,15 @@ class Parts:
 
 
 def build(cfg: DictConfig, info: DistInfo) -> Parts:
-    # The build order, written once. Process group (already up) -> model, from the same seed on
-    # every rank so replicas start identical -> activation checkpointing (wraps blocks, so before
-    # any wrapper that shards or replicates them) -> data-parallel wrapper (DDP hooks the final
-    # parameters) -> optimizer (over the wrapped parameters) -> resume -> data -> precision.
+    # The build order. Process group (already up) -> model, from the same seed on every rank so
+    # replicas start identical -> parallelize (pipeline split, tensor parallel, activation
+    # checkpointing, FSDP/DDP: that order, written once in framework.parallel.parallelize) ->
+    # optimizer (over the final, possibly sharded parameters) -> resume -> data (split over the
+    # data-parallel ranks the strategy defines) -> precision.
     seed_everything(cfg.seed)
     model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"}
     model = build_model(cfg.model.name, **model_kwargs).to(info.device)
-    if cfg.memory.name == "checkpoint":
-        apply_activation_checkpointing(model, cfg.memory.checkpoint_every)
-    par = apply_parallelism(model, cfg.parallel, info)
+    par = parallelize(model, cfg, info)
     optimizer = build_optimizer(par.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     start_step = 0
@@ -100,7 +98,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
         start_step = checkpoint.load(cfg.checkpoint.resume, par.module, optimizer)
         scheduler.last_epoch = start_step - 1
         scheduler.step()  # the learning rate of step `start_step`
-    data = build_data(cfg.data, info, cfg.seed)
+    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed)
     precision = build_precision(cfg.precision, info.device)
     return Parts(model, par, optimizer, scheduler, data, precision, start_step)
 
@@ -124,27 +122,6 @@ def train(
     return summary
 
 
-def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
-    """Rank 0's closing lines: what the run did and where its files are."""
-    rate = summary["throughput"]
-    speed = (
-        f"{rate['tokens_per_s']:.0f} tokens/s"
-        if rate["tokens_per_s"]
-        else f"{rate['samples_per_s']:.1f} samples/s"
-    )
-    print(
-        f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
-        f"{speed}, {summary['step_time_s'] * 1000:.1f} ms/step on {summary['world_size']} rank(s)\n"
-        f"run dir: {run_dir}",
-        flush=True,
-    )
-    if tracker.offline_dir:
-        print(
-            f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
-            flush=True,
-        )
-
-
 def loop(
     cfg: DictConfig,
     info: DistInfo,
@@ -153,8 +130,7 @@ def loop(
     tracker: Tracker,
     choices: dict[str, str],
 ) -> dict[str, Any]:
-    model, par, optimizer, scheduler, data, precision = (
-        parts.model,
+    par, optimizer, scheduler, data, precision = (
         parts.par,
         parts.optimizer,
         parts.scheduler,
@@ -162,13 +138,14 @@ def loop(
         parts.precision,
     )
     accum = cfg.accumulation_steps
-    global_batch = cfg.data.batch_size * accum * info.world_size
     counts_tokens = cfg.data.name in ("text", "varlen")  # sequence data: report tokens/s
-    fpt = flops_per_token(model, cfg.data.get("seq_len"))
+    fpt = flops_per_token(parts.model, cfg.data.get("seq_len"))
     peak = peak_flops(info.device, cfg.metrics.peak_tflops)
-    meter = SavedActivationMeter(model)
+    meter = SavedActivationMeter(par.module)
     throughput = Throughput()
-    local_work: list[int] = []  # this rank's tokens (samples for fixed-size data) per step
+    local_work: list[
+        int
+    ] = []  # tokens (samples for fixed-size data) per step, on data-counting ranks
     losses: list[float] = []
     state_bytes: dict[str, int] = {}
 
@@ -182,28 +159,39 @@ def loop(
     par.module.train()
     for step in range(parts.start_step, cfg.steps):
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=info.device)
-        step_work, step_samples = 0, 0
+        step_batches = [next(batches) for _ in range(accum)]
+        epoch = step_batches[-1][0]
+        step_work = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
+        step_samples = sum(b[1].size(0) for _, b in step_batches)
         sample_memory = step == parts.start_step or step % MEMORY_SAMPLE_EVERY == 0
-        for micro in range(accum):
-            epoch, batch = next(batches)
-            inputs, target = to_device(batch, info.device, non_blocking=cfg.data.pin_memory)
-            step_work += data.tokens_in(batch) or target.size(0)
-            step_samples += target.size(0)
-            # Gradients are synchronised on the last micro-batch only: one all-reduce per step.
-            with par.grad_sync(micro == accum - 1):
-                with (
-                    precision.autocast(),
-                    meter.measure() if sample_memory and micro == 0 else nullcontext(),
-                ):
-                    logits = par.module(*inputs)
-                    loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
-                precision.scaler.scale(loss / accum).backward()
-            loss_sum += loss.detach()
+
+        if par.pipeline is None:
+            loss_sum = torch.zeros((), device=info.device)
+            for micro, (_, batch) in enumerate(step_batches):
+                inputs, target = to_device(batch, info.device, non_blocking=cfg.data.pin_memory)
+                # Gradients are synchronised on the last micro-batch only: once per step.
+                with par.grad_sync(micro == accum - 1), par.loss_context():
+                    with (
+                        precision.autocast(),
+                        meter.measure() if sample_memory and micro == 0 else nullcontext(),
+                    ):
+                        logits = par.module(*inputs)
+                        loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+                    precision.scaler.scale(loss / accum).backward()
+                # under loss parallel the loss is a replicated DTensor: take the plain value
+                loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+            step_loss = loss_sum / accum
+        else:
+            # A pipeline runs the step's micro-batches itself, in its schedule's order: the
+            # accumulated batches go in as one batch of accumulation_steps x batch_size samples.
+            inputs, target = to_device(concat_batches([b for _, b in step_batches]), info.device)
+            with precision.autocast(), meter.measure() if sample_memory else nullcontext():
+                step_loss = par.pipeline.step(inputs[0], target)
 
         precision.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(par.module.parameters(), max_norm)
+        grad_norm = par.clip_grad_norm(
+            cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        )
         precision.scaler.step(optimizer)  # skipped when amp found inf/nan gradients
         precision.scaler.update()
         if sample_memory:
@@ -215,17 +203,22 @@ def loop(
         if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
             release_cached_memory(info.device)
 
-        # One small all-reduce for the step's mean loss and total work; .item() is a sync point
-        # that ends the step, so the time below is the step's true time.
-        totals = all_reduce_mean(
-            torch.stack([loss_sum / accum, torch.tensor(float(step_work), device=info.device)]),
-            info,
+        # One small all-reduce for the step's figures: the loss averaged over the ranks that hold
+        # one (a pipeline's last stage), work summed over one rank per data-parallel group.
+        # `.item()` is a sync point that ends the step, so the time below is the step's true time.
+        holds, counts = float(par.holds_loss), float(par.counts_data)
+        figures = torch.tensor(
+            [holds, step_work * counts, step_samples * counts], device=info.device
         )
-        loss_value, tokens = totals[0].item(), round(totals[1].item() * info.world_size)
+        totals = all_reduce_sum(
+            torch.cat([(step_loss.float() * holds).view(1), figures]), info
+        ).tolist()
+        loss_value, tokens, samples = totals[0] / totals[1], round(totals[2]), round(totals[3])
         tokens = tokens if counts_tokens else None
         elapsed = time.perf_counter() - t0
-        throughput.add(elapsed, step_samples * info.world_size, tokens)
-        local_work.append(step_work)
+        throughput.add(elapsed, samples, tokens)
+        if par.counts_data:
+            local_work.append(step_work)
         losses.append(loss_value)
 
         if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
@@ -233,9 +226,9 @@ def loop(
                 "step": step + 1,
                 "loss": loss_value,
                 "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm.item(),
+                "grad_norm": float(grad_norm),
                 "step_time_s": elapsed,
-                "samples_per_s": step_samples * info.world_size / elapsed,
+                "samples_per_s": samples / elapsed,
                 "tokens_per_s": tokens / elapsed if tokens is not None else None,
                 "mfu": mfu(fpt, tokens / elapsed if tokens else None, peak, info.world_size),
                 "epoch": epoch,
@@ -255,71 +248,106 @@ def loop(
                 checkpoint_dir(cfg, files.run_dir, step + 1), par.module, optimizer, step + 1
             )
     progress.close()
+    if cfg.checkpoint.export:
+        checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
 
     summary = summarize(
         cfg,
         info,
+        par,
         choices,
-        global_batch,
         losses,
         throughput,
         fpt,
         peak,
-        meter,
-        state_bytes,
+        {**state_bytes, "activation_bytes": meter.peak},
         local_work,
     )
-    files.write_summary(summary)
+    files.write_summary(summary)  # rank 0 only
     return summary
 
 
 def summarize(
-    cfg, info, choices, global_batch, losses, throughput, fpt, peak, meter, state_bytes, local_work
+    cfg: DictConfig,
+    info: DistInfo,
+    par: Parallelized,
+    choices: dict[str, str],
+    losses: list[float],
+    throughput: Throughput,
+    fpt: float | None,
+    peak: float | None,
+    memory_bytes: dict[str, int],
+    local_work: list[int],
 ) -> dict[str, Any]:
     """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
     local = {
-        **state_bytes,
-        "activation_bytes": meter.peak,
+        **memory_bytes,
         "device_peak_bytes": device_peak_bytes(info.device),
         "rss_peak_bytes": peak_rss_bytes(),
         "work": local_work,
     }
     everyone = all_gather_object(local, info)
+    memory_keys = (
+        "param_bytes",
+        "grad_bytes",
+        "optim_bytes",
+        "activation_bytes",
+        "device_peak_bytes",
+        "rss_peak_bytes",
+    )
     memory = {
-        key: (max(r[key] for r in everyone) if everyone[0][key] is not None else None)
-        for key in (
-            "param_bytes",
-            "grad_bytes",
-            "optim_bytes",
-            "activation_bytes",
-            "device_peak_bytes",
-            "rss_peak_bytes",
-        )
+        k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None
+        for k in memory_keys
     }
-    # Load balance: per step, the busiest rank's work over the mean; averaged over steps.
-    per_step = list(zip(*(r["work"] for r in everyone), strict=True))
+    # Load balance: per step, the busiest data-parallel rank's work over the mean; averaged over steps.
+    per_step = list(zip(*(r["work"] for r in everyone if r["work"]), strict=True))
     imbalance = (
         sum(max(s) / (sum(s) / len(s)) for s in per_step) / len(per_step) if per_step else None
     )
     rates = throughput.rates()
+    achieved = (
+        fpt * rates["tokens_per_s"] / info.world_size / 1e12
+        if fpt and rates["tokens_per_s"]
+        else None
+    )
     return {
         "status": "ok",
         "choices": choices,
         "world_size": info.world_size,
-        "global_batch_size": global_batch,
+        "parallel_dims": par.mesh.dims.degrees if par.mesh else {"dp": par.dp_size},
+        "global_batch_size": cfg.data.batch_size * cfg.accumulation_steps * par.dp_size,
         "steps": cfg.steps,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "throughput": rates,
         "step_time_s": throughput.median_step_time(),
         "mfu": mfu(fpt, rates["tokens_per_s"], peak, info.world_size),
-        "tflops_per_device": fpt * rates["tokens_per_s"] / info.world_size / 1e12
-        if fpt and rates["tokens_per_s"]
-        else None,
+        "tflops_per_device": achieved,
         "memory": memory,
         "comm": None,  # filled by the communication-accounting issue
         "load_balance": {"imbalance": imbalance},
     }
+
+
+def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
+    """Rank 0's closing lines: what the run did and where its files are."""
+    rate = summary["throughput"]
+    speed = (
+        f"{rate['tokens_per_s']:.0f} tokens/s"
+        if rate["tokens_per_s"]
+        else f"{rate['samples_per_s']:.1f} samples/s"
+    )
+    print(
+        f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+        f"{speed}, {summary['step_time_s'] * 1000:.1f} ms/step on {summary['world_size']} rank(s)\n"
+        f"run dir: {run_dir}",
+        flush=True,
+    )
+    if tracker.offline_dir:
+        print(
+            f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
+            flush=True,
+        )
 
 
 def checkpoint_dir(cfg: DictConfig, run_dir: str, step: int) -> str:

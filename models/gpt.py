@@ -16,18 +16,23 @@ from torch import nn
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
         super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.head_dim = n_embd // n_head
+        # Separate q/k/v projections (not one fused qkv matrix): a tensor-parallel split of each
+        # along its output features hands every rank whole heads of q, k and v.
+        self.q = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v = nn.Linear(n_embd, n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim); heads read from the weight so a tensor-parallel
-        # shard of qkv (fewer heads per rank) works unchanged.
-        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, heads*head_dim) -> (B, heads, T, head_dim); the head count comes from the
+        # projection's width, so a tensor-parallel shard (fewer heads per rank) works unchanged.
+        q, k, v = (
+            lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

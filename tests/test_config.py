@@ -23,7 +23,7 @@ def test_every_group_has_choices_and_a_schema():
         assert choices(group), group
     for name in ("auto", "gloo", "nccl", "mpi"):
         assert name in choices("backend")
-    assert {"none", "ddp"} <= set(choices("parallel"))
+    assert {"none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
     assert {"gpt", "mlp", "resnet", "lstm"} == set(choices("model"))
 
@@ -34,6 +34,8 @@ def _unavailable(group: str, name: str) -> bool:
         return not torch.cuda.is_available()
     if group == "backend" and name == "mpi":
         return not dist.is_mpi_available()
+    if group == "parallel" and name == "dp":
+        return torch.cuda.device_count() < 2
     return False
 
 
@@ -45,14 +47,16 @@ def test_every_group_choice_composes(group, name):
     if group == "data":
         model = next(m for m, data in MODEL_DATA.items() if name in data)
         overrides.append(f"model={model}")
-    if group == "parallel" and name == "none":
+    if group == "parallel" and name in ("none", "dp"):
         overrides.append("launch.nproc_per_node=1")
     cfg = compose_config(overrides)
     assert cfg[group].name == name
     if _unavailable(group, name):
         with pytest.raises(ConfigError) as err:
             validate(cfg)
-        assert err.value.key == "backend" and "backend=gloo" in str(err.value)
+        assert err.value.key == group and (
+            "backend=gloo" in str(err.value) or "parallel=ddp" in str(err.value)
+        )
     else:
         validate(cfg)
 
@@ -110,6 +114,43 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         (["data.prefetch_factor=4"], "data.prefetch_factor", "num_workers"),
         (["checkpoint.resume=/no/such/ckpt"], "checkpoint.resume", "/no/such/ckpt"),
         (["optim.lr=0"], "optim.lr", "> 0"),
+        (
+            ["parallel=tp", "model.n_head=3", "model.n_embd=48", "launch.nproc_per_node=2"],
+            "parallel.tp",
+            "heads",
+        ),
+        (["parallel=pp", "model.n_layer=1", "launch.nproc_per_node=2"], "parallel.pp", "layers"),
+        (["parallel=pp", "parallel.n_microbatches=3"], "parallel.n_microbatches", "divide"),
+        (["parallel=pp", "precision=amp"], "precision", "bf16"),
+        (
+            ["parallel=fsdp", "parallel.tp=2", "launch.nproc_per_node=3"],
+            "parallel.dp_shard",
+            "does not divide",
+        ),
+        (
+            [
+                "parallel=hybrid",
+                "parallel.tp=2",
+                "parallel.pp=2",
+                "parallel.dp_shard=2",
+                "launch.nproc_per_node=4",
+            ],
+            "parallel",
+            "world size is 4",
+        ),
+        (
+            ["parallel=fsdp", "parallel.version=1", "parallel.sharding_strategy=HYBRID_SHARD"],
+            "parallel.sharding_strategy",
+            "dp_replicate",
+        ),
+        (["parallel=tp", "experiment=lstm"], "parallel", "model=gpt only"),
+        (
+            ["parallel=tp", "data.seq_len=31", "model.block_size=32"],
+            "data.seq_len",
+            "sequence parallel",
+        ),
+        (["parallel=dp"], "launch.nproc_per_node", "one process"),
+        (["parallel=dp", "launch.nproc_per_node=1"], "parallel", "more than one CUDA"),
     ],
 )
 def test_validate_names_the_key_and_what_is_allowed(overrides, key, hint):

@@ -17,7 +17,6 @@ from framework.data.datasets import (
     VarlenSequences,
 )
 from framework.data.samplers import ResumableDistributedSampler
-from framework.dist import DistInfo
 
 
 def build_dataset(cfg: DictConfig, seed: int) -> Dataset:
@@ -70,18 +69,21 @@ class DataPipeline:
         return self.dataset.tokens_in(batch)
 
 
-def build_data(cfg: DictConfig, info: DistInfo, seed: int) -> DataPipeline:
+def build_data(
+    cfg: DictConfig, dp_rank: int, dp_size: int, device: torch.device, seed: int
+) -> DataPipeline:
     """Dataset -> DistributedSampler -> DataLoader.
 
     A single process uses the same sampler with one replica, so the order of samples depends on
-    the seed alone, not on the world size: rank r of w reads positions r, r+w, r+2w, ... of one
-    shared permutation, and the ranks of a step together read the same samples one process would.
+    the seed alone, not on the world size: data-parallel rank r of w reads positions r, r+w, ...
+    of one shared permutation, and the ranks of a step together read the samples one process
+    would. Ranks that share a batch (tensor- and pipeline-parallel peers) share a dp rank.
     """
     dataset = build_dataset(cfg, seed)
     sampler = ResumableDistributedSampler(
         dataset,
-        num_replicas=info.world_size,
-        rank=info.rank,
+        num_replicas=dp_size,
+        rank=dp_rank,
         shuffle=cfg.shuffle,
         seed=seed,
         drop_last=cfg.drop_last,
@@ -96,11 +98,11 @@ def build_data(cfg: DictConfig, info: DistInfo, seed: int) -> DataPipeline:
         sampler=sampler,
         collate_fn=dataset.collate,
         num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and info.device.type == "cuda",
+        pin_memory=cfg.pin_memory and device.type == "cuda",
         persistent_workers=cfg.persistent_workers and cfg.num_workers > 0,
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
         drop_last=cfg.drop_last,
-        generator=torch.Generator().manual_seed(seed + info.rank),
+        generator=torch.Generator().manual_seed(seed + dp_rank),
     )
     return DataPipeline(dataset, sampler, loader)
 
@@ -110,3 +112,9 @@ def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) ->
     return tuple(t.to(device, non_blocking=non_blocking) for t in inputs), target.to(
         device, non_blocking=non_blocking
     )
+
+
+def concat_batches(batches: list[Batch]) -> Batch:
+    """Several batches as one (same-shaped inputs; a pipeline step takes its micro-batches whole)."""
+    inputs = tuple(torch.cat(parts) for parts in zip(*(b[0] for b in batches), strict=True))
+    return inputs, torch.cat([b[1] for b in batches])

@@ -1,35 +1,190 @@
-"""Parallel strategies: each is an ``apply_*`` function that wraps a plain model.
+"""Parallel strategies. ``parallelize`` applies them to a plain model in the one fixed order:
 
-``apply_parallelism`` returns a ``Parallelized``: the module to run forward/backward through, the
-plain model underneath (for parameter counts and state dicts) and ``grad_sync(enabled)``, a
-context manager the trainer enters around each micro-batch: with ``enabled=False`` the strategy
-skips gradient synchronisation (DDP's ``no_sync``), so accumulation communicates once per step.
+    pipeline split -> tensor parallel -> activation checkpointing -> FSDP / DDP
+
+Tensor parallelism first, because its plan names the model's own submodules (``attn.q``) and
+checkpointing wraps them; checkpointing before FSDP so that FSDP's units are the (wrapped)
+blocks and a block's parameters are gathered again for its recomputation; the data-parallel
+wrapper last, over the final parameters. A pipeline split comes before all of them: each stage is
+then parallelized like a model of its own.
+
+The result, ``Parallelized``, is what the trainer needs of any strategy: the module to run, a
+gradient-sync switch for accumulation, gradient clipping that knows how gradients are sharded,
+which ranks hold the loss and which read distinct data.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
 from framework.dist import DistInfo
-from framework.parallel.ddp import apply_ddp
+from framework.memory import apply_activation_checkpointing
+from framework.parallel.dims import Mesh, ParallelDims
+from framework.parallel.pipeline import Pipeline
+
+MESH_STRATEGIES = ("fsdp", "tp", "pp", "hybrid")
 
 
 @dataclass
 class Parallelized:
-    module: nn.Module
-    model: nn.Module
-    grad_sync: Callable[[bool], AbstractContextManager]
+    module: nn.Module  # run forward through it; its parameters are this rank's (local shards)
+    model: nn.Module  # the plain model it was built from (for FLOPs)
+    grad_sync: Callable[[bool], AbstractContextManager] = lambda enabled: nullcontext()
+    clip_grad_norm: Callable[[float], torch.Tensor] | None = None
+    loss_context: Callable[[], AbstractContextManager] = nullcontext
+    pipeline: Pipeline | None = None
+    mesh: Mesh | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    holds_loss: bool = True  # this rank computes the loss (a pipeline's last stage)
+    counts_data: bool = True  # one rank per data-parallel group counts samples and tokens
+    pp_group: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.clip_grad_norm is None:
+            self.clip_grad_norm = lambda max_norm: torch.nn.utils.clip_grad_norm_(
+                self.module.parameters(), max_norm
+            )
 
 
-def apply_parallelism(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
-    if cfg.name == "none":
-        return Parallelized(model, model, lambda enabled: nullcontext())
-    if cfg.name == "ddp":
-        ddp = apply_ddp(model, cfg, info)
-        return Parallelized(ddp, model, lambda enabled: nullcontext() if enabled else ddp.no_sync())
-    raise ValueError(f"parallel: unknown strategy {cfg.name!r}")
+def model_dims(cfg: DictConfig) -> tuple[int | None, int | None]:
+    """(layers, heads) of the model, where the strategy needs them."""
+    return (cfg.model.n_layer, cfg.model.n_head) if cfg.model.name == "gpt" else (None, None)
+
+
+def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+    name = cfg.parallel.name
+    if name == "none":
+        _checkpoint(model, cfg)
+        return Parallelized(model, model)
+    if name == "dp":
+        _checkpoint(model, cfg)
+        return Parallelized(nn.DataParallel(model), model)
+    if name == "ddp":
+        from framework.parallel.ddp import apply_ddp
+
+        _checkpoint(model, cfg)
+        ddp = apply_ddp(model, cfg.parallel, info)
+        return Parallelized(
+            ddp,
+            model,
+            grad_sync=lambda enabled: nullcontext() if enabled else ddp.no_sync(),
+            dp_rank=info.rank,
+            dp_size=info.world_size,
+        )
+    return _parallelize_on_mesh(model, cfg, info)
+
+
+def _checkpoint(module: nn.Module, cfg: DictConfig) -> None:
+    if cfg.memory.name == "checkpoint":
+        apply_activation_checkpointing(module, cfg.memory.checkpoint_every)
+
+
+def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+    """fsdp, tp, pp and hybrid: degrees from the config, one mesh pp x dp_replicate x dp_shard x tp."""
+    from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2, fsdp2_grad_sync
+    from framework.parallel.pipeline import LocalStages, build_pipeline, build_stages
+    from framework.parallel.tensor import apply_tp
+
+    pcfg = cfg.parallel
+    dims = ParallelDims.from_config(pcfg, info.world_size, *model_dims(cfg))
+    mesh = Mesh(dims, dims.build_mesh(info.device.type))
+
+    # 1. pipeline split: this rank's stages, each parallelized below like a model of its own
+    if dims.pp > 1:
+        parts, stage_ids, n_stages = build_stages(model, pcfg, mesh.pp_rank, dims.pp)
+    else:
+        parts = [model]
+    for part in parts:
+        # 2. tensor parallel
+        if dims.tp > 1:
+            apply_tp(part, mesh.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+        # 3. activation checkpointing
+        _checkpoint(part, cfg)
+    # 4. FSDP over the data-parallel axes (HSDP when dp_replicate > 1)
+    fsdp_v1 = dims.dp > 1 and pcfg.version == 1
+    if dims.dp > 1:
+        if fsdp_v1:
+            parts = [
+                apply_fsdp1(part, mesh.dp_mesh, pcfg, cfg.precision.name, info.device)
+                for part in parts
+            ]
+        else:
+            for part in parts:
+                apply_fsdp2(part, mesh.dp_mesh, pcfg, cfg.precision.name)
+
+    par = Parallelized(
+        module=parts[0] if dims.pp == 1 else LocalStages(parts),
+        model=model,
+        mesh=mesh,
+        dp_rank=mesh.dp_rank,
+        dp_size=dims.dp,
+        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0,
+        pp_group=mesh.mesh["pp"].get_group() if dims.pp > 1 else None,
+    )
+    if dims.pp > 1:
+        par.pipeline = build_pipeline(parts, stage_ids, n_stages, pcfg, par.pp_group, info.device)
+        par.holds_loss = par.pipeline.has_last
+    elif dims.dp > 1 and not fsdp_v1:
+        root = parts[0]
+        par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, pcfg.sync_every_microbatch)
+    elif fsdp_v1:
+        root = parts[0]
+        par.grad_sync = lambda enabled: (
+            nullcontext() if enabled or pcfg.sync_every_microbatch else root.no_sync()
+        )
+    if fsdp_v1:
+        par.clip_grad_norm = parts[0].clip_grad_norm_
+    else:
+        par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims)
+    if dims.tp > 1 and pcfg.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        par.loss_context = loss_parallel
+    return par
+
+
+def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:
+    """How many ranks hold each element of (gradient) tensor `t`: ranks of its pipeline stage
+    outside its mesh, times its mesh's replicated axes."""
+    holders = dims.world_size // dims.pp
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return holders
+    replicated = math.prod(mesh.size(i) for i, pl in enumerate(t.placements) if pl.is_replicate())
+    return replicated * holders // mesh.size()
+
+
+@torch.no_grad()
+def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
+    """Global gradient norm over parameters sharded or replicated in any way (FSDP, TP, PP), with
+    one all-reduce: each rank sums the squares of its local gradient shards, each divided by how
+    many ranks hold that shard, so the world-wide sum counts every element once."""
+    grads = []
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        if any(pl.is_partial() for pl in getattr(p.grad, "placements", ())):
+            # e.g. a sequence-parallel norm's weight: each tp rank holds a partial sum of its
+            # gradient until someone asks; reduce it now, into the parameter's own layout.
+            p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+        grads.append((p.grad, _replicas(p.grad, dims)))
+    device = next(module.parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g, replicas in grads:
+        local = g.to_local() if hasattr(g, "to_local") else g
+        total += local.float().pow(2).sum() / replicas
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g, _ in grads:
+        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.dtype))
+    return norm

@@ -1,0 +1,141 @@
+"""The parallel degrees of a run and its device mesh, validated in one place (as torchtitan's
+ParallelDims).
+
+Glossary: a mesh *axis* (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``) is a group of ranks;
+it is not a tensor *dim*. The world is laid out pp x dp_replicate x dp_shard x tp, tp innermost
+so tensor-parallel peers (which talk most) are neighbouring ranks, on one node where possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from omegaconf import DictConfig
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class DimsError(ValueError):
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(
+        cls, cfg: DictConfig, world_size: int, n_layer: int | None = None, n_head: int | None = None
+    ) -> ParallelDims:
+        """Resolve `cfg` (the `parallel` group) at `world_size`: 0 means auto (hybrid's defaults),
+        -1 on one dp axis means "the ranks left over". Raises DimsError naming the key."""
+        tp, pp, rep, shard = cfg.tp, cfg.pp, cfg.dp_replicate, cfg.dp_shard
+        if tp == 0:  # auto: 2-way tensor parallel where the world and the heads split evenly
+            tp = 2 if world_size % 2 == 0 and (n_head is None or n_head % 2 == 0) else 1
+        if tp == -1:
+            tp = world_size
+        if pp == 0:  # auto: 2 stages when at least 2-way data parallel remains
+            pp = 2 if (world_size // tp) % 4 == 0 and (n_layer is None or n_layer % 2 == 0) else 1
+        if pp == -1:
+            pp = world_size // tp
+        for key, value in (
+            ("parallel.tp", tp),
+            ("parallel.pp", pp),
+            ("parallel.dp_replicate", rep),
+        ):
+            if value < 1:
+                raise DimsError(
+                    key, f"got {value}; must be >= 1 (or -1: the rest of the world; 0: auto)"
+                )
+        if shard == -1:
+            if world_size % (tp * pp * rep):
+                raise DimsError(
+                    "parallel.dp_shard",
+                    f"world size {world_size} does not divide by tp x pp x dp_replicate = {tp * pp * rep}",
+                )
+            shard = world_size // (tp * pp * rep)
+        if shard < 1:
+            raise DimsError(
+                "parallel.dp_shard", f"got {shard}; must be >= 1 or -1 (the rest of the world)"
+            )
+        if rep * shard * tp * pp != world_size:
+            raise DimsError(
+                "parallel",
+                f"dp_replicate({rep}) x dp_shard({shard}) x tp({tp}) x pp({pp}) = {rep * shard * tp * pp}, "
+                f"but the world size is {world_size}; set one degree to -1 to fill the rest",
+            )
+        dims = cls(rep, shard, tp, pp, world_size)
+        from framework.parallel.pipeline import stages_per_rank
+
+        dims.check_model(n_layer, n_head, stages_per_rank(cfg))
+        return dims
+
+    def check_model(
+        self, n_layer: int | None, n_head: int | None, stages_per_rank: int = 1
+    ) -> None:
+        if self.tp > 1 and n_head is not None and n_head % self.tp:
+            raise DimsError(
+                "parallel.tp",
+                f"{n_head} attention heads do not split evenly over tp={self.tp} ranks",
+            )
+        stages = self.pp * stages_per_rank
+        if self.pp > 1 and n_layer is not None and n_layer < stages:
+            raise DimsError("parallel.pp", f"{n_layer} layers cannot fill {stages} pipeline stages")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches a step reads."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+        }
+
+    def build_mesh(self, device_type: str):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+
+
+@dataclass
+class Mesh:
+    """The mesh with the coordinates the rest of the framework asks for."""
+
+    dims: ParallelDims
+    mesh: object  # torch DeviceMesh over AXES
+
+    @cached_property
+    def dp_mesh(self):
+        """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D."""
+        return (
+            self.mesh["dp_replicate", "dp_shard"]
+            if self.dims.dp_replicate > 1
+            else self.mesh["dp_shard"]
+        )
+
+    @property
+    def dp_rank(self) -> int:
+        return (
+            self.mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard
+            + self.mesh["dp_shard"].get_local_rank()
+        )
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank()
