@@ -27,9 +27,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Load `path` into model and optimizer in place; returns the optimizer steps it was saved at."""
     state = _state(model, optimizer, 0)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["trainer"]["step"])
 
 

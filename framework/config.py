@@ -33,9 +33,7 @@ class ConfigError(ValueError):
 class BackendConfig:
     name: str = "auto"  # auto | gloo | nccl | mpi (auto: nccl with CUDA, else gloo)
     timeout_s: int = 600  # collective timeout of the process group
-    init_method: str = (
-        "env"  # env (MASTER_ADDR/PORT from the launcher) | tcp://host:port | file:///path
-    )
+    init_method: str = "env"  # env (MASTER_ADDR/PORT from the launcher) | tcp://host:port | file:///path
 
 
 @dataclass
@@ -59,12 +57,8 @@ class ParallelConfig:
     version: int = 2  # 2: fully_shard (FSDP2); 1: FullyShardedDataParallel (FSDP1)
     reshard_after_forward: bool = True  # True: FULL_SHARD (ZeRO-3); False: SHARD_GRAD_OP (ZeRO-2)
     reduce_dtype: str = "fp32"  # gradient reduction dtype under bf16/amp: fp32 | bf16
-    sync_every_microbatch: bool = (
-        False  # accumulation: reduce-scatter every micro-batch (less memory)
-    )
-    sharding_strategy: str = (
-        "FULL_SHARD"  # FSDP1: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
-    )
+    sync_every_microbatch: bool = False  # accumulation: reduce-scatter every micro-batch (less memory)
+    sharding_strategy: str = "FULL_SHARD"  # FSDP1: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
     # tensor parallel
     sequence_parallel: bool = True
     loss_parallel: bool = False
@@ -86,6 +80,7 @@ class MemoryConfig:
     name: str = "none"  # none | checkpoint
     checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
     empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
+    cpu_offload: bool = False  # FSDP: keep sharded parameters, gradients and optimizer state in CPU memory
 
 
 @dataclass
@@ -226,6 +221,7 @@ class CheckpointConfig:
 class MetricsConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; null: known GPUs only
     log_every: int = 1
+    sample_every: int = 50  # measure memory and communication on the 3rd step and every N (0: off)
 
 
 @dataclass
@@ -296,7 +292,7 @@ ALLOWED = {
     ),
     "parallel.comm_hook": ("none", "fp16", "bf16", "powersgd"),
     "precision.name": ("fp32", "amp", "bf16"),
-    "memory.name": ("none", "checkpoint"),
+    "memory.name": ("none", "checkpoint", "offload"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "constant"),
     "logger.name": ("wandb", "none"),
@@ -341,11 +337,7 @@ def resolve_device(cfg: DictConfig) -> str:
 
 
 def resolve_backend(cfg: DictConfig) -> str:
-    return (
-        {"cpu": "gloo", "cuda": "nccl"}[resolve_device(cfg)]
-        if cfg.backend.name == "auto"
-        else cfg.backend.name
-    )
+    return {"cpu": "gloo", "cuda": "nccl"}[resolve_device(cfg)] if cfg.backend.name == "auto" else cfg.backend.name
 
 
 def resolve_nproc(cfg: DictConfig) -> int:
@@ -378,6 +370,7 @@ def validate(cfg: DictConfig) -> None:
     _at_least(cfg, "launch.max_restarts", 0)
     _at_least(cfg, "checkpoint.every", 0)
     _at_least(cfg, "metrics.log_every", 1)
+    _at_least(cfg, "metrics.sample_every", 0)
     _at_least(cfg, "memory.checkpoint_every", 1)
     _at_least(cfg, "memory.empty_cache_every", 0)
     if cfg.launch.nproc_per_node is not None:
@@ -436,6 +429,7 @@ def validate(cfg: DictConfig) -> None:
     )
 
     # world size and strategy
+    model = cfg.model.name
     nproc = resolve_nproc(cfg)
     _require(
         nproc >= 1,
@@ -457,9 +451,27 @@ def validate(cfg: DictConfig) -> None:
         )
 
     _validate_strategy(cfg, nproc)
+    if cfg.memory.cpu_offload:
+        _require(
+            cfg.parallel.name in ("fsdp", "hybrid"),
+            "memory.cpu_offload",
+            f"CPU offload is an FSDP feature; got parallel={cfg.parallel.name}. Use parallel=fsdp",
+        )
+        _require(
+            resolve_device(cfg) == "cuda",
+            "memory.cpu_offload",
+            "FSDP CPU offload moves shards between GPU and CPU memory and needs CUDA; none here. "
+            "Use memory=none or memory=checkpoint",
+        )
+    if cfg.memory.name == "checkpoint":
+        _require(
+            model != "lstm",
+            "memory",
+            "checkpointing wraps a model's blocks; lstm has none. Use memory=none",
+        )
 
     # model and data fit together
-    model, data = cfg.model.name, cfg.data.name
+    data = cfg.data.name
     _require(model in MODEL_DATA, "model", f"got {model!r}; allowed: {', '.join(MODEL_DATA)}")
     _require(
         data in MODEL_DATA[model],
@@ -494,9 +506,7 @@ def validate(cfg: DictConfig) -> None:
     if data == "text" and cfg.data.path is not None:
         import os
 
-        _require(
-            os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}"
-        )
+        _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
     if cfg.checkpoint.resume is not None:
         import os
 

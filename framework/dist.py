@@ -33,9 +33,7 @@ class DistInfo:
         return self.backend is not None
 
 
-def init_distributed(
-    device_kind: str, backend: str | None, timeout_s: int, init_method: str = "env"
-) -> DistInfo:
+def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init_method: str = "env") -> DistInfo:
     """Join the process group the launcher set up (RANK/WORLD_SIZE/MASTER_* in the environment).
 
     ``backend=None`` means a single process without a process group (parallel=none).
@@ -75,9 +73,7 @@ def init_distributed(
             )
         else:
             url = "env://" if init_method == "env" else init_method
-            dist.init_process_group(
-                backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout
-            )
+            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(rank, world_size, local_rank, local_world_size, device, backend)
 
 

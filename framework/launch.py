@@ -53,11 +53,7 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     """Hydra task function: returns rank 0's summary (so sweeps and tests can read it)."""
     try:
         validate(cfg)
-        if (
-            launched_as_worker()
-            and cfg.parallel.name == "none"
-            and int(os.environ["WORLD_SIZE"]) != 1
-        ):
+        if launched_as_worker() and cfg.parallel.name == "none" and int(os.environ["WORLD_SIZE"]) != 1:
             raise ConfigError(
                 "parallel",
                 f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
@@ -118,9 +114,7 @@ def _failure_message(failure: Any) -> str:
     return str(failure.message or "no error file; see the worker's output above")
 
 
-def worker_main(
-    config: dict[str, Any], run_dir: str, choices: dict[str, str]
-) -> dict[str, Any] | None:
+def worker_main(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
     """One rank's whole life (module level, so the elastic launcher can start it by reference)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 

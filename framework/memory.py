@@ -29,9 +29,7 @@ def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
     wrapped = 0
     for i, key in enumerate(keys):
         if i % every == 0:
-            blocks[key] = checkpoint_wrapper(
-                blocks[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT
-            )
+            blocks[key] = checkpoint_wrapper(blocks[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
             wrapped += 1
     return wrapped
 
@@ -46,9 +44,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def model_state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, int]:
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes held by this rank."""
     params = list(model.parameters())
     optim_bytes = 0
@@ -80,9 +76,7 @@ class SavedActivationMeter:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal total
-            if isinstance(t, nn.Parameter) or hasattr(
-                t, "to_local"
-            ):  # model state, not activations
+            if isinstance(t, nn.Parameter) or hasattr(t, "to_local"):  # model state, not activations
                 return t
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
@@ -105,6 +99,11 @@ def release_cached_memory(device: torch.device) -> None:
 
 def device_peak_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def device_reserved_bytes(device: torch.device) -> int | None:
+    """Peak bytes the CUDA caching allocator held (allocated + cached)."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
 
 
 def peak_rss_bytes() -> int:

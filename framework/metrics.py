@@ -41,39 +41,35 @@ def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float | None
     return fn(seq_len) if fn is not None and seq_len is not None else None
 
 
-def mfu(
-    flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, world_size: int
-) -> float | None:
+def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
     if flops_per_tok is None or tokens_per_s is None or peak is None:
         return None
     return flops_per_tok * tokens_per_s / (peak * world_size)
 
 
 class Throughput:
-    """Accumulates per-step time, samples and tokens; the first step (warm-up) is left out of the
-    rates when there are more."""
+    """Per-step time, samples and tokens. Rates leave out the first step (warm-up) and the
+    sampled steps (slowed by measuring), when other steps remain."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
-        self.samples: list[int] = []
-        self.tokens: list[int | None] = []
+        self.steps: list[tuple[float, int, int | None, bool]] = []
 
-    def add(self, seconds: float, samples: int, tokens: int | None) -> None:
-        self.times.append(seconds)
-        self.samples.append(samples)
-        self.tokens.append(tokens)
+    def add(self, seconds: float, samples: int, tokens: int | None, sampled: bool = False) -> None:
+        self.steps.append((seconds, samples, tokens, sampled))
 
-    def _window(self) -> slice:
-        return slice(1, None) if len(self.times) > 1 else slice(None)
+    def _window(self) -> list[tuple[float, int, int | None, bool]]:
+        steady = self.steps[1:] or self.steps
+        return [s for s in steady if not s[3]] or steady
 
     def rates(self) -> dict[str, float | None]:
-        w = self._window()
-        elapsed = sum(self.times[w])
-        tokens = self.tokens[w]
+        window = self._window()
+        elapsed = sum(s[0] for s in window)
+        tokens = [s[2] for s in window]
         return {
-            "samples_per_s": sum(self.samples[w]) / elapsed if elapsed else None,
+            "samples_per_s": sum(s[1] for s in window) / elapsed if elapsed else None,
             "tokens_per_s": sum(tokens) / elapsed if elapsed and None not in tokens else None,
         }
 
     def median_step_time(self) -> float | None:
-        return statistics.median(self.times[self._window()]) if self.times else None
+        window = self._window()
+        return statistics.median(s[0] for s in window) if window else None

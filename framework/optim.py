@@ -36,6 +36,4 @@ def lr_factor(step: int, cfg: DictConfig, total_steps: int) -> float:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, cfg, total_steps)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))

@@ -35,16 +35,11 @@ class NullTracker:
 
 
 class WandbTracker:
-    def __init__(
-        self, cfg: DictConfig, config: dict[str, Any], run_dir: str, choices: dict[str, str]
-    ):
+    def __init__(self, cfg: DictConfig, config: dict[str, Any], run_dir: str, choices: dict[str, str]):
         import wandb
 
         self._wandb = wandb
-        name = (
-            "-".join(f"{choices[g]}" for g in ("parallel", "precision", "model"))
-            + f"-{os.path.basename(run_dir)}"
-        )
+        name = "-".join(f"{choices[g]}" for g in ("parallel", "precision", "model")) + f"-{os.path.basename(run_dir)}"
         self.run = wandb.init(
             project=cfg.project,
             entity=cfg.entity,

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from framework import checkpoint
+from framework.comm import CommCounter, mean_totals
 from framework.config import resolve_backend, resolve_device
 from framework.data import DataPipeline, build_data, concat_batches, to_device
 from framework.dist import (
@@ -30,6 +31,7 @@ from framework.dist import (
 from framework.memory import (
     SavedActivationMeter,
     device_peak_bytes,
+    device_reserved_bytes,
     model_state_bytes,
     peak_rss_bytes,
     release_cached_memory,
@@ -41,23 +43,25 @@ from framework.precision import Precision, build_precision
 from framework.tracking import Tracker, build_tracker
 from models import build_model
 
-MEMORY_SAMPLE_EVERY = 50  # measure saved activations on the first step and every this many steps
+
+def is_sampled(step: int, start: int, total: int, every: int) -> bool:
+    """Steps whose memory and communication are measured (measuring slows a step, so only a few):
+    the third step run (the first steady one: DDP re-buckets during the second; the last of a
+    shorter run), then every `every` steps. every=0: never."""
+    k = step - start
+    return every > 0 and (k == min(2, total - start - 1) or (k > 2 and (k - 2) % every == 0))
 
 
 def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
     """Train as one rank; returns the run summary on rank 0 (None elsewhere)."""
     backend = None if cfg.parallel.name in ("none", "dp") else resolve_backend(cfg)
-    info = init_distributed(
-        resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method
-    )
+    info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
     files = RunFiles(run_dir, info)
     try:
         summary = train(cfg, info, files, choices)
         return summary if info.is_main else None
     except BaseException as err:
-        files.write_summary(
-            {"status": "failed", "error": f"{type(err).__name__}: {err}", "choices": choices}
-        )
+        files.write_summary({"status": "failed", "error": f"{type(err).__name__}: {err}", "choices": choices})
         raise
     finally:
         destroy_distributed()  # on error paths too
@@ -103,13 +107,9 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     return Parts(model, par, optimizer, scheduler, data, precision, start_step)
 
 
-def train(
-    cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str]
-) -> dict[str, Any]:
+def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str]) -> dict[str, Any]:
     parts = build(cfg, info)
-    tracker = build_tracker(
-        cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main
-    )
+    tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main)
     try:
         summary = loop(cfg, info, parts, files, tracker, choices)
     except BaseException:
@@ -143,11 +143,10 @@ def loop(
     peak = peak_flops(info.device, cfg.metrics.peak_tflops)
     meter = SavedActivationMeter(par.module)
     throughput = Throughput()
-    local_work: list[
-        int
-    ] = []  # tokens (samples for fixed-size data) per step, on data-counting ranks
+    local_work: list[int] = []  # tokens (samples for fixed-size data) per step, data-counting ranks
     losses: list[float] = []
     state_bytes: dict[str, int] = {}
+    comm_samples: list[dict[str, Any]] = []  # this rank's collectives on the sampled steps
 
     batches = data.batches(skip=parts.start_step * accum)
     progress = tqdm(  # rank 0 only
@@ -163,41 +162,41 @@ def loop(
         epoch = step_batches[-1][0]
         step_work = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
         step_samples = sum(b[1].size(0) for _, b in step_batches)
-        sample_memory = step == parts.start_step or step % MEMORY_SAMPLE_EVERY == 0
+        # On a few sampled steps, count every collective (forward, backward, clipping, update)
+        # and the bytes saved for backward; both slow the step, so other steps run bare.
+        sampled = is_sampled(step, parts.start_step, cfg.steps, cfg.metrics.sample_every)
+        comm = CommCounter() if sampled else nullcontext()
 
-        if par.pipeline is None:
-            loss_sum = torch.zeros((), device=info.device)
-            for micro, (_, batch) in enumerate(step_batches):
-                inputs, target = to_device(batch, info.device, non_blocking=cfg.data.pin_memory)
-                # Gradients are synchronised on the last micro-batch only: once per step.
-                with par.grad_sync(micro == accum - 1), par.loss_context():
-                    with (
-                        precision.autocast(),
-                        meter.measure() if sample_memory and micro == 0 else nullcontext(),
-                    ):
-                        logits = par.module(*inputs)
-                        loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
-                    precision.scaler.scale(loss / accum).backward()
-                # under loss parallel the loss is a replicated DTensor: take the plain value
-                loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
-            step_loss = loss_sum / accum
-        else:
-            # A pipeline runs the step's micro-batches itself, in its schedule's order: the
-            # accumulated batches go in as one batch of accumulation_steps x batch_size samples.
-            inputs, target = to_device(concat_batches([b for _, b in step_batches]), info.device)
-            with precision.autocast(), meter.measure() if sample_memory else nullcontext():
-                step_loss = par.pipeline.step(inputs[0], target)
+        with comm:
+            if par.pipeline is None:
+                loss_sum = torch.zeros((), device=info.device)
+                for micro, (_, batch) in enumerate(step_batches):
+                    inputs, target = to_device(batch, info.device, non_blocking=cfg.data.pin_memory)
+                    measure = meter.measure() if sampled and micro == 0 else nullcontext()
+                    # Gradients are synchronised on the last micro-batch only: once per step.
+                    with par.grad_sync(micro == accum - 1), par.loss_context():
+                        with precision.autocast(), measure:
+                            logits = par.module(*inputs)
+                            loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+                        precision.scaler.scale(loss / accum).backward()
+                    # under loss parallel the loss is a replicated DTensor: take the plain value
+                    loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+                step_loss = loss_sum / accum
+            else:
+                # A pipeline runs the step's micro-batches itself, in its schedule's order: the
+                # accumulated batches go in as one batch of accumulation_steps x batch_size.
+                inputs, target = to_device(concat_batches([b for _, b in step_batches]), info.device)
+                with precision.autocast(), meter.measure() if sampled else nullcontext():
+                    step_loss = par.pipeline.step(inputs[0], target)
 
-        precision.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        grad_norm = par.clip_grad_norm(
-            cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        )
-        precision.scaler.step(optimizer)  # skipped when amp found inf/nan gradients
-        precision.scaler.update()
-        if sample_memory:
-            state_bytes = model_state_bytes(
-                par.module, optimizer
-            )  # before zero_grad frees the grads
+            precision.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = par.clip_grad_norm(max_norm)
+            precision.scaler.step(optimizer)  # skipped when amp found inf/nan gradients
+            precision.scaler.update()
+        if sampled:
+            state_bytes = model_state_bytes(par.module, optimizer)  # before zero_grad frees grads
+            comm_samples.append(comm.totals())
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
@@ -205,23 +204,21 @@ def loop(
 
         # One small all-reduce for the step's figures: the loss averaged over the ranks that hold
         # one (a pipeline's last stage), work summed over one rank per data-parallel group.
-        # `.item()` is a sync point that ends the step, so the time below is the step's true time.
+        # `.tolist()` is a sync point that ends the step, so the time below is its true time.
         holds, counts = float(par.holds_loss), float(par.counts_data)
-        figures = torch.tensor(
-            [holds, step_work * counts, step_samples * counts], device=info.device
-        )
-        totals = all_reduce_sum(
-            torch.cat([(step_loss.float() * holds).view(1), figures]), info
-        ).tolist()
+        figures = torch.tensor([holds, step_work * counts, step_samples * counts], device=info.device)
+        local = torch.cat([(step_loss.float() * holds).view(1), figures])
+        totals = all_reduce_sum(local, info).tolist()
         loss_value, tokens, samples = totals[0] / totals[1], round(totals[2]), round(totals[3])
         tokens = tokens if counts_tokens else None
         elapsed = time.perf_counter() - t0
-        throughput.add(elapsed, samples, tokens)
+        throughput.add(elapsed, samples, tokens, sampled)
         if par.counts_data:
             local_work.append(step_work)
         losses.append(loss_value)
 
         if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
+            scale = precision.scaler.get_scale() if precision.scaler.is_enabled() else None
             record = {
                 "step": step + 1,
                 "loss": loss_value,
@@ -232,21 +229,18 @@ def loop(
                 "tokens_per_s": tokens / elapsed if tokens is not None else None,
                 "mfu": mfu(fpt, tokens / elapsed if tokens else None, peak, info.world_size),
                 "epoch": epoch,
-                "loss_scale": precision.scaler.get_scale()
-                if precision.scaler.is_enabled()
-                else None,
+                "loss_scale": scale,
+                "comm_calls": comm_samples[-1]["calls"] if sampled else None,  # sampled steps
+                "comm_bytes": comm_samples[-1]["bytes"] if sampled else None,
             }
             files.log_step(record)  # rank 0 only
             tracker.log(record, step=step + 1)  # rank 0 only
         progress.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
         progress.update(1)
 
-        if cfg.checkpoint.every and (
-            (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps
-        ):
-            checkpoint.save(
-                checkpoint_dir(cfg, files.run_dir, step + 1), par.module, optimizer, step + 1
-            )
+        if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps):
+            path = checkpoint_dir(cfg, files.run_dir, step + 1)
+            checkpoint.save(path, par.module, optimizer, step + 1)
     progress.close()
     if cfg.checkpoint.export:
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
@@ -260,7 +254,8 @@ def loop(
         throughput,
         fpt,
         peak,
-        {**state_bytes, "activation_bytes": meter.peak},
+        {**state_bytes, "activation_bytes": meter.peak if state_bytes else None},
+        mean_totals(comm_samples),
         local_work,
     )
     files.write_summary(summary)  # rank 0 only
@@ -277,12 +272,15 @@ def summarize(
     fpt: float | None,
     peak: float | None,
     memory_bytes: dict[str, int],
+    comm: dict[str, Any] | None,
     local_work: list[int],
 ) -> dict[str, Any]:
     """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
     local = {
         **memory_bytes,
         "device_peak_bytes": device_peak_bytes(info.device),
+        "device_reserved_bytes": device_reserved_bytes(info.device),
+        "comm": comm,
         "rss_peak_bytes": peak_rss_bytes(),
         "work": local_work,
     }
@@ -293,23 +291,15 @@ def summarize(
         "optim_bytes",
         "activation_bytes",
         "device_peak_bytes",
+        "device_reserved_bytes",
         "rss_peak_bytes",
     )
-    memory = {
-        k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None
-        for k in memory_keys
-    }
+    memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in memory_keys}
     # Load balance: per step, the busiest data-parallel rank's work over the mean; averaged over steps.
     per_step = list(zip(*(r["work"] for r in everyone if r["work"]), strict=True))
-    imbalance = (
-        sum(max(s) / (sum(s) / len(s)) for s in per_step) / len(per_step) if per_step else None
-    )
+    imbalance = sum(max(s) / (sum(s) / len(s)) for s in per_step) / len(per_step) if per_step else None
     rates = throughput.rates()
-    achieved = (
-        fpt * rates["tokens_per_s"] / info.world_size / 1e12
-        if fpt and rates["tokens_per_s"]
-        else None
-    )
+    achieved = fpt * rates["tokens_per_s"] / info.world_size / 1e12 if fpt and rates["tokens_per_s"] else None
     return {
         "status": "ok",
         "choices": choices,
@@ -324,7 +314,8 @@ def summarize(
         "mfu": mfu(fpt, rates["tokens_per_s"], peak, info.world_size),
         "tflops_per_device": achieved,
         "memory": memory,
-        "comm": None,  # filled by the communication-accounting issue
+        # the rank that communicates most (pipeline stages differ), per optimizer step
+        "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "load_balance": {"imbalance": imbalance},
     }
 
@@ -332,11 +323,7 @@ def summarize(
 def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
     """Rank 0's closing lines: what the run did and where its files are."""
     rate = summary["throughput"]
-    speed = (
-        f"{rate['tokens_per_s']:.0f} tokens/s"
-        if rate["tokens_per_s"]
-        else f"{rate['samples_per_s']:.1f} samples/s"
-    )
+    speed = f"{rate['tokens_per_s']:.0f} tokens/s" if rate["tokens_per_s"] else f"{rate['samples_per_s']:.1f} samples/s"
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
         f"{speed}, {summary['step_time_s'] * 1000:.1f} ms/step on {summary['world_size']} rank(s)\n"
@@ -351,9 +338,7 @@ def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
 
 
 def checkpoint_dir(cfg: DictConfig, run_dir: str, step: int) -> str:
-    return os.path.join(
-        cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"), f"step-{step:06d}"
-    )
+    return os.path.join(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"), f"step-{step:06d}")
 
 
 class RunFiles:

@@ -30,12 +30,8 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         # (B, T, heads*head_dim) -> (B, heads, T, head_dim); the head count comes from the
         # projection's width, so a tensor-parallel shard (fewer heads per rank) works unchanged.
-        q, k, v = (
-            lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
-        )
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
 

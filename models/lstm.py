@@ -23,16 +23,12 @@ class LSTMClassifier(nn.Module):
     ):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
-        self.lstm = nn.LSTM(
-            embed_dim, hidden, num_layers, batch_first=True, bidirectional=bidirectional
-        )
+        self.lstm = nn.LSTM(embed_dim, hidden, num_layers, batch_first=True, bidirectional=bidirectional)
         self.head = nn.Linear(hidden * (2 if bidirectional else 1), num_classes)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """tokens: (B, T) padded with 0; lengths: (B,) real lengths -> logits (B, classes)."""
-        packed = pack_padded_sequence(
-            self.embed(tokens), lengths.cpu(), batch_first=True, enforce_sorted=False
-        )
+        packed = pack_padded_sequence(self.embed(tokens), lengths.cpu(), batch_first=True, enforce_sorted=False)
         _, (h, _) = self.lstm(packed)
         # last layer's final hidden state (both directions if bidirectional)
         last = torch.cat([h[-2], h[-1]], dim=-1) if self.lstm.bidirectional else h[-1]

@@ -27,9 +27,7 @@ def compose_config(overrides: list[str] | None = None):
         return compose(config_name="config", overrides=overrides or [])
 
 
-def train_cli(
-    args: list[str], run_dir: Path | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
+def train_cli(args: list[str], run_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a subprocess, as a user runs it (W&B offline, no network)."""
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     if run_dir is not None:

@@ -88,9 +88,7 @@ def test_bad_input_is_one_clear_message_and_no_worker_starts(tmp_path, args, key
 
 def test_worker_failure_exits_nonzero_and_shows_the_workers_error(tmp_path):
     tiny = tmp_path / "tiny.txt"
-    tiny.write_text(
-        "abc"
-    )  # fewer bytes than one training sequence: each worker fails to build data
+    tiny.write_text("abc")  # fewer bytes than one training sequence: each worker fails to build data
     run = tmp_path / "run"
     proc = train_cli(["experiment=smoke", "logger=none", f"data.path={tiny}"], run)
     assert proc.returncode != 0

@@ -54,9 +54,7 @@ def test_every_group_choice_composes(group, name):
     if _unavailable(group, name):
         with pytest.raises(ConfigError) as err:
             validate(cfg)
-        assert err.value.key == group and (
-            "backend=gloo" in str(err.value) or "parallel=ddp" in str(err.value)
-        )
+        assert err.value.key == group and ("backend=gloo" in str(err.value) or "parallel=ddp" in str(err.value))
     else:
         validate(cfg)
 
@@ -160,9 +158,7 @@ def test_validate_names_the_key_and_what_is_allowed(overrides, key, hint):
     assert hint in str(err.value)
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
-)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_nccl_without_cuda_is_refused():
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         validate(compose_config(["backend=nccl"]))

@@ -13,7 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.config import validate
-from tests.helpers import compose_config, run_workers
+from framework.sweep import run_configs
+from tests.helpers import compose_config, losses
 
 STEPS = 5
 BASE = [
@@ -32,23 +33,6 @@ def config(overrides: list[str], world: int) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def _train_each(rank: int, world: int, configs: dict[str, dict], out_dir: str):
-    from framework.dist import DistInfo
-    from framework.trainer import RunFiles, train
-
-    info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
-    results = {}
-    for name, config in configs.items():
-        cfg = OmegaConf.create(config)
-        files = RunFiles(f"{out_dir}/{name}", info)
-        summary = train(cfg, info, files, {"parallel": cfg.parallel.name})
-        if rank == 0:
-            from tests.helpers import losses
-
-            results[name] = (losses(f"{out_dir}/{name}"), summary)
-    return results
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     from framework.trainer import run
@@ -56,11 +40,14 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     cfg = OmegaConf.create(config(["parallel=none", f"data.batch_size={GLOBAL_BATCH}"], 1))
     summary = run(cfg, str(out), {"parallel": "none"})
-    from tests.helpers import losses
-
     got = losses(out)
     assert len(got) == STEPS and got[-1] < got[0] and summary["status"] == "ok"
     return got, torch.load(out / "model.pt", weights_only=True)
+
+
+def train_all(configs: dict, world: int, out_dir) -> dict:
+    summaries = run_configs(configs, world, str(out_dir))
+    return {name: (losses(out_dir / name), summary) for name, summary in summaries.items()}
 
 
 def assert_parity(results: dict, reference: tuple, out_dir, tol: float = 1e-5) -> None:
@@ -75,9 +62,7 @@ def assert_parity(results: dict, reference: tuple, out_dir, tol: float = 1e-5) -
         state = torch.load(out_dir / name / "model.pt", weights_only=True)
         assert state.keys() == ref_state.keys(), name
         for key in ref_state:
-            assert torch.allclose(state[key], ref_state[key], rtol=1e-4, atol=1e-6), (
-                f"{name}: {key}"
-            )
+            assert torch.allclose(state[key], ref_state[key], rtol=1e-4, atol=1e-6), f"{name}: {key}"
 
 
 WORLD2 = {
@@ -134,14 +119,14 @@ WORLD4 = {
 
 def test_every_strategy_follows_the_single_process_trajectory_world_2(tmp_path, reference):
     configs = {name: config(args, 2) for name, args in WORLD2.items()}
-    results = run_workers(_train_each, 2, configs, str(tmp_path))[0]
+    results = train_all(configs, 2, tmp_path)
     assert set(results) == set(WORLD2)
     assert_parity(results, reference, tmp_path)
 
 
 def test_hybrid_and_hsdp_follow_the_single_process_trajectory_world_4(tmp_path, reference):
     configs = {name: config(args, 4) for name, args in WORLD4.items()}
-    results = run_workers(_train_each, 4, configs, str(tmp_path))[0]
+    results = train_all(configs, 4, tmp_path)
     dims = results["hybrid_auto_dp2_tp2"][1]["parallel_dims"]
     assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert results["hybrid_dp2_pp2"][1]["parallel_dims"]["pp"] == 2

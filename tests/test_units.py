@@ -64,9 +64,7 @@ def test_gpt_flops_per_token_is_6n_plus_attention():
 
 
 def test_state_bytes_are_exact_on_a_known_model():
-    model = torch.nn.Sequential(
-        torch.nn.Linear(10, 5), torch.nn.Linear(5, 2, bias=False)
-    )  # 55 + 10 params
+    model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Linear(5, 2, bias=False))  # 55 + 10 params
     opt = build_optimizer(model, OmegaConf.structured(OptimConfig(name="adamw")))
     assert model_state_bytes(model, opt) == {
         "param_bytes": 65 * 4,
@@ -140,11 +138,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 def test_sampler_covers_every_sample_once_per_epoch(world, drop_last):
     n = 100
     per_rank = [
-        list(
-            ResumableDistributedSampler(
-                range(n), num_replicas=world, rank=r, seed=1, drop_last=drop_last
-            )
-        )
+        list(ResumableDistributedSampler(range(n), num_replicas=world, rank=r, seed=1, drop_last=drop_last))
         for r in range(world)
     ]
     everything = [i for indices in per_rank for i in indices]
@@ -156,10 +150,7 @@ def test_sampler_covers_every_sample_once_per_epoch(world, drop_last):
 
 def test_sampler_order_does_not_depend_on_world_size():
     one = list(ResumableDistributedSampler(range(40), num_replicas=1, rank=0, seed=3))
-    two = [
-        list(ResumableDistributedSampler(range(40), num_replicas=2, rank=r, seed=3))
-        for r in range(2)
-    ]
+    two = [list(ResumableDistributedSampler(range(40), num_replicas=2, rank=r, seed=3)) for r in range(2)]
     assert [i for pair in zip(*two, strict=True) for i in pair] == one
 
 
@@ -174,9 +165,7 @@ def test_resumed_sampler_continues_where_it_stopped():
 
 
 def test_varlen_lengths_are_long_tailed_and_labels_learnable():
-    data = VarlenSequences(
-        2000, vocab_size=32, num_classes=4, min_len=4, max_len=128, mean_len=24, seed=0
-    )
+    data = VarlenSequences(2000, vocab_size=32, num_classes=4, min_len=4, max_len=128, mean_len=24, seed=0)
     lengths = data.lengths.float()
     assert lengths.min() >= 4 and lengths.max() <= 128
     assert lengths.max() > 3 * lengths.median()  # a long tail

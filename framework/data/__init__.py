@@ -24,9 +24,7 @@ def build_dataset(cfg: DictConfig, seed: int) -> Dataset:
     if cfg.name == "text":
         return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes)
     if cfg.name == "images":
-        return SyntheticImages(
-            cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed
-        )
+        return SyntheticImages(cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed)
     if cfg.name == "vectors":
         return SyntheticVectors(cfg.num_samples, cfg.dim, cfg.num_classes, seed)
     if cfg.name == "varlen":
@@ -69,9 +67,7 @@ class DataPipeline:
         return self.dataset.tokens_in(batch)
 
 
-def build_data(
-    cfg: DictConfig, dp_rank: int, dp_size: int, device: torch.device, seed: int
-) -> DataPipeline:
+def build_data(cfg: DictConfig, dp_rank: int, dp_size: int, device: torch.device, seed: int) -> DataPipeline:
     """Dataset -> DistributedSampler -> DataLoader.
 
     A single process uses the same sampler with one replica, so the order of samples depends on
@@ -109,9 +105,7 @@ def build_data(
 
 def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
     inputs, target = batch
-    return tuple(t.to(device, non_blocking=non_blocking) for t in inputs), target.to(
-        device, non_blocking=non_blocking
-    )
+    return tuple(t.to(device, non_blocking=non_blocking) for t in inputs), target.to(device, non_blocking=non_blocking)
 
 
 def concat_batches(batches: list[Batch]) -> Batch:

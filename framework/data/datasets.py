@@ -48,9 +48,7 @@ class ByteTextDataset(Dataset):
     def __init__(self, path: str | None, seq_len: int, max_bytes: int):
         raw = read_corpus(path, max_bytes)
         if len(raw) < seq_len + 1:
-            raise ValueError(
-                f"data.path: corpus holds {len(raw)} bytes, fewer than seq_len+1={seq_len + 1}"
-            )
+            raise ValueError(f"data.path: corpus holds {len(raw)} bytes, fewer than seq_len+1={seq_len + 1}")
         self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         self.seq_len = seq_len
 
@@ -136,12 +134,8 @@ class VarlenSequences(Dataset):
         mu = math.log(mean_len) - sigma**2 / 2
         lengths = torch.exp(mu + sigma * torch.randn(num_samples, generator=g)).round().long()
         self.lengths = lengths.clamp(min_len, max_len)
-        self.seqs = [
-            torch.randint(1, vocab_size, (int(n),), generator=g) for n in self.lengths
-        ]  # 0 is padding
-        self.labels = torch.stack(
-            [torch.bincount(s % num_classes, minlength=num_classes).argmax() for s in self.seqs]
-        )
+        self.seqs = [torch.randint(1, vocab_size, (int(n),), generator=g) for n in self.lengths]  # 0 is padding
+        self.labels = torch.stack([torch.bincount(s % num_classes, minlength=num_classes).argmax() for s in self.seqs])
 
     def __len__(self) -> int:
         return len(self.seqs)

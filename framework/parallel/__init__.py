@@ -50,9 +50,7 @@ class Parallelized:
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
-            self.clip_grad_norm = lambda max_norm: torch.nn.utils.clip_grad_norm_(
-                self.module.parameters(), max_norm
-            )
+            self.clip_grad_norm = lambda max_norm: torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
 
 def model_dims(cfg: DictConfig) -> tuple[int | None, int | None]:
@@ -114,12 +112,19 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
     if dims.dp > 1:
         if fsdp_v1:
             parts = [
-                apply_fsdp1(part, mesh.dp_mesh, pcfg, cfg.precision.name, info.device)
+                apply_fsdp1(
+                    part,
+                    mesh.dp_mesh,
+                    pcfg,
+                    cfg.precision.name,
+                    info.device,
+                    cfg.memory.cpu_offload,
+                )
                 for part in parts
             ]
         else:
             for part in parts:
-                apply_fsdp2(part, mesh.dp_mesh, pcfg, cfg.precision.name)
+                apply_fsdp2(part, mesh.dp_mesh, pcfg, cfg.precision.name, cfg.memory.cpu_offload)
 
     par = Parallelized(
         module=parts[0] if dims.pp == 1 else LocalStages(parts),
@@ -135,12 +140,10 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
         par.holds_loss = par.pipeline.has_last
     elif dims.dp > 1 and not fsdp_v1:
         root = parts[0]
-        par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, pcfg.sync_every_microbatch)
+        par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, pcfg)
     elif fsdp_v1:
         root = parts[0]
-        par.grad_sync = lambda enabled: (
-            nullcontext() if enabled or pcfg.sync_every_microbatch else root.no_sync()
-        )
+        par.grad_sync = lambda enabled: nullcontext() if enabled or pcfg.sync_every_microbatch else root.no_sync()
     if fsdp_v1:
         par.clip_grad_norm = parts[0].clip_grad_norm_
     else:

@@ -18,9 +18,7 @@ def apply_ddp(model: nn.Module, cfg: DictConfig, info: DistInfo) -> DDP:
     # Newer torch renames broadcast_buffers (syncing buffers such as BatchNorm statistics from
     # rank 0 before each forward) to forward_sync_buffers; same knob.
     buffers_kw = (
-        "forward_sync_buffers"
-        if "forward_sync_buffers" in inspect.signature(DDP).parameters
-        else "broadcast_buffers"
+        "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
     )
     ddp = DDP(
         model,

@@ -51,9 +51,7 @@ class ParallelDims:
             ("parallel.dp_replicate", rep),
         ):
             if value < 1:
-                raise DimsError(
-                    key, f"got {value}; must be >= 1 (or -1: the rest of the world; 0: auto)"
-                )
+                raise DimsError(key, f"got {value}; must be >= 1 (or -1: the rest of the world; 0: auto)")
         if shard == -1:
             if world_size % (tp * pp * rep):
                 raise DimsError(
@@ -62,9 +60,7 @@ class ParallelDims:
                 )
             shard = world_size // (tp * pp * rep)
         if shard < 1:
-            raise DimsError(
-                "parallel.dp_shard", f"got {shard}; must be >= 1 or -1 (the rest of the world)"
-            )
+            raise DimsError("parallel.dp_shard", f"got {shard}; must be >= 1 or -1 (the rest of the world)")
         if rep * shard * tp * pp != world_size:
             raise DimsError(
                 "parallel",
@@ -77,9 +73,7 @@ class ParallelDims:
         dims.check_model(n_layer, n_head, stages_per_rank(cfg))
         return dims
 
-    def check_model(
-        self, n_layer: int | None, n_head: int | None, stages_per_rank: int = 1
-    ) -> None:
+    def check_model(self, n_layer: int | None, n_head: int | None, stages_per_rank: int = 1) -> None:
         if self.tp > 1 and n_head is not None and n_head % self.tp:
             raise DimsError(
                 "parallel.tp",
@@ -119,18 +113,11 @@ class Mesh:
     @cached_property
     def dp_mesh(self):
         """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D."""
-        return (
-            self.mesh["dp_replicate", "dp_shard"]
-            if self.dims.dp_replicate > 1
-            else self.mesh["dp_shard"]
-        )
+        return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
 
     @property
     def dp_rank(self) -> int:
-        return (
-            self.mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard
-            + self.mesh["dp_shard"].get_local_rank()
-        )
+        return self.mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard + self.mesh["dp_shard"].get_local_rank()
 
     @property
     def pp_rank(self) -> int:

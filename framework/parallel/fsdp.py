@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from framework.precision import DTYPES
 
@@ -31,65 +32,83 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return list(blocks) if blocks is not None else []
 
 
-def mixed_precision_dtypes(
-    precision: str, reduce_dtype: str
-) -> tuple[torch.dtype | None, torch.dtype]:
+def mixed_precision_dtypes(precision: str, reduce_dtype: str) -> tuple[torch.dtype | None, torch.dtype]:
     """(parameter dtype for compute, gradient-reduction dtype). fp32 runs keep fp32 params."""
     param = None if precision == "fp32" else DTYPES[precision]
     return param, torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
 
 
-def apply_fsdp2(model: nn.Module, dp_mesh, cfg: DictConfig, precision: str) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def apply_fsdp2(model: nn.Module, dp_mesh, cfg: DictConfig, precision: str, cpu_offload: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = mixed_precision_dtypes(precision, cfg.reduce_dtype)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = {
+        "mesh": dp_mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        # offload: shards (and so the optimizer step) live in CPU memory, copied in unit by unit
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
     for block in model_blocks(model):
-        fully_shard(
-            block, mesh=dp_mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp
-        )
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root unit holds what is left (embeddings, head); it is needed again at once by the
     # backward, so it is never resharded after forward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 
 @contextmanager
-def fsdp2_grad_sync(model: nn.Module, enabled: bool, always: bool) -> Iterator[None]:
-    """Skip the reduce-scatter on accumulation micro-batches (gradients then stay unsharded until
-    the last one: less communication, more memory), unless `always` keeps syncing every one."""
-    model.set_requires_gradient_sync(enabled or always)
+def fsdp2_grad_sync(model: nn.Module, enabled: bool, cfg: DictConfig) -> Iterator[None]:
+    """Accumulation with FSDP2. On the micro-batches before the last (`enabled=False`), skip the
+    reduce-scatter and keep the parameters gathered: they are all-gathered once, in the first
+    forward, and gradients stay unsharded until the last micro-batch, whose backward reshards and
+    reduce-scatters as a plain step would. A step then communicates exactly what a step without
+    accumulation does, at the cost of holding unsharded parameters and gradients in between.
+    `sync_every_microbatch` keeps the plain behaviour on every micro-batch instead."""
+    if enabled or cfg.sync_every_microbatch:
+        yield
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+        unit.set_reshard_after_forward(False, recurse=False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)
+            # blocks go back to the configured behaviour; the root is never resharded after forward
+            unit.set_reshard_after_forward(cfg.reshard_after_forward and unit is not model, recurse=False)
 
 
 def apply_fsdp1(
-    model: nn.Module, dp_mesh, cfg: DictConfig, precision: str, device: torch.device
+    model: nn.Module,
+    dp_mesh,
+    cfg: DictConfig,
+    precision: str,
+    device: torch.device,
+    cpu_offload: bool = False,
 ) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     param_dtype, reduce_dtype = mixed_precision_dtypes(precision, cfg.reduce_dtype)
     block_classes = {type(b) for b in model_blocks(model)}
     policy = (
-        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=block_classes)
-        if block_classes
-        else None
+        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=block_classes) if block_classes else None
     )
     strategy = ShardingStrategy[cfg.sharding_strategy]
     return FSDP(
         model,
         auto_wrap_policy=policy,
         sharding_strategy=strategy,
-        mixed_precision=MixedPrecision(
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype
-        )
+        mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype)
         if param_dtype is not None
         else None,
         device_id=device,  # also on CPU: FSDP1 otherwise looks for an accelerator
         device_mesh=dp_mesh,
         use_orig_params=True,
+        cpu_offload=CPUOffload(offload_params=cpu_offload),
     )

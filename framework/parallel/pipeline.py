@@ -106,9 +106,7 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def build_stages(
-    model: nn.Module, cfg: DictConfig, pp_rank: int, pp: int
-) -> tuple[list[GPTStage], list[int], int]:
+def build_stages(model: nn.Module, cfg: DictConfig, pp_rank: int, pp: int) -> tuple[list[GPTStage], list[int], int]:
     per_rank = stages_per_rank(cfg)
     n_stages = pp * per_rank
     layers = split_layers(len(model.blocks), n_stages)
@@ -127,13 +125,9 @@ def build_pipeline(
         for m, s in zip(stage_modules, ids, strict=True)
     ]
     if cfg.schedule in SINGLE_STAGE:
-        schedule = getattr(pipelining, SINGLE_STAGE[cfg.schedule])(
-            stages[0], cfg.n_microbatches, loss_fn=pipeline_loss
-        )
+        schedule = getattr(pipelining, SINGLE_STAGE[cfg.schedule])(stages[0], cfg.n_microbatches, loss_fn=pipeline_loss)
     else:
-        schedule = getattr(pipelining, MULTI_STAGE[cfg.schedule])(
-            stages, cfg.n_microbatches, loss_fn=pipeline_loss
-        )
+        schedule = getattr(pipelining, MULTI_STAGE[cfg.schedule])(stages, cfg.n_microbatches, loss_fn=pipeline_loss)
     return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, cfg.n_microbatches)
 
 

@@ -38,9 +38,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             "mlp.proj": RowwiseParallel(output_layouts=residual),
         }
         if sequence_parallel:
-            gather = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             plan |= {
                 "ln_1": SequenceParallel(),
                 "attn": gather,

@@ -1,0 +1,144 @@
+"""Communication accounting: the collectives a rank really issues, counted as they are dispatched.
+
+Every process-group call (DDP's bucket all-reduces from its C++ reducer, FSDP's all-gathers and
+reduce-scatters, tensor parallel's functional collectives, a pipeline's sends and receives) goes
+through torch's dispatcher as a ``c10d`` / ``_c10d_functional`` op; a TorchDispatchMode sees each
+one with its tensors and process group. Nothing is computed from a formula.
+
+Per call two figures:
+- ``bytes``: the payload, the tensor data the collective is about (an all-reduce's tensor, an
+  all-gather's gathered output, a reduce-scatter's full input, a send's tensor);
+- ``wire_bytes``: what this rank sends under the standard ring algorithms for a group of N:
+  all-reduce 2(N-1)/N x payload (a reduce-scatter then an all-gather), all-gather and
+  reduce-scatter (N-1)/N x payload, broadcast (N-1)/N x payload, send/recv the payload.
+
+Counting runs Python for every op while active, so the trainer samples a few steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# dispatcher op name (without overload) -> category
+OPS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "barrier": "barrier",
+}
+
+RING_FACTOR = {  # wire bytes per payload byte for a group of n ranks
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,  # the peer's send counts it
+    "barrier": lambda n: 0.0,
+}
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    """The size of the process group an op runs on (a ProcessGroup object, a group size, or a
+    functional collective's group name)."""
+    import torch.distributed as dist
+
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.ScriptObject) and hasattr(a, "size"):
+            return a.size()
+    if "group_size" in kwargs:
+        return int(kwargs["group_size"])
+    for a in args:
+        if isinstance(a, str):
+            try:
+                return dist.distributed_c10d._resolve_process_group(a).size()
+            except Exception:  # not a group name
+                continue
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def payload_bytes(op: str, args: tuple, kwargs: dict) -> int:
+    """The collective's payload: the biggest of its tensor arguments (the gathered output of an
+    all-gather, the full input of a reduce-scatter, the tensor of the others)."""
+    name = op.split(".")[1] if "." in op else op
+    if name == "all_gather_into_tensor":  # functional: only the shard is an argument
+        return _nbytes(args[0]) * int(args[1])
+    return max((_nbytes(a) for a in args if isinstance(a, torch.Tensor | list | tuple)), default=0)
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts collectives issued while active (use as a context manager)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.wire: dict[str, float] = defaultdict(float)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        namespace, _, rest = str(func).partition(".")
+        if namespace in ("c10d", "_c10d_functional"):
+            category = OPS.get(rest.split(".")[0])
+            if category is not None:
+                size = payload_bytes(str(func), args, kwargs)
+                self.calls[category] += 1
+                self.bytes[category] += size
+                self.wire[category] += size * RING_FACTOR[category](_group_size(args, kwargs))
+        return func(*args, **kwargs)
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "calls": sum(self.calls.values()),
+            "bytes": sum(self.bytes.values()),
+            "wire_bytes": round(sum(self.wire.values())),
+            "by_op": {op: {"calls": self.calls[op], "bytes": self.bytes[op]} for op in sorted(self.calls)},
+        }
+
+
+def mean_totals(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-step figures averaged over the sampled steps."""
+    if not samples:
+        return None
+    n = len(samples)
+    ops = sorted({op for s in samples for op in s["by_op"]})
+    return {
+        "calls": sum(s["calls"] for s in samples) / n,
+        "bytes": sum(s["bytes"] for s in samples) / n,
+        "wire_bytes": sum(s["wire_bytes"] for s in samples) / n,
+        "by_op": {
+            op: {k: sum(s["by_op"].get(op, {}).get(k, 0) for s in samples) / n for k in ("calls", "bytes")}
+            for op in ops
+        },
+        "sampled_steps": n,
+    }

@@ -1,0 +1,53 @@
+"""Train several configs back to back in one group of local worker processes.
+
+Benchmarks and tests compare strategies side by side; starting a process group per config would
+cost more than the short runs themselves. Here the workers start once, then each config builds
+its own mesh and model on the shared world, trains and summarises. Configs are resolved dicts
+(compose and validate them first).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+
+def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: str) -> dict[str, dict[str, Any]]:
+    """{name: summary} for every config, each run in `out_dir/name` on `world_size` workers."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(launch, _train_each)(configs, out_dir)[0]
+
+
+def _train_each(configs: dict[str, dict[str, Any]], out_dir: str) -> dict[str, dict[str, Any]]:
+    from framework.dist import destroy_distributed, init_distributed
+    from framework.trainer import RunFiles, train
+
+    info = init_distributed("cpu", "gloo", timeout_s=300)
+    summaries = {}
+    try:
+        for name, config in configs.items():
+            cfg = OmegaConf.create(config)
+            torch.manual_seed(cfg.seed)
+            summaries[name] = train(
+                cfg,
+                info,
+                RunFiles(os.path.join(out_dir, name), info),
+                {"parallel": cfg.parallel.name},
+            )
+    finally:
+        destroy_distributed()
+    return summaries
