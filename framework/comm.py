@@ -17,6 +17,8 @@ Counting runs Python for every op while active, so the trainer samples a few ste
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -96,14 +98,37 @@ def payload_bytes(op: str, args: tuple, kwargs: dict) -> int:
     return max((_nbytes(a) for a in args if isinstance(a, torch.Tensor | list | tuple)), default=0)
 
 
+# torch.distributed functions that communication hooks may call from other threads (PowerSGD
+# issues its second all-reduce in a future's callback): category of each
+PY_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+}
+
+
 class CommCounter(TorchDispatchMode):
-    """Counts collectives issued while active (use as a context manager)."""
+    """Counts collectives issued while active (use as a context manager).
+
+    A dispatch mode is thread-local, so collectives that run on another thread (a DDP
+    communication hook's future callbacks) are caught at the torch.distributed level instead,
+    and counted there only when they come from another thread: nothing is counted twice."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.wire: dict[str, float] = defaultdict(float)
+        self._thread = threading.get_ident()
+        self._originals: dict[str, Any] = {}
+
+    def _record(self, category: str, size: int, group_size: int) -> None:
+        self.calls[category] += 1
+        self.bytes[category] += size
+        self.wire[category] += size * RING_FACTOR[category](group_size)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,11 +136,35 @@ class CommCounter(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional"):
             category = OPS.get(rest.split(".")[0])
             if category is not None:
-                size = payload_bytes(str(func), args, kwargs)
-                self.calls[category] += 1
-                self.bytes[category] += size
-                self.wire[category] += size * RING_FACTOR[category](_group_size(args, kwargs))
+                self._record(category, payload_bytes(str(func), args, kwargs), _group_size(args, kwargs))
         return func(*args, **kwargs)
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name, category in PY_COLLECTIVES.items():
+            original = self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._off_thread_counter(original, category))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        return super().__exit__(*exc)
+
+    def _off_thread_counter(self, original, category: str):
+        import torch.distributed as dist
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            if threading.get_ident() != self._thread:
+                group = kwargs.get("group")
+                self._record(category, payload_bytes(category, args, kwargs), dist.get_world_size(group))
+            return original(*args, **kwargs)
+
+        return counted
 
     def totals(self) -> dict[str, Any]:
         return {

@@ -93,7 +93,11 @@ class LoaderFields:
     prefetch_factor: int | None = None  # only with num_workers > 0 (torch's default: 2)
     drop_last: bool = True
     shuffle: bool = True
-    sampler: str = "distributed"
+    sampler: str = "distributed"  # distributed | length_grouped | token_budget (varlen)
+    max_tokens: int = 4096  # token_budget: padded tokens per rank per micro-batch
+    rank_batch_sizes: list[int] | None = None  # per data-parallel rank micro-batch sizes (by capability)
+    pack: bool = False  # varlen + gpt: concatenate sequences into blocks of pack_len, no padding
+    pack_len: int = 128
 
 
 @dataclass
@@ -132,6 +136,9 @@ class VarlenDataConfig(LoaderFields):
     min_len: int = 4
     max_len: int = 128
     mean_len: float = 24.0  # long-tailed (log-normal) lengths around this mean
+    source: str = "synthetic"  # synthetic | text (documents of the text corpus, one file each)
+    path: str | None = None  # source=text: a folder of documents; null: the stdlib source
+    seq_len: int = 128  # the longest input a model sees (max_len, or pack_len when packing)
 
 
 @dataclass
@@ -298,13 +305,13 @@ ALLOWED = {
     "logger.name": ("wandb", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
-    "data.sampler": ("distributed",),
+    "data.sampler": ("distributed", "length_grouped", "token_budget"),
     "launch.start_method": ("spawn", "fork", "forkserver"),
 }
 
 # Which data each model can train on: (model, data) pairs that make a task.
 MODEL_DATA = {
-    "gpt": ("text",),
+    "gpt": ("text", "varlen"),
     "mlp": ("vectors",),
     "resnet": ("images",),
     "lstm": ("varlen",),
@@ -498,10 +505,53 @@ def validate(cfg: DictConfig) -> None:
             f"got {cfg.model.vocab_size}; must be >= data.vocab_size={cfg.data.vocab_size}",
         )
     if data == "varlen":
+        _require(1 <= cfg.data.min_len <= cfg.data.max_len, "data.min_len", "need 1 <= min_len <= max_len")
         _require(
-            1 <= cfg.data.min_len <= cfg.data.max_len,
-            "data.min_len",
-            "need 1 <= min_len <= max_len",
+            cfg.data.source in ("synthetic", "text"),
+            "data.source",
+            f"got {cfg.data.source!r}; allowed: synthetic, text",
+        )
+        if model == "gpt":
+            _require(cfg.data.min_len >= 2, "data.min_len", "language modelling needs sequences of >= 2 tokens")
+            longest = cfg.data.pack_len if cfg.data.pack else cfg.data.max_len - 1
+            _require(
+                longest <= cfg.model.block_size,
+                "model.block_size",
+                f"got {cfg.model.block_size}; the longest input is {longest} tokens",
+            )
+    else:
+        _require(
+            cfg.data.sampler == "distributed" and not cfg.data.pack,
+            "data.sampler" if cfg.data.sampler != "distributed" else "data.pack",
+            "length grouping, token budgets and packing are for variable-length data: use data=varlen",
+        )
+    if cfg.data.pack:
+        _require(
+            model == "gpt",
+            "data.pack",
+            "packing keeps attention within documents in gpt only; lstm packs with pack_padded_sequence",
+        )
+        _require(
+            cfg.parallel.name in ("none", "ddp", "fsdp"),
+            "data.pack",
+            f"not with parallel={cfg.parallel.name}; use none, ddp or fsdp",
+        )
+        _require(
+            cfg.data.sampler == "distributed",
+            "data.sampler",
+            "packed blocks all have pack_len tokens: use sampler=distributed",
+        )
+    if cfg.data.rank_batch_sizes:
+        sizes = list(cfg.data.rank_batch_sizes)
+        _require(
+            cfg.parallel.name in ("ddp", "fsdp") and len(sizes) == world_size_of(cfg) and min(sizes) >= 1,
+            "data.rank_batch_sizes",
+            f"one micro-batch size >= 1 per rank of parallel=ddp or fsdp ({world_size_of(cfg)} ranks), got {sizes}",
+        )
+        _require(
+            cfg.data.sampler == "distributed",
+            "data.sampler",
+            "rank_batch_sizes makes its own batches: use sampler=distributed",
         )
     if data == "text" and cfg.data.path is not None:
         import os

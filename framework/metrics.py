@@ -70,6 +70,10 @@ class Throughput:
             "tokens_per_s": sum(tokens) / elapsed if elapsed and None not in tokens else None,
         }
 
+    def total_time(self) -> float:
+        """Seconds of all steps, sampled and warm-up ones included."""
+        return sum(s[0] for s in self.steps)
+
     def median_step_time(self) -> float | None:
         window = self._window()
         return statistics.median(s[0] for s in window) if window else None

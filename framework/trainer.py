@@ -102,7 +102,8 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
         start_step = checkpoint.load(cfg.checkpoint.resume, par.module, optimizer)
         scheduler.last_epoch = start_step - 1
         scheduler.step()  # the learning rate of step `start_step`
-    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed)
+    task = "lm" if cfg.model.name == "gpt" else "classify"
+    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, task)
     precision = build_precision(cfg.precision, info.device)
     return Parts(model, par, optimizer, scheduler, data, precision, start_step)
 
@@ -147,6 +148,11 @@ def loop(
     losses: list[float] = []
     state_bytes: dict[str, int] = {}
     comm_samples: list[dict[str, Any]] = []  # this rank's collectives on the sampled steps
+    local_slots = 0  # token positions computed, padding included (padding waste)
+    # Per-rank batch sizes: DDP/FSDP average gradients over ranks, so a rank with n_r of the
+    # step's N samples scales its mean loss by n_r x dp / N: the update is the mean over all N.
+    sizes = cfg.data.rank_batch_sizes
+    loss_weight = sizes[par.dp_rank] * par.dp_size / sum(sizes) if sizes else 1.0
 
     batches = data.batches(skip=parts.start_step * accum)
     progress = tqdm(  # rank 0 only
@@ -162,6 +168,7 @@ def loop(
         epoch = step_batches[-1][0]
         step_work = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
         step_samples = sum(b[1].size(0) for _, b in step_batches)
+        local_slots += sum(data.slots_in(b) or 0 for _, b in step_batches)
         # On a few sampled steps, count every collective (forward, backward, clipping, update)
         # and the bytes saved for backward; both slow the step, so other steps run bare.
         sampled = is_sampled(step, parts.start_step, cfg.steps, cfg.metrics.sample_every)
@@ -178,7 +185,7 @@ def loop(
                         with precision.autocast(), measure:
                             logits = par.module(*inputs)
                             loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
-                        precision.scaler.scale(loss / accum).backward()
+                        precision.scaler.scale(loss * loss_weight / accum).backward()
                     # under loss parallel the loss is a replicated DTensor: take the plain value
                     loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
                 step_loss = loss_sum / accum
@@ -205,7 +212,7 @@ def loop(
         # One small all-reduce for the step's figures: the loss averaged over the ranks that hold
         # one (a pipeline's last stage), work summed over one rank per data-parallel group.
         # `.tolist()` is a sync point that ends the step, so the time below is its true time.
-        holds, counts = float(par.holds_loss), float(par.counts_data)
+        holds, counts = float(par.holds_loss) * loss_weight, float(par.counts_data)
         figures = torch.tensor([holds, step_work * counts, step_samples * counts], device=info.device)
         local = torch.cat([(step_loss.float() * holds).view(1), figures])
         totals = all_reduce_sum(local, info).tolist()
@@ -257,6 +264,7 @@ def loop(
         {**state_bytes, "activation_bytes": meter.peak if state_bytes else None},
         mean_totals(comm_samples),
         local_work,
+        local_slots,
     )
     files.write_summary(summary)  # rank 0 only
     return summary
@@ -274,6 +282,7 @@ def summarize(
     memory_bytes: dict[str, int],
     comm: dict[str, Any] | None,
     local_work: list[int],
+    local_slots: int,
 ) -> dict[str, Any]:
     """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
     local = {
@@ -283,6 +292,7 @@ def summarize(
         "comm": comm,
         "rss_peak_bytes": peak_rss_bytes(),
         "work": local_work,
+        "slots": local_slots,
     }
     everyone = all_gather_object(local, info)
     memory_keys = (
@@ -295,9 +305,19 @@ def summarize(
         "rss_peak_bytes",
     )
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in memory_keys}
-    # Load balance: per step, the busiest data-parallel rank's work over the mean; averaged over steps.
-    per_step = list(zip(*(r["work"] for r in everyone if r["work"]), strict=True))
+    # Load balance over the data-parallel ranks: per step, the busiest rank's work (tokens, or
+    # samples for fixed-size data) over the mean, averaged over steps; padding waste: the share
+    # of token positions computed on padding.
+    counting = [r for r in everyone if r["work"]]
+    per_step = list(zip(*(r["work"] for r in counting), strict=True))
     imbalance = sum(max(s) / (sum(s) / len(s)) for s in per_step) / len(per_step) if per_step else None
+    slots = sum(r["slots"] for r in counting)
+    load_balance = {
+        "imbalance": imbalance,
+        "max_imbalance": max((max(s) / (sum(s) / len(s)) for s in per_step), default=None),
+        "padding_waste": 1 - sum(sum(r["work"]) for r in counting) / slots if slots else None,
+        "work_per_rank": [sum(r["work"]) for r in counting],
+    }
     rates = throughput.rates()
     achieved = fpt * rates["tokens_per_s"] / info.world_size / 1e12 if fpt and rates["tokens_per_s"] else None
     return {
@@ -311,12 +331,13 @@ def summarize(
         "final_loss": losses[-1] if losses else None,
         "throughput": rates,
         "step_time_s": throughput.median_step_time(),
+        "train_time_s": throughput.total_time(),
         "mfu": mfu(fpt, rates["tokens_per_s"], peak, info.world_size),
         "tflops_per_device": achieved,
         "memory": memory,
         # the rank that communicates most (pipeline stages differ), per optimizer step
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
-        "load_balance": {"imbalance": imbalance},
+        "load_balance": load_balance,
     }
 
 

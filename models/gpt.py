@@ -26,12 +26,16 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, heads*head_dim) -> (B, heads, T, head_dim); the head count comes from the
         # projection's width, so a tensor-parallel shard (fewer heads per rank) works unchanged.
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # (B, 1, T, T) boolean: True where a query may attend
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
 
@@ -55,8 +59,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -93,14 +97,25 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits (B, T, vocab)."""
-        T = idx.size(1)
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab).
+
+        doc_ids: (B, T) document of each position, for packed sequences: attention stays within
+        a document and positions restart at each document's start."""
+        B, T = idx.shape
         assert T <= self.block_size, f"sequence of {T} tokens > block_size {self.block_size}"
         pos = torch.arange(T, device=idx.device)
+        mask = None
+        if doc_ids is not None:
+            starts = torch.ones_like(doc_ids, dtype=torch.bool)
+            starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+            start_pos = torch.cummax(torch.where(starts, pos, 0), dim=1).values
+            pos = pos - start_pos  # (B, T): position within the document
+            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+            mask = (same_doc & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None]
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.lm_head(self.ln_f(x))
 
     def num_params(self, non_embedding: bool = True) -> int:

@@ -12,15 +12,22 @@ from torch.utils.data import DataLoader, Dataset
 from framework.data.datasets import (
     Batch,
     ByteTextDataset,
+    PackedSequences,
     SyntheticImages,
     SyntheticVectors,
     VarlenSequences,
 )
-from framework.data.samplers import ResumableDistributedSampler
+from framework.data.samplers import (
+    LengthGroupedBatchSampler,
+    ResumableDistributedSampler,
+    TokenBudgetBatchSampler,
+    WeightedBatchSampler,
+)
 
 
-def build_dataset(cfg: DictConfig, seed: int) -> Dataset:
-    """The dataset of `cfg` (the `data` group). Synthetic data depends on `seed` only, never on rank."""
+def build_dataset(cfg: DictConfig, seed: int, task: str = "classify") -> Dataset:
+    """The dataset of `cfg` (the `data` group). Synthetic data depends on `seed` only, never on
+    rank. `task` is what the model does with sequences: "lm" (gpt) or "classify" (lstm)."""
     if cfg.name == "text":
         return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes)
     if cfg.name == "images":
@@ -28,35 +35,26 @@ def build_dataset(cfg: DictConfig, seed: int) -> Dataset:
     if cfg.name == "vectors":
         return SyntheticVectors(cfg.num_samples, cfg.dim, cfg.num_classes, seed)
     if cfg.name == "varlen":
-        return VarlenSequences(
-            cfg.num_samples,
-            cfg.vocab_size,
-            cfg.num_classes,
-            cfg.min_len,
-            cfg.max_len,
-            cfg.mean_len,
-            seed,
-        )
+        data = VarlenSequences(cfg.num_samples, cfg.vocab_size, cfg.num_classes, cfg.min_len, cfg.max_len,
+                               cfg.mean_len, seed, task, cfg.source, cfg.path)  # fmt: skip
+        return PackedSequences(data, cfg.pack_len, seed) if cfg.pack else data
     raise ValueError(f"data: unknown dataset {cfg.name!r}")
 
 
 @dataclass
 class DataPipeline:
     dataset: Dataset
-    sampler: ResumableDistributedSampler
+    sampler: ResumableDistributedSampler | LengthGroupedBatchSampler | TokenBudgetBatchSampler | WeightedBatchSampler
     loader: DataLoader
 
     def batches(self, skip: int = 0) -> Iterator[tuple[int, Batch]]:
-        """Endless (epoch, batch) pairs, after skipping `skip` batches (a resumed run). The sampler's
-        epoch is set before every epoch so each one is shuffled differently, and identically on
-        every rank."""
-        per_epoch = (
-            len(self.sampler) // self.loader.batch_size
-            if self.loader.drop_last
-            else -(-len(self.sampler) // self.loader.batch_size)
-        )
+        """Endless (epoch, batch) pairs, after skipping `skip` batches (a resumed run: the sampler
+        seeks there without loading them). The sampler's epoch is set before every epoch so each
+        one is shuffled differently, and identically on every rank."""
+        per_epoch = len(self.loader)
         epoch, offset = divmod(skip, per_epoch)
-        self.sampler.load_state_dict({"epoch": epoch, "start": offset * self.loader.batch_size})
+        unit = self.loader.batch_size if isinstance(self.sampler, ResumableDistributedSampler) else 1
+        self.sampler.load_state_dict({"epoch": epoch, "start": offset * unit})
         while True:
             for batch in self.loader:
                 yield epoch, batch
@@ -66,40 +64,54 @@ class DataPipeline:
     def tokens_in(self, batch: Batch) -> int | None:
         return self.dataset.tokens_in(batch)
 
+    def slots_in(self, batch: Batch) -> int | None:
+        """Positions computed on, padding included (None for data without tokens)."""
+        fn = getattr(self.dataset, "slots_in", None)
+        return fn(batch) if fn is not None else None
 
-def build_data(cfg: DictConfig, dp_rank: int, dp_size: int, device: torch.device, seed: int) -> DataPipeline:
-    """Dataset -> DistributedSampler -> DataLoader.
+
+def build_sampler(cfg: DictConfig, dataset: Dataset, dp_rank: int, dp_size: int, seed: int):
+    lengths = getattr(dataset, "lengths", None)
+    if cfg.rank_batch_sizes:
+        return WeightedBatchSampler(len(dataset), list(cfg.rank_batch_sizes), dp_rank, seed, cfg.shuffle)
+    if cfg.sampler == "length_grouped":
+        return LengthGroupedBatchSampler(lengths.tolist(), cfg.batch_size, dp_size, dp_rank, seed, cfg.shuffle)
+    if cfg.sampler == "token_budget":
+        return TokenBudgetBatchSampler(lengths.tolist(), cfg.max_tokens, dp_size, dp_rank, seed, cfg.shuffle)
+    return ResumableDistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=cfg.shuffle, seed=seed, drop_last=cfg.drop_last
+    )
+
+
+def build_data(
+    cfg: DictConfig, dp_rank: int, dp_size: int, device: torch.device, seed: int, task: str = "classify"
+) -> DataPipeline:
+    """Dataset -> distributed sampler -> DataLoader.
 
     A single process uses the same sampler with one replica, so the order of samples depends on
     the seed alone, not on the world size: data-parallel rank r of w reads positions r, r+w, ...
     of one shared permutation, and the ranks of a step together read the samples one process
     would. Ranks that share a batch (tensor- and pipeline-parallel peers) share a dp rank.
     """
-    dataset = build_dataset(cfg, seed)
-    sampler = ResumableDistributedSampler(
-        dataset,
-        num_replicas=dp_size,
-        rank=dp_rank,
-        shuffle=cfg.shuffle,
-        seed=seed,
-        drop_last=cfg.drop_last,
-    )
-    if len(sampler) < cfg.batch_size:
-        raise ValueError(
-            f"data.batch_size: {cfg.batch_size} is more than the {len(sampler)} samples each rank gets per epoch"
-        )
+    dataset = build_dataset(cfg, seed, task)
+    sampler = build_sampler(cfg, dataset, dp_rank, dp_size, seed)
+    batched = not isinstance(sampler, ResumableDistributedSampler)
+    if batched:  # the sampler makes the batches (their sizes may differ)
+        batching = {"batch_sampler": sampler}
+    else:
+        batching = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": cfg.drop_last}
     loader = DataLoader(
         dataset,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
         collate_fn=dataset.collate,
         num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and device.type == "cuda",
         persistent_workers=cfg.persistent_workers and cfg.num_workers > 0,
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
-        drop_last=cfg.drop_last,
         generator=torch.Generator().manual_seed(seed + dp_rank),
+        **batching,
     )
+    if len(loader) == 0:
+        raise ValueError(f"data.batch_size: {cfg.batch_size} is more than the samples each rank gets per epoch")
     return DataPipeline(dataset, sampler, loader)
 
 

@@ -66,6 +66,10 @@ class ByteTextDataset(Dataset):
     def tokens_in(batch: Batch) -> int:
         return batch[1].numel()
 
+    @staticmethod
+    def slots_in(batch: Batch) -> int:
+        return batch[1].numel()
+
 
 class SyntheticImages(Dataset):
     """Each class has a fixed random template; a sample is its class template plus Gaussian noise."""
@@ -116,25 +120,30 @@ class SyntheticVectors(Dataset):
 
 
 class VarlenSequences(Dataset):
-    """Token sequences with long-tailed (log-normal) lengths; label = the most frequent token class
-    (token % num_classes), which a recurrent model must read the whole sequence to tell."""
+    """Variable-length token sequences with a long-tailed length distribution.
 
-    def __init__(
-        self,
-        num_samples: int,
-        vocab_size: int,
-        num_classes: int,
-        min_len: int,
-        max_len: int,
-        mean_len: float,
-        seed: int,
-    ):
+    ``source="synthetic"``: random tokens with log-normal lengths; ``source="text"``: documents
+    of the text corpus (one file each, cut at max_len bytes). Two tasks over them:
+    ``classify`` (lstm): label = the most frequent token class (token % num_classes), which a
+    recurrent model must read the whole sequence to tell; ``lm`` (gpt): next-token prediction
+    within each sequence, padding ignored by the loss (target -100).
+    """
+
+    def __init__(self, num_samples: int, vocab_size: int, num_classes: int, min_len: int, max_len: int,
+                 mean_len: float, seed: int, task: str = "classify", source: str = "synthetic",
+                 path: str | None = None, max_bytes: int = 4_000_000):  # fmt: skip
         g = torch.Generator().manual_seed(seed)
-        sigma = 0.8  # log-normal spread: a long tail of long sequences
-        mu = math.log(mean_len) - sigma**2 / 2
-        lengths = torch.exp(mu + sigma * torch.randn(num_samples, generator=g)).round().long()
-        self.lengths = lengths.clamp(min_len, max_len)
-        self.seqs = [torch.randint(1, vocab_size, (int(n),), generator=g) for n in self.lengths]  # 0 is padding
+        if source == "text":
+            files = default_corpus_files() if path is None else sorted(p for p in Path(path).rglob("*") if p.is_file())
+            docs = [f.read_bytes()[:max_len] for f in files[:num_samples]]
+            self.seqs = [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in docs if len(d) >= min_len]
+        else:
+            sigma = 0.8  # log-normal spread: a long tail of long sequences
+            mu = math.log(mean_len) - sigma**2 / 2
+            lengths = torch.exp(mu + sigma * torch.randn(num_samples, generator=g)).round().long()
+            self.seqs = [torch.randint(1, vocab_size, (int(n),), generator=g) for n in lengths.clamp(min_len, max_len)]
+        self.lengths = torch.tensor([len(s) for s in self.seqs])
+        self.task = task
         self.labels = torch.stack([torch.bincount(s % num_classes, minlength=num_classes).argmax() for s in self.seqs])
 
     def __len__(self) -> int:
@@ -143,13 +152,56 @@ class VarlenSequences(Dataset):
     def __getitem__(self, i: int):
         return self.seqs[i], self.labels[i]
 
-    @staticmethod
-    def collate(items) -> Batch:
+    def collate(self, items) -> Batch:
         seqs, labels = zip(*items, strict=True)
         lengths = torch.tensor([len(s) for s in seqs])
         padded = torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True, padding_value=0)
-        return (padded, lengths), torch.stack(labels)
+        if self.task == "classify":
+            return (padded, lengths), torch.stack(labels)
+        target = padded[:, 1:].clone()
+        target[torch.arange(target.size(1)) >= (lengths - 1)[:, None]] = -100  # padding: no loss
+        return (padded[:, :-1],), target
+
+    def tokens_in(self, batch: Batch) -> int:
+        inputs, target = batch
+        return int(inputs[1].sum()) if self.task == "classify" else int((target != -100).sum())
+
+    def slots_in(self, batch: Batch) -> int:
+        """Token positions the batch computes on, padding included."""
+        return batch[0][0].numel()
+
+
+class PackedSequences(Dataset):
+    """Sequences concatenated (in a seeded random order) and cut into blocks of `block_len`
+    tokens: no padding. Each position carries its document id, so the model keeps attention
+    within a document and the loss never predicts across a boundary (target -100 there)."""
+
+    def __init__(self, base: VarlenSequences, block_len: int, seed: int):
+        order = torch.randperm(len(base), generator=torch.Generator().manual_seed(seed)).tolist()
+        tokens = torch.cat([base.seqs[i] for i in order])
+        docs = torch.cat([torch.full((len(base.seqs[i]),), k) for k, i in enumerate(order)])
+        n = (len(tokens) - 1) // block_len
+        self.tokens = tokens[: n * block_len + 1]
+        self.docs = docs[: n * block_len + 1]
+        self.block_len = block_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_len
+
+    def __getitem__(self, i: int) -> Batch:
+        s = slice(i * self.block_len, (i + 1) * self.block_len + 1)
+        tokens, docs = self.tokens[s], self.docs[s]
+        target = tokens[1:].clone()
+        target[docs[1:] != docs[:-1]] = -100  # the next document's first token: not predictable
+        # document ids relative to the block, so the model sees small integers
+        return (tokens[:-1], docs[:-1] - docs[0]), target
+
+    collate = staticmethod(default_collate)
 
     @staticmethod
     def tokens_in(batch: Batch) -> int:
-        return int(batch[0][1].sum())
+        return int((batch[1] != -100).sum())
+
+    @staticmethod
+    def slots_in(batch: Batch) -> int:
+        return batch[1].numel()

@@ -38,13 +38,11 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             "mlp.proj": RowwiseParallel(output_layouts=residual),
         }
         if sequence_parallel:
-            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            plan |= {
-                "ln_1": SequenceParallel(),
-                "attn": gather,
-                "ln_2": SequenceParallel(),
-                "mlp": gather,
-            }
+            # gather the sequence back before attention (its second input, a document mask, is None
+            # here: packing is not combined with tensor parallel) and before the MLP
+            attn_in = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+            mlp_in = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan |= {"ln_1": SequenceParallel(), "attn": attn_in, "ln_2": SequenceParallel(), "mlp": mlp_in}
         parallelize_module(block, tp_mesh, plan)
 
     head = ColwiseParallel(

@@ -1,0 +1,50 @@
+"""Shared by the benchmark scripts: compose configs as train.py would and print tables."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from framework.config import register_configs, validate  # noqa: E402
+from framework.launch import register_resolvers  # noqa: E402
+from framework.sweep import run_configs  # noqa: E402
+
+
+def config(overrides: list[str]) -> dict[str, Any]:
+    """Compose and validate like `python train.py OVERRIDES`; a resolved dict."""
+    register_configs()
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["logger=none", "progress=false", *overrides])
+    validate(cfg)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def run(rows: dict[str, list[str]], world: int, common: list[str]) -> dict[str, dict[str, Any]]:
+    """Train every row's config back to back on `world` local workers; {row: summary}."""
+    configs = {name: config([*common, f"launch.nproc_per_node={world}", *args]) for name, args in rows.items()}
+    with tempfile.TemporaryDirectory() as out:
+        return run_configs(configs, world, out)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
