@@ -116,7 +116,11 @@ class ImagesDataConfig(LoaderFields):
     image_size: int = 32
     channels: int = 3
     num_classes: int = 10
-    noise: float = 1.0
+    noise: float = 1.0  # synthetic only
+    source: str = "synthetic"  # synthetic | folder (torchvision ImageFolder) | cifar10 (local, never downloaded)
+    root: str | None = None  # folder or CIFAR-10 root
+    transforms_on: str = "device"  # device: batched augmentation on the training device | loader: per sample in workers
+    augment: bool = True  # random crop (4-pixel padding) and horizontal flip
 
 
 @dataclass
@@ -553,6 +557,22 @@ def validate(cfg: DictConfig) -> None:
             "data.sampler",
             "rank_batch_sizes makes its own batches: use sampler=distributed",
         )
+    if data == "images":
+        _require(
+            cfg.data.source in ("synthetic", "folder", "cifar10"),
+            "data.source",
+            f"got {cfg.data.source!r}; allowed: synthetic, folder, cifar10",
+        )
+        _require(
+            cfg.data.transforms_on in ("device", "loader"),
+            "data.transforms_on",
+            f"got {cfg.data.transforms_on!r}; allowed: device, loader",
+        )
+        if cfg.data.source != "synthetic":
+            from framework.data.images import check_image_root
+
+            problem = check_image_root(cfg.data.source, cfg.data.root)
+            _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         import os
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from framework import checkpoint
 from framework.comm import CommCounter, mean_totals
 from framework.config import resolve_backend, resolve_device
-from framework.data import DataPipeline, build_data, concat_batches, to_device
+from framework.data import DataPipeline, build_data, concat_batches
 from framework.dist import (
     DistInfo,
     all_gather_object,
@@ -178,7 +178,7 @@ def loop(
             if par.pipeline is None:
                 loss_sum = torch.zeros((), device=info.device)
                 for micro, (_, batch) in enumerate(step_batches):
-                    inputs, target = to_device(batch, info.device, non_blocking=cfg.data.pin_memory)
+                    inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
                     measure = meter.measure() if sampled and micro == 0 else nullcontext()
                     # Gradients are synchronised on the last micro-batch only: once per step.
                     with par.grad_sync(micro == accum - 1), par.loss_context():
@@ -192,7 +192,7 @@ def loop(
             else:
                 # A pipeline runs the step's micro-batches itself, in its schedule's order: the
                 # accumulated batches go in as one batch of accumulation_steps x batch_size.
-                inputs, target = to_device(concat_batches([b for _, b in step_batches]), info.device)
+                inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
                 with precision.autocast(), meter.measure() if sampled else nullcontext():
                     step_loss = par.pipeline.step(inputs[0], target)
 

@@ -51,14 +51,15 @@ def test_same_losses_however_the_global_batch_is_split(tmp_path, reference, name
 def _no_sync_worker(rank: int, world: int):
     from omegaconf import OmegaConf
 
-    from framework.config import ParallelConfig
+    from framework.config import MemoryConfig, ParallelConfig
     from framework.dist import DistInfo
-    from framework.parallel import apply_parallelism
+    from framework.parallel import parallelize
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1, bias=False)
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
-    par = apply_parallelism(model, OmegaConf.structured(ParallelConfig(name="ddp")), info)
+    cfg = OmegaConf.create({"parallel": ParallelConfig(name="ddp"), "memory": MemoryConfig()})
+    par = parallelize(model, cfg, info)
     x = torch.full((2, 4), float(rank + 1))  # each rank sees different data
     with par.grad_sync(False):
         par.module(x).sum().backward()

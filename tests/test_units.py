@@ -169,7 +169,7 @@ def test_varlen_lengths_are_long_tailed_and_labels_learnable():
     lengths = data.lengths.float()
     assert lengths.min() >= 4 and lengths.max() <= 128
     assert lengths.max() > 3 * lengths.median()  # a long tail
-    (tokens, lens), labels = VarlenSequences.collate([data[0], data[1]])
+    (tokens, lens), labels = data.collate([data[0], data[1]])
     assert tokens.shape == (2, int(lens.max())) and labels.shape == (2,)
 
 

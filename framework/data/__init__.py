@@ -17,6 +17,7 @@ from framework.data.datasets import (
     SyntheticVectors,
     VarlenSequences,
 )
+from framework.data.images import DeviceAugment, ImageFiles
 from framework.data.samplers import (
     LengthGroupedBatchSampler,
     ResumableDistributedSampler,
@@ -30,8 +31,10 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify") -> Dataset
     rank. `task` is what the model does with sequences: "lm" (gpt) or "classify" (lstm)."""
     if cfg.name == "text":
         return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes)
-    if cfg.name == "images":
+    if cfg.name == "images" and cfg.source == "synthetic":
         return SyntheticImages(cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed)
+    if cfg.name == "images":
+        return ImageFiles(cfg.source, cfg.root, cfg.image_size, cfg.augment, cfg.transforms_on == "device")
     if cfg.name == "vectors":
         return SyntheticVectors(cfg.num_samples, cfg.dim, cfg.num_classes, seed)
     if cfg.name == "varlen":
@@ -46,6 +49,14 @@ class DataPipeline:
     dataset: Dataset
     sampler: ResumableDistributedSampler | LengthGroupedBatchSampler | TokenBudgetBatchSampler | WeightedBatchSampler
     loader: DataLoader
+    device_transform: DeviceAugment | None = None  # batched preprocessing on the training device
+
+    def prepare(self, batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
+        """Move a batch to the device and finish its preprocessing there."""
+        inputs, target = to_device(batch, device, non_blocking)
+        if self.device_transform is not None:
+            inputs = (self.device_transform(inputs[0]), *inputs[1:])
+        return inputs, target
 
     def batches(self, skip: int = 0) -> Iterator[tuple[int, Batch]]:
         """Endless (epoch, batch) pairs, after skipping `skip` batches (a resumed run: the sampler
@@ -112,7 +123,9 @@ def build_data(
     )
     if len(loader) == 0:
         raise ValueError(f"data.batch_size: {cfg.batch_size} is more than the samples each rank gets per epoch")
-    return DataPipeline(dataset, sampler, loader)
+    on_device = cfg.name == "images" and cfg.source != "synthetic" and cfg.transforms_on == "device"
+    transform = DeviceAugment(cfg.augment, seed + dp_rank, device) if on_device else None
+    return DataPipeline(dataset, sampler, loader, transform)
 
 
 def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
