@@ -30,10 +30,39 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class NCCLConfig:
+    """NCCL tuning knobs, exported to every worker as NCCL_<NAME> before the process group starts.
+    null: left unset (NCCL's own choice)."""
+
+    algo: str | None = None  # Tree | Ring | CollnetDirect | NVLS ... (NCCL_ALGO)
+    proto: str | None = None  # LL | LL128 | Simple
+    socket_ifname: str | None = None  # e.g. eth0: the interface for bootstrap and socket traffic
+    ib_disable: int | None = None  # 1: no InfiniBand, use sockets
+    p2p_disable: int | None = None  # 1: no NVLink/PCIe peer-to-peer
+    cross_nic: int | None = None
+    nthreads: int | None = None
+    buffsize: int | None = None
+    min_nchannels: int | None = None
+    max_nchannels: int | None = None
+    debug: str | None = None  # WARN | INFO | TRACE
+    debug_subsys: str | None = None  # e.g. INIT,COLL
+
+
+@dataclass
 class BackendConfig:
     name: str = "auto"  # auto | gloo | nccl | mpi (auto: nccl with CUDA, else gloo)
     timeout_s: int = 600  # collective timeout of the process group
     init_method: str = "env"  # env (MASTER_ADDR/PORT from the launcher) | tcp://host:port | file:///path
+    gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME
+    nccl: NCCLConfig = field(default_factory=NCCLConfig)
+
+
+def backend_env(cfg: DictConfig) -> dict[str, str]:
+    """Environment variables the `backend` group sets (unset knobs stay unset)."""
+    env = {f"NCCL_{k.upper()}": str(v) for k, v in cfg.nccl.items() if v is not None}
+    if cfg.gloo_socket_ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = cfg.gloo_socket_ifname
+    return env
 
 
 @dataclass

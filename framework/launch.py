@@ -21,7 +21,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import ConfigError, resolve_nproc, validate
+from framework.config import ConfigError, backend_env, resolve_nproc, validate
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     choices = {g: cfg[g].name for g in GROUPS}
     choices["experiment"] = hydra_cfg.runtime.choices.get("experiment")
 
+    # NCCL/Gloo knobs go into the environment before any process group exists; local workers
+    # inherit them. They are part of the config, so the run's config dump and W&B record them.
+    os.environ.update(backend_env(cfg.backend))
     if launched_as_worker() or cfg.parallel.name == "none":
         return worker_main(config, run_dir, choices)
     return launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))

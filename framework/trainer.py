@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from framework import checkpoint
 from framework.comm import CommCounter, mean_totals
-from framework.config import resolve_backend, resolve_device
+from framework.config import backend_env, resolve_backend, resolve_device
 from framework.data import DataPipeline, build_data, concat_batches
 from framework.dist import (
     DistInfo,
@@ -325,6 +325,8 @@ def summarize(
         "choices": choices,
         "world_size": info.world_size,
         "parallel_dims": par.mesh.dims.degrees if par.mesh else {"dp": par.dp_size},
+        # NCCL_*/GLOO_* knobs as this worker's environment holds them
+        "backend_env": {k: os.environ.get(k) for k in backend_env(cfg.backend)},
         "global_batch_size": cfg.data.batch_size * cfg.accumulation_steps * par.dp_size,
         "steps": cfg.steps,
         "first_loss": losses[0] if losses else None,

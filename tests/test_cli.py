@@ -104,3 +104,16 @@ def test_default_corpus_is_read_locally():
     files = default_corpus_files()
     assert files and all(Path(f).suffix == ".py" for f in files)
     assert (ROOT / "conf" / "data" / "text.yaml").exists()
+
+
+@pytest.mark.parametrize("init", ["env", "file"])
+def test_backend_knobs_reach_the_workers_and_init_methods_work(tmp_path, init):
+    run = tmp_path / "run"
+    method = "env" if init == "env" else f"file://{tmp_path}/rendezvous"
+    args = ["experiment=smoke", "logger=none", "steps=2", "backend=gloo", "backend.nccl.algo=Tree",
+            "backend.nccl.socket_ifname=eth0", f"backend.init_method={method}"]  # fmt: skip
+    proc = train_cli(args, run)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # set knobs exported into the workers' environment; unset ones stay unset
+    assert read_summary(run)["backend_env"] == {"NCCL_ALGO": "Tree", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert "algo: Tree" in (run / ".hydra" / "config.yaml").read_text()
