@@ -61,7 +61,7 @@ def activation_table() -> None:
 def measuring_cost_table() -> None:
     """Whole-run time (every step, sampled ones included) with measuring off, sampled (the
     default, every 50 steps) and on every step. Off/sampled alternate, best of 3 each."""
-    common = [*COMMON, "steps=60"]
+    common = [*COMMON, "steps=100"]
     configs = {}
     for i in range(3):
         configs[f"off {i}"] = ["parallel=ddp", "metrics.sample_every=0"]
@@ -72,7 +72,7 @@ def measuring_cost_table() -> None:
     wall = {name: s["train_time_s"] for name, s in got.items()}
     best = {kind: min(v for k, v in wall.items() if k.startswith(kind)) for kind in ("off", "sampled", "every")}
     rows = [[kind, best[kind], best[kind] / best["off"]] for kind in ("off", "sampled", "every")]
-    print("\nCost of measuring memory and communication (world 2, ddp, 60 steps)\n")
+    print("\nCost of measuring memory and communication (world 2, ddp, 100 steps, best of 3)\n")
     print(table(["measuring", "run time (s)", "vs off"], rows))
 
 

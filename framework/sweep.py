@@ -9,6 +9,7 @@ its own mesh and model on the shared world, trains and summarises. Configs are r
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: st
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
+        run_id=f"sweep-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ def run_workers(fn, world_size: int, *args) -> dict[int, Any]:
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
+        run_id=f"test-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
