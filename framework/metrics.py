@@ -9,6 +9,7 @@ MFU measures useful work.
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -77,3 +78,40 @@ class Throughput:
     def median_step_time(self) -> float | None:
         window = self._window()
         return statistics.median(s[0] for s in window) if window else None
+
+
+class ForwardTimer:
+    """Accumulates forward time over a step's micro-batches (a context manager around each).
+    On CUDA with events, read after the step's own sync point: no extra synchronisation."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list = []
+        self.seconds = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            self.pending.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.pending[-1][0].record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.pending[-1][1].record()
+        else:
+            self.seconds += time.perf_counter() - self.t0
+        return False
+
+    def take(self) -> float:
+        """This step's forward seconds (and reset)."""
+        seconds = self.seconds + sum(a.elapsed_time(b) / 1000 for a, b in self.pending)
+        self.seconds, self.pending = 0.0, []
+        return seconds
+
+
+def compute_imbalance(per_rank: list[list[float]]) -> float | None:
+    """Mean over steady steps (the first left out) of the slowest rank's time over the mean."""
+    steps = [s for s in list(zip(*per_rank, strict=True))[1:] if sum(s) > 0]
+    return sum(max(s) / (sum(s) / len(s)) for s in steps) / len(steps) if steps else None

@@ -36,7 +36,7 @@ from framework.memory import (
     peak_rss_bytes,
     release_cached_memory,
 )
-from framework.metrics import Throughput, flops_per_token, mfu, peak_flops
+from framework.metrics import ForwardTimer, Throughput, compute_imbalance, flops_per_token, mfu, peak_flops
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
 from framework.precision import Precision, build_precision
@@ -149,6 +149,10 @@ def loop(
     state_bytes: dict[str, int] = {}
     comm_samples: list[dict[str, Any]] = []  # this rank's collectives on the sampled steps
     local_slots = 0  # token positions computed, padding included (padding waste)
+    # this rank's forward time per step: compute with no gradient communication in it (DDP and
+    # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
+    forward_timer = ForwardTimer(info.device)
+    local_forward: list[float] = []
     # Per-rank batch sizes: DDP/FSDP average gradients over ranks, so a rank with n_r of the
     # step's N samples scales its mean loss by n_r x dp / N: the update is the mean over all N.
     sizes = cfg.data.rank_batch_sizes
@@ -182,7 +186,7 @@ def loop(
                     measure = meter.measure() if sampled and micro == 0 else nullcontext()
                     # Gradients are synchronised on the last micro-batch only: once per step.
                     with par.grad_sync(micro == accum - 1), par.loss_context():
-                        with precision.autocast(), measure:
+                        with precision.autocast(), measure, forward_timer:
                             logits = par.module(*inputs)
                             loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
                         precision.scaler.scale(loss * loss_weight / accum).backward()
@@ -222,6 +226,7 @@ def loop(
         throughput.add(elapsed, samples, tokens, sampled)
         if par.counts_data:
             local_work.append(step_work)
+            local_forward.append(forward_timer.take())
         losses.append(loss_value)
 
         if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
@@ -265,6 +270,7 @@ def loop(
         mean_totals(comm_samples),
         local_work,
         local_slots,
+        local_forward,
     )
     files.write_summary(summary)  # rank 0 only
     return summary
@@ -283,6 +289,7 @@ def summarize(
     comm: dict[str, Any] | None,
     local_work: list[int],
     local_slots: int,
+    local_forward: list[float],
 ) -> dict[str, Any]:
     """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
     local = {
@@ -293,6 +300,7 @@ def summarize(
         "rss_peak_bytes": peak_rss_bytes(),
         "work": local_work,
         "slots": local_slots,
+        "forward": local_forward,
     }
     everyone = all_gather_object(local, info)
     memory_keys = (
@@ -317,6 +325,9 @@ def summarize(
         "max_imbalance": max((max(s) / (sum(s) / len(s)) for s in per_step), default=None),
         "padding_waste": 1 - sum(sum(r["work"]) for r in counting) / slots if slots else None,
         "work_per_rank": [sum(r["work"]) for r in counting],
+        # forward seconds per step, busiest rank over mean (steady steps; None for pipelines)
+        "compute_imbalance": compute_imbalance([r["forward"] for r in counting]),
+        "forward_s_per_rank": [sum(r["forward"]) for r in counting],
     }
     rates = throughput.rates()
     achieved = fpt * rates["tokens_per_s"] / info.world_size / 1e12 if fpt and rates["tokens_per_s"] else None

@@ -117,3 +117,14 @@ def test_backend_knobs_reach_the_workers_and_init_methods_work(tmp_path, init):
     # set knobs exported into the workers' environment; unset ones stay unset
     assert read_summary(run)["backend_env"] == {"NCCL_ALGO": "Tree", "NCCL_SOCKET_IFNAME": "eth0"}
     assert "algo: Tree" in (run / ".hydra" / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_the_default_job_learns(tmp_path):
+    """`python train.py` with no arguments (W&B offline): gpt on the stdlib source, 2 workers, DDP."""
+    run = tmp_path / "run"
+    proc = train_cli([], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(run)
+    assert summary["choices"]["parallel"] == "ddp" and summary["world_size"] == 2
+    assert summary["final_loss"] < 0.9 * summary["first_loss"]
