@@ -45,6 +45,23 @@ def _run_id() -> str:
     return datetime.now().strftime("%H-%M-%S-%f")
 
 
+_SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob
+
+
+def export_backend_env(env: dict[str, str]) -> None:
+    """Set this job's knobs, first restoring those an earlier job of the same sweep set: a knob
+    unset in this job's config stays unset (or as the shell had it)."""
+    for key, value in _SHELL_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _SHELL_ENV.clear()
+    for key, value in env.items():
+        _SHELL_ENV[key] = os.environ.get(key)
+        os.environ[key] = value
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
 
@@ -70,7 +87,7 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
 
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
-    os.environ.update(backend_env(cfg.backend))
+    export_backend_env(backend_env(cfg.backend))
     if launched_as_worker() or cfg.parallel.name == "none":
         return worker_main(config, run_dir, choices)
     return launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))

@@ -183,3 +183,16 @@ def test_text_corpus_reads_a_folder(tmp_path: Path):
     assert len(data) == 99 // 9
     (x,), y = data[0]
     assert torch.equal(x[1:], y[:-1])
+
+
+def test_backend_knobs_of_one_sweep_job_do_not_leak_into_the_next(monkeypatch):
+    import os
+
+    from framework.launch import export_backend_env
+
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")  # from the user's shell
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    export_backend_env({"NCCL_ALGO": "Tree", "NCCL_DEBUG": "INFO"})
+    assert os.environ["NCCL_ALGO"] == "Tree" and os.environ["NCCL_DEBUG"] == "INFO"
+    export_backend_env({})  # the next job sets no knobs
+    assert "NCCL_ALGO" not in os.environ and os.environ["NCCL_DEBUG"] == "WARN"
