@@ -169,8 +169,8 @@ class VarlenDataConfig(LoaderFields):
     min_len: int = 4
     max_len: int = 128
     mean_len: float = 24.0  # long-tailed (log-normal) lengths around this mean
-    source: str = "synthetic"  # synthetic | text (documents of the text corpus, one file each)
-    path: str | None = None  # source=text: a folder of documents; null: the stdlib source
+    source: str = "synthetic"  # synthetic | text (paragraphs of the text corpus)
+    path: str | None = None  # source=text: a file or folder of text; null: the stdlib source
     seq_len: int = 128  # the longest input a model sees (max_len, or pack_len when packing)
 
 

@@ -196,3 +196,11 @@ def test_backend_knobs_of_one_sweep_job_do_not_leak_into_the_next(monkeypatch):
     assert os.environ["NCCL_ALGO"] == "Tree" and os.environ["NCCL_DEBUG"] == "INFO"
     export_backend_env({})  # the next job sets no knobs
     assert "NCCL_ALGO" not in os.environ and os.environ["NCCL_DEBUG"] == "WARN"
+
+
+def test_varlen_text_source_reads_paragraphs_of_the_corpus(tmp_path):
+    (tmp_path / "doc.txt").write_bytes(b"short one\n\n" + b"x" * 40 + b"\n\n" + b"y" * 300)
+    data = VarlenSequences(10, 256, 4, 4, 64, 24, seed=0, task="lm", source="text", path=str(tmp_path))
+    assert data.lengths.tolist() == [9, 40, 64]  # paragraphs, cut at max_len
+    (inputs,), target = data.collate([data[0], data[2]])
+    assert inputs.shape == (2, 63) and (target[0, 8:] == -100).all()  # padding carries no loss

@@ -122,8 +122,8 @@ class SyntheticVectors(Dataset):
 class VarlenSequences(Dataset):
     """Variable-length token sequences with a long-tailed length distribution.
 
-    ``source="synthetic"``: random tokens with log-normal lengths; ``source="text"``: documents
-    of the text corpus (one file each, cut at max_len bytes). Two tasks over them:
+    ``source="synthetic"``: random tokens with log-normal lengths; ``source="text"``: the
+    paragraphs (text between blank lines) of the text corpus, cut at max_len bytes. Two tasks over them:
     ``classify`` (lstm): label = the most frequent token class (token % num_classes), which a
     recurrent model must read the whole sequence to tell; ``lm`` (gpt): next-token prediction
     within each sequence, padding ignored by the loss (target -100).
@@ -134,9 +134,10 @@ class VarlenSequences(Dataset):
                  path: str | None = None, max_bytes: int = 4_000_000):  # fmt: skip
         g = torch.Generator().manual_seed(seed)
         if source == "text":
-            files = default_corpus_files() if path is None else sorted(p for p in Path(path).rglob("*") if p.is_file())
-            docs = [f.read_bytes()[:max_len] for f in files[:num_samples]]
-            self.seqs = [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in docs if len(d) >= min_len]
+            # paragraphs (text between blank lines) of the corpus: naturally long-tailed lengths
+            paragraphs = (p.strip(b"\n") for p in read_corpus(path, max_bytes).split(b"\n\n"))
+            docs = [p[:max_len] for p in paragraphs if len(p) >= min_len][:num_samples]
+            self.seqs = [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in docs]
         else:
             sigma = 0.8  # log-normal spread: a long tail of long sequences
             mu = math.log(mean_len) - sigma**2 / 2
