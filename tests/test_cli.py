@@ -128,3 +128,18 @@ def test_the_default_job_learns(tmp_path):
     summary = read_summary(run)
     assert summary["choices"]["parallel"] == "ddp" and summary["world_size"] == 2
     assert summary["final_loss"] < 0.9 * summary["first_loss"]
+
+
+def test_under_torchrun_each_process_is_a_worker_and_the_run_has_one_directory(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.run([*torchrun, str(ROOT / "train.py"), "experiment=smoke", "logger=none", "steps=3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1 and runs[0].name.startswith("torchrun-")  # not one per rank
+    assert read_summary(runs[0])["world_size"] == 2 and len(read_metrics(runs[0])) == 3
