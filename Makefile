@@ -22,6 +22,9 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "slow or not slow" $(ARGS)
 
+bench: $(STAMP)
+	cd benchmarks && for b in memory comm data; do ../$(VENV)/bin/python $$b.py; done
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
