@@ -82,15 +82,6 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_mean(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Mean of `tensor` over all ranks (a copy; the input is left alone)."""
-    out = tensor.detach().clone()
-    if info.distributed:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        out /= info.world_size
-    return out
-
-
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum of `tensor` over all ranks (a copy; the input is left alone)."""
     out = tensor.detach().clone()

@@ -111,17 +111,8 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
     fsdp_v1 = dims.dp > 1 and pcfg.version == 1
     if dims.dp > 1:
         if fsdp_v1:
-            parts = [
-                apply_fsdp1(
-                    part,
-                    mesh.dp_mesh,
-                    pcfg,
-                    cfg.precision.name,
-                    info.device,
-                    cfg.memory.cpu_offload,
-                )
-                for part in parts
-            ]
+            offload = cfg.memory.cpu_offload
+            parts = [apply_fsdp1(p, mesh.dp_mesh, pcfg, cfg.precision.name, info.device, offload) for p in parts]
         else:
             for part in parts:
                 apply_fsdp2(part, mesh.dp_mesh, pcfg, cfg.precision.name, cfg.memory.cpu_offload)
