@@ -23,6 +23,16 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: in
     dcp.save(_state(model, optimizer, step), checkpoint_id=path)
 
 
+def latest(folder: str) -> str | None:
+    """The newest complete checkpoint (`step-N` with DCP's .metadata written) in `folder`."""
+    if not os.path.isdir(folder):
+        return None
+    done = [
+        d for d in os.listdir(folder) if d.startswith("step-") and os.path.exists(os.path.join(folder, d, ".metadata"))
+    ]
+    return os.path.join(folder, max(done)) if done else None
+
+
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Load `path` into model and optimizer in place; returns the optimizer steps it was saved at."""
     state = _state(model, optimizer, 0)

@@ -85,7 +85,15 @@ class Parts:
     start_step: int
 
 
-def build(cfg: DictConfig, info: DistInfo) -> Parts:
+def restart_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
+    """After the elastic agent restarts the workers (a worker died; launch.max_restarts), the
+    run's latest checkpoint, if it saved one: the restarted run continues from there."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        return None
+    return checkpoint.latest(os.path.dirname(checkpoint_dir(cfg, run_dir, 0)))
+
+
+def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Parts:
     # The build order. Process group (already up) -> model, from the same seed on every rank so
     # replicas start identical -> parallelize (pipeline split, tensor parallel, activation
     # checkpointing, FSDP/DDP: that order, written once in framework.parallel.parallelize) ->
@@ -98,8 +106,9 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     optimizer = build_optimizer(par.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     start_step = 0
-    if cfg.checkpoint.resume:
-        start_step = checkpoint.load(cfg.checkpoint.resume, par.module, optimizer)
+    resume = cfg.checkpoint.resume or restart_checkpoint(cfg, run_dir)
+    if resume:
+        start_step = checkpoint.load(resume, par.module, optimizer)
         scheduler.last_epoch = start_step - 1
         scheduler.step()  # the learning rate of step `start_step`
     task = "lm" if cfg.model.name == "gpt" else "classify"
@@ -109,7 +118,8 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str]) -> dict[str, Any]:
-    parts = build(cfg, info)
+    parts = build(cfg, info, files.run_dir)
+    files.truncate_metrics(parts.start_step)  # a restarted run rewrites the steps after its checkpoint
     tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main)
     try:
         summary = loop(cfg, info, parts, files, tracker, choices)
@@ -145,7 +155,7 @@ def loop(
     meter = SavedActivationMeter(par.module)
     throughput = Throughput()
     local_work: list[int] = []  # tokens (samples for fixed-size data) per step, data-counting ranks
-    losses: list[float] = []
+    losses: list[float] = list(files.prior_losses)
     state_bytes: dict[str, int] = {}
     comm_samples: list[dict[str, Any]] = []  # this rank's collectives on the sampled steps
     local_slots = 0  # token positions computed, padding included (padding waste)
@@ -167,6 +177,7 @@ def loop(
     )
     par.module.train()
     for step in range(parts.start_step, cfg.steps):
+        inject_fault(step, info)
         t0 = time.perf_counter()
         step_batches = [next(batches) for _ in range(accum)]
         epoch = step_batches[-1][0]
@@ -371,6 +382,16 @@ def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
         )
 
 
+def inject_fault(step: int, info: DistInfo) -> None:
+    """Fault injection for testing elastic restarts: with HYDRADIST_FAULT="RANK:STEP" in the
+    environment, that rank exits abruptly before that step, on the first attempt only."""
+    fault = os.environ.get("HYDRADIST_FAULT")
+    if fault and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        rank, at = (int(x) for x in fault.split(":"))
+        if info.rank == rank and step == at:
+            os._exit(17)
+
+
 def checkpoint_dir(cfg: DictConfig, run_dir: str, step: int) -> str:
     return os.path.join(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"), f"step-{step:06d}")
 
@@ -381,9 +402,23 @@ class RunFiles:
     def __init__(self, run_dir: str, info: DistInfo):
         self.run_dir = run_dir
         self.is_main = info.is_main
+        self.prior_losses: list[float] = []  # losses of this run's steps before a restart
         if self.is_main:
             os.makedirs(run_dir, exist_ok=True)
             self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def truncate_metrics(self, start_step: int) -> None:
+        """Keep only the lines of steps up to `start_step` (what a resumed run already did)."""
+        if not self.is_main:
+            return
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        self._metrics.close()
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= start_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+        self._metrics = open(path, "a")
+        self.prior_losses = [json.loads(line)["loss"] for line in kept]
 
     def log_step(self, record: dict[str, Any]) -> None:
         if self.is_main:
