@@ -93,26 +93,38 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     return launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
 
 
-def launch_local_workers(
-    config: dict[str, Any], run_dir: str, choices: dict[str, str], nproc: int
-) -> dict[str, Any] | None:
-    """Start `nproc` workers on this machine with torch's elastic agent and wait for them."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def local_launch_config(
+    nproc: int, max_restarts: int = 0, monitor_interval_s: float = 0.1, start_method: str = "spawn"
+):
+    """torch's elastic launcher set up for `nproc` workers on this machine (as `torchrun
+    --standalone` does), used by train.py, the config sweeps of benchmarks and the tests."""
+    from torch.distributed.launcher.api import LaunchConfig
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    launch = config["launch"]
-    launch_config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"hydradist-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, so concurrent runs never collide
-        max_restarts=launch["max_restarts"],
-        monitor_interval=launch["monitor_interval_s"],
-        start_method=launch["start_method"],
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval_s,
+        start_method=start_method,
+    )
+
+
+def launch_local_workers(
+    config: dict[str, Any], run_dir: str, choices: dict[str, str], nproc: int
+) -> dict[str, Any] | None:
+    """Start `nproc` workers on this machine with torch's elastic agent and wait for them."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    launch = config["launch"]
+    launch_config = local_launch_config(
+        nproc, launch["max_restarts"], launch["monitor_interval_s"], launch["start_method"]
     )
     try:
         results = elastic_launch(launch_config, worker_main)(config, run_dir, choices)

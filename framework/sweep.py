@@ -9,7 +9,6 @@ its own mesh and model on the shared world, trains and summarises. Configs are r
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Any
 
 import torch
@@ -18,20 +17,11 @@ from omegaconf import OmegaConf
 
 def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: str) -> dict[str, dict[str, Any]]:
     """{name: summary} for every config, each run in `out_dir/name` on `world_size` workers."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"sweep-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    return elastic_launch(launch, _train_each)(configs, out_dir)[0]
+    from framework.launch import local_launch_config
+
+    return elastic_launch(local_launch_config(world_size), _train_each)(configs, out_dir)[0]
 
 
 def _train_each(configs: dict[str, dict[str, Any]], out_dir: str) -> dict[str, dict[str, Any]]:

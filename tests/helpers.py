@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -53,20 +52,11 @@ def losses(run_dir: Path) -> list[float]:
 def run_workers(fn, world_size: int, *args) -> dict[int, Any]:
     """Run module-level `fn(*args)` on `world_size` local processes joined in a gloo group
     (through torch's elastic launcher, as train.py does); returns each rank's result."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"test-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    return elastic_launch(config, _worker)(fn, args)
+    from framework.launch import local_launch_config
+
+    return elastic_launch(local_launch_config(world_size), _worker)(fn, args)
 
 
 def _worker(fn, args):
