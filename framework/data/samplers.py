@@ -60,8 +60,16 @@ class _EpochBatchSampler(Sampler[list[int]]):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(n, generator=g).tolist()
 
-    def epoch_batches(self) -> list[list[int]]:  # every rank's batches, [step][rank] -> indices
+    def epoch_batches(self) -> list[list[list[int]]]:  # every rank's batches, [step][rank] -> indices
         raise NotImplementedError
+
+    def shuffle_steps(self, steps: list) -> list:
+        """The order of the epoch's global batches shuffled (seed, epoch), not their contents:
+        batches of similar lengths stay together, but an epoch does not run short to long."""
+        if not self.shuffle:
+            return steps
+        g = torch.Generator().manual_seed(self.seed + self.epoch + 1_000_003)
+        return [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
 
     def _mine(self) -> list[list[int]]:
         if self._cache is None or self._cache[0] != self.epoch:
@@ -116,10 +124,7 @@ class LengthGroupedBatchSampler(_EpochBatchSampler):
             for b in range(0, len(part) - global_size + 1, global_size):
                 # one global batch of similar lengths, dealt so each rank's tokens are balanced
                 steps.append(_balanced_split(part[b : b + global_size], self.lengths, self.num_replicas, True))
-        if self.shuffle:  # the order of batches, not their contents
-            g = torch.Generator().manual_seed(self.seed + self.epoch + 1_000_003)
-            steps = [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
-        return steps
+        return self.shuffle_steps(steps)
 
 
 class TokenBudgetBatchSampler(_EpochBatchSampler):
@@ -146,10 +151,7 @@ class TokenBudgetBatchSampler(_EpochBatchSampler):
                 batch.append(i)
             if len(batch) >= world:  # a last, smaller batch; fewer than `world` samples are dropped
                 steps.append(_balanced_split(batch, self.lengths, world, False))
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch + 1_000_003)
-            steps = [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
-        return steps
+        return self.shuffle_steps(steps)
 
 
 class WeightedBatchSampler(_EpochBatchSampler):
