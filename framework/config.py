@@ -230,11 +230,12 @@ class OptimConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb | none
-    project: str = "hydradist"
+    name: str = "wandb"  # wandb | tensorboard | all (wandb and tensorboard) | none
+    project: str = "hydradist"  # W&B
     entity: str | None = None
-    mode: str = "offline"  # offline | online | disabled
-    group: str | None = None
+    mode: str = "offline"  # W&B: offline | online | disabled
+    group: str | None = None  # W&B group; null: in a multirun, the sweep directory's name
+    run_name: str | None = None  # null: set by train.py (a sweep job: its overrides)
     tags: list[str] = field(default_factory=list)
 
 
@@ -245,6 +246,7 @@ class LoggerConfig:
 class LaunchConfig:
     nproc_per_node: int | None = None  # null: 1 for parallel=none, else one per GPU (CPU: 2)
     max_restarts: int = 0
+    master_port: int | None = None  # srun without torchrun: the rendezvous port (null: from the job id)
     monitor_interval_s: float = 0.1
     start_method: str = "spawn"
 
@@ -265,6 +267,11 @@ class MetricsConfig:
 
 
 @dataclass
+class SweepConfig:
+    skip_done: bool = False  # a rerun of a multirun skips the jobs whose summary says ok
+
+
+@dataclass
 class Config:
     backend: Any = MISSING
     parallel: Any = MISSING
@@ -282,6 +289,8 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    optimize: str = "tokens_per_s"  # what the task returns to a sweeper: tokens_per_s | samples_per_s | final_loss
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
@@ -335,7 +344,8 @@ ALLOWED = {
     "memory.name": ("none", "checkpoint", "offload"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "constant"),
-    "logger.name": ("wandb", "none"),
+    "logger.name": ("wandb", "tensorboard", "all", "none"),
+    "optimize": ("tokens_per_s", "samples_per_s", "final_loss"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
@@ -620,7 +630,9 @@ def world_size_of(cfg: DictConfig) -> int:
     """The world the run will have: the launcher's (torchrun sets WORLD_SIZE) or ours."""
     import os
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    from framework.dist import launched_as_worker
+
+    if launched_as_worker():
         return int(os.environ["WORLD_SIZE"])
     return resolve_nproc(cfg)
 

@@ -7,6 +7,7 @@ issues) names a group of ranks, not a tensor dim.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +32,48 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+
+def restart_count() -> int:
+    """How often torch's elastic agent has restarted the workers (0: first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def launched_as_worker() -> bool:
+    """True when an outside launcher (torchrun, srun, ...) started this process as one rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def slurm_task() -> bool:
+    """True under `srun` with several tasks and no torchrun in between: each task is one rank."""
+    env = os.environ
+    needed = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    return "RANK" not in env and all(k in env for k in needed) and bool(nodelist) and int(env["SLURM_NTASKS"]) > 1
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[007-009,012],cpu1" -> "gpu007"."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+    prefix, ranges = match.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def adopt_slurm_env(master_port: int | None = None) -> None:
+    """Under srun (see `slurm_task`) this process is rank SLURM_PROCID of SLURM_NTASKS: export
+    the variables torch.distributed reads. MASTER_ADDR: the job's first host unless set;
+    MASTER_PORT: `master_port`, else derived from the job id (every task derives the same)."""
+    env = os.environ
+    nodelist = env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env["SLURM_LOCALID"]
+    env["LOCAL_WORLD_SIZE"] = re.match(r"\d+", per_node).group(0)  # "4(x2)": 4 tasks on each of 2 nodes
+    env.setdefault("MASTER_ADDR", first_host(nodelist))
+    env.setdefault("MASTER_PORT", str(master_port or 20000 + int(env["SLURM_JOB_ID"]) % 20000))
 
 
 def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init_method: str = "env") -> DistInfo:
@@ -63,7 +106,7 @@ def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init
                 is_master=False,
                 timeout=timeout,
             )
-            prefix = f"hydradist/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            prefix = f"hydradist/restart{restart_count()}"
             dist.init_process_group(
                 backend,
                 store=dist.PrefixStore(prefix, store),

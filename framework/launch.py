@@ -3,15 +3,19 @@
 Three ways a process reaches ``main``:
 - ``python train.py`` on a workstation: start ``launch.nproc_per_node`` workers with torch's
   elastic launcher (the engine behind torchrun) on a free port, wait, report;
-- ``torchrun ... train.py`` / SLURM: the launcher already set RANK and WORLD_SIZE, so this process
-  is one worker: train directly;
+- ``torchrun ... train.py`` (also ``srun torchrun``): the launcher already set RANK and
+  WORLD_SIZE, so this process is one worker: train directly;
+- ``srun python train.py`` with several tasks (SLURM_PROCID/SLURM_NTASKS set, RANK absent): this
+  task is rank SLURM_PROCID; the torch.distributed variables are derived from SLURM's;
 - ``parallel=none``: one process, no process group: train in this process.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import math
 import os
 import sys
 import uuid
@@ -19,30 +23,31 @@ from datetime import datetime
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_nproc, validate
+from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 
 log = logging.getLogger(__name__)
 
 GROUPS = ("backend", "parallel", "precision", "memory", "data", "model", "optim", "logger")
 
 
-def launched_as_worker() -> bool:
-    """True when an outside launcher (torchrun, srun, ...) started this process as one rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 @functools.cache
 def _run_id() -> str:
-    # One run directory per run, never one per rank: every rank of a torchrun job resolves the
-    # same name (the rendezvous id, else the master port); a local run uses the time.
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    # One run directory per run, never one per rank: every rank of a job resolves the same name
+    # from what its launcher shares (the SLURM job and step, the rendezvous id, else the master
+    # port), never from the clock, which may differ between nodes. A local run uses the time.
+    env = os.environ
+    if slurm_task():
+        return f"jobs/slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
     if launched_as_worker() and run_id != "none":
-        return f"torchrun-{run_id}"
-    if launched_as_worker() and "MASTER_PORT" in os.environ:
-        return f"torchrun-{os.environ.get('MASTER_ADDR', 'localhost')}-{os.environ['MASTER_PORT']}"
-    return datetime.now().strftime("%H-%M-%S-%f")
+        return f"jobs/torchrun-{run_id}"
+    if launched_as_worker() and "MASTER_PORT" in env:
+        return f"jobs/torchrun-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}"
+    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
 
 
 _SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob
@@ -66,8 +71,26 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
 
 
-def main(cfg: DictConfig) -> dict[str, Any] | None:
-    """Hydra task function: returns rank 0's summary (so sweeps and tests can read it)."""
+class RunFailed(RuntimeError):
+    """A worker failed; its error has been printed and the summary says "failed"."""
+
+
+def main(cfg: DictConfig) -> float | None:
+    """Hydra task function. Returns the figure a sweeper optimises (`optimize`: tokens/s by
+    default), NaN for a failed run (a search scores it as a failed trial), None on ranks > 0."""
+    if slurm_task():
+        adopt_slurm_env(cfg.launch.master_port)  # srun started this process as one rank
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    choices = {g: cfg[g].name for g in GROUPS}
+    choices["experiment"] = hydra_cfg.runtime.choices.get("experiment")
+
+    if sweeping and cfg.sweep.skip_done:
+        done = finished_summary(run_dir)
+        if done is not None:
+            print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
+            return objective(done, cfg.optimize)
     try:
         validate(cfg)
         if launched_as_worker() and cfg.parallel.name == "none" and int(os.environ["WORLD_SIZE"]) != 1:
@@ -77,20 +100,74 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
             )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        if not sweeping:
+            sys.exit(2)
+        # one bad job of a sweep: recorded as failed, the others still run
+        write_failed_summary(run_dir, f"ConfigError: {err}", choices)
+        return failed_job(hydra_cfg, err)
 
-    hydra_cfg = HydraConfig.get()
-    run_dir = hydra_cfg.runtime.output_dir
     config = OmegaConf.to_container(cfg, resolve=True)
-    choices = {g: cfg[g].name for g in GROUPS}
-    choices["experiment"] = hydra_cfg.runtime.choices.get("experiment")
+    if sweeping:
+        # the W&B runs of one sweep share a group (the sweep directory's name); each is named by
+        # the overrides that set it apart
+        config["logger"]["group"] = config["logger"]["group"] or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
+        config["logger"]["run_name"] = hydra_cfg.job.override_dirname or None
 
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
     export_backend_env(backend_env(cfg.backend))
-    if launched_as_worker() or cfg.parallel.name == "none":
-        return worker_main(config, run_dir, choices)
-    return launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
+    try:
+        if launched_as_worker() or cfg.parallel.name == "none":
+            summary = worker_main(config, run_dir, choices)
+        else:
+            summary = launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
+    except RunFailed as err:
+        if not sweeping:
+            sys.exit(1)
+        return failed_job(hydra_cfg, err)  # the worker's error is printed and in its summary
+    except Exception as err:
+        if not sweeping:
+            raise
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)  # parallel=none runs in-process
+        return failed_job(hydra_cfg, err)
+    return None if summary is None else objective(summary, cfg.optimize)
+
+
+def failed_job(hydra_cfg: Any, err: Exception) -> float:
+    """What a failed sweep job returns. Hydra's basic sweeper stops the whole sweep when a job
+    raises, so there the job returns NaN and the others run on; a search (Optuna) records a job
+    that raises as a failed trial (up to the sweeper's `max_failure_rate`), so there it raises."""
+    if "BasicSweeper" in str(hydra_cfg.sweeper.get("_target_", "")):
+        return math.nan
+    raise RunFailed(str(err)) from None
+
+
+OBJECTIVES = ("tokens_per_s", "samples_per_s", "final_loss")
+
+
+def objective(summary: dict[str, Any], optimize: str) -> float:
+    """The figure a sweeper optimises, from a run's summary; NaN for a failed run or a figure
+    the run does not have (tokens/s of an image model)."""
+    if summary.get("status") != "ok":
+        return math.nan
+    value = summary["final_loss"] if optimize == "final_loss" else summary["throughput"].get(optimize)
+    return math.nan if value is None else float(value)
+
+
+def finished_summary(run_dir: str) -> dict[str, Any] | None:
+    """The summary of a run that already finished ok in `run_dir`, else None."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return summary if summary.get("status") == "ok" else None
+
+
+def write_failed_summary(run_dir: str, error: str, choices: dict[str, str]) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump({"status": "failed", "error": error, "choices": choices}, f, indent=2)
 
 
 def local_launch_config(
@@ -129,13 +206,12 @@ def launch_local_workers(
     try:
         results = elastic_launch(launch_config, worker_main)(config, run_dir, choices)
     except ChildFailedError as err:
-        for rank, failure in sorted(err.failures.items()):
-            print(
-                f"error: worker rank {rank} failed (exit code {failure.exitcode}): {_failure_message(failure)}",
-                file=sys.stderr,
-            )
+        errors = [f"worker rank {rank} failed (exit code {failure.exitcode}): {_failure_message(failure)}"
+                  for rank, failure in sorted(err.failures.items())]  # fmt: skip
+        for line in errors:
+            print(f"error: {line}", file=sys.stderr)
         print(f"error: run failed; its files are in {run_dir}", file=sys.stderr)
-        sys.exit(1)
+        raise RunFailed(errors[0]) from None
     return results.get(0)
 
 

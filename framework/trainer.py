@@ -27,6 +27,7 @@ from framework.dist import (
     all_reduce_sum,
     destroy_distributed,
     init_distributed,
+    restart_count,
 )
 from framework.memory import (
     SavedActivationMeter,
@@ -88,7 +89,7 @@ class Parts:
 def restart_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
     """After the elastic agent restarts the workers (a worker died; launch.max_restarts), the
     run's latest checkpoint, if it saved one: the restarted run continues from there."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    if restart_count() == 0:
         return None
     return checkpoint.latest(os.path.dirname(checkpoint_dir(cfg, run_dir, 0)))
 
@@ -386,7 +387,7 @@ def inject_fault(step: int, info: DistInfo) -> None:
     """Fault injection for testing elastic restarts: with HYDRADIST_FAULT="RANK:STEP" in the
     environment, that rank exits abruptly before that step, on the first attempt only."""
     fault = os.environ.get("HYDRADIST_FAULT")
-    if fault and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    if fault and restart_count() == 0:
         rank, at = (int(x) for x in fault.split(":"))
         if info.rank == rank and step == at:
             os._exit(17)

@@ -69,3 +69,51 @@ def _worker(fn, args):
         return fn(dist.get_rank(), dist.get_world_size(), *args)
     finally:
         destroy_distributed()
+
+
+def wandb_runs(folder: Path) -> list[dict[str, Any]]:
+    """The W&B runs written offline under `folder` (any depth): for each, its group, name, tags
+    and summary keys, read back from the run's `.wandb` transaction log (the file `wandb sync`
+    uploads: W&B's LevelDB-style log of protobuf records, in 32 KiB blocks of 7-byte-headed chunks)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    runs = []
+    for path in sorted(Path(folder).rglob("offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", path
+        run: dict[str, Any] = {"path": path, "summary": set()}
+        pos, chunk = 7, b""  # after the file header: ":W&B", magic, version
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            if left < 7:  # a block's tail too short for a header is padding
+                pos += left
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if length == 0 and kind == 0:
+                pos += left
+                continue
+            chunk += data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a full record, or the last chunk of one
+                record = pb.Record()
+                record.ParseFromString(chunk)
+                chunk = b""
+                if record.WhichOneof("record_type") == "run":
+                    run |= {"group": record.run.run_group, "name": record.run.display_name,
+                            "tags": list(record.run.tags)}  # fmt: skip
+                elif record.WhichOneof("record_type") == "summary":
+                    run["summary"] |= {"/".join(u.nested_key) or u.key for u in record.summary.update}
+        runs.append(run)
+    return runs
+
+
+def is_png_with_content(path: Path) -> bool:
+    """A PNG that decodes to an image with more than one colour (not a blank canvas)."""
+    import matplotlib.image
+
+    if Path(path).read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+        return False
+    pixels = matplotlib.image.imread(str(path))
+    return pixels.ndim == 3 and min(pixels.shape[:2]) > 50 and float(pixels.std()) > 0.01

@@ -1,0 +1,371 @@
+"""A sweep's comparison: `python -m framework.report DIR` writes DIR/report.md and PNG plots.
+
+DIR is a multirun directory (or any folder holding run directories: a folder with a
+`summary.json`, at any depth). One row per run with its choices and the figures that decide
+between strategies: tokens/s, MFU, per-rank memory by kind, wire bytes per step, load imbalance,
+final loss. The best value of each column is in bold; the fastest run that finished is named,
+with its lead over the next one. Failed runs are listed with their errors.
+
+At the end of a multirun the report is written by `SweepReport`, a Hydra callback
+(`hydra.callbacks.report` in conf/config.yaml); with W&B on it is also logged as one run of the
+sweep's group. This module imports no torch: reports are quick to make anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MB = 1e6
+MEMORY_KINDS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes")
+CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
+
+
+@dataclass
+class Run:
+    """One run directory as the report sees it."""
+
+    path: Path
+    name: str  # relative to the report's folder
+    summary: dict[str, Any]
+    overrides: list[str]
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    label: str = ""  # set by label_runs
+
+    @property
+    def ok(self) -> bool:
+        return self.summary.get("status") == "ok"
+
+    @property
+    def choices_label(self) -> str:
+        choices = self.summary.get("choices") or {}
+        return ",".join(f"{k}={choices[k]}" for k in ("parallel", "precision", "memory") if choices.get(k))
+
+
+def label_runs(runs: list[Run]) -> list[str]:
+    """Give each run the label that tells it apart: its overrides that not every run shares
+    (the swept ones), else its choices. Returns the overrides every run shares."""
+    overrides = [[o for o in r.overrides if not o.startswith("hydra")] for r in runs]
+    common = [o for o in overrides[0] if all(o in other for other in overrides)] if overrides else []
+    for run, own in zip(runs, overrides, strict=True):
+        run.label = ",".join(o for o in own if o not in common) or run.choices_label or run.name
+    return common
+
+
+def find_runs(root: Path) -> list[Run]:
+    """Every run directory under `root` (one that has a summary.json), in a stable order: job
+    numbers numerically, then names."""
+    runs = []
+    for summary_path in root.rglob("summary.json"):
+        if "wandb" in summary_path.parts:
+            continue
+        run_dir = summary_path.parent
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            summary = {"status": "failed", "error": f"unreadable summary.json: {err}"}
+        runs.append(Run(run_dir, str(run_dir.relative_to(root)) or ".", summary, _overrides(run_dir), _losses(run_dir)))
+
+    def order(run: Run) -> tuple:
+        return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in Path(run.name).parts)
+
+    runs.sort(key=order)
+    label_runs(runs)
+    return runs
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    # the file is a YAML list of strings: "- key=value"
+    return [line[2:].strip().strip("'\"") for line in lines if line.startswith("- ")]
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill: the rest still reports
+        if record.get("loss") is not None:
+            out.append((record["step"], record["loss"]))
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+# (header, getter, better): better is "max", "min" or None (not ranked)
+def _memory(kind: str):
+    return lambda s: _mb((s.get("memory") or {}).get(kind))
+
+
+def _mb(value: float | None) -> float | None:
+    return None if value is None else value / MB
+
+
+def _comm_wire(s: dict[str, Any]) -> float | None:
+    comm = s.get("comm") or {}
+    return _mb(comm.get("wire_bytes", comm.get("bytes")))
+
+
+COLUMNS = [
+    ("tokens/s", lambda s: (s.get("throughput") or {}).get("tokens_per_s"), "max"),
+    ("samples/s", lambda s: (s.get("throughput") or {}).get("samples_per_s"), "max"),
+    ("MFU", lambda s: s.get("mfu"), "max"),
+    ("params MB", _memory("param_bytes"), "min"),
+    ("grads MB", _memory("grad_bytes"), "min"),
+    ("optim MB", _memory("optim_bytes"), "min"),
+    ("activations MB", _memory("activation_bytes"), "min"),
+    ("comm wire MB/step", _comm_wire, "min"),
+    ("imbalance", lambda s: (s.get("load_balance") or {}).get("imbalance"), "min"),
+    ("final loss", lambda s: s.get("final_loss"), "min"),
+]
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.3g}" if abs(value) >= 0.001 else f"{value:.2e}"
+    return str(value)
+
+
+def speed(run: Run) -> float | None:
+    """The figure that ranks runs by speed: tokens/s for sequence models, else samples/s."""
+    rates = run.summary.get("throughput") or {}
+    return rates.get("tokens_per_s") or rates.get("samples_per_s")
+
+
+def fastest(runs: list[Run]) -> tuple[Run, float | None] | None:
+    """The fastest run that finished, and its lead: its speed over the next fastest's."""
+    ranked = sorted((r for r in runs if r.ok and speed(r)), key=speed, reverse=True)
+    if not ranked:
+        return None
+    lead = speed(ranked[0]) / speed(ranked[1]) if len(ranked) > 1 else None
+    return ranked[0], lead
+
+
+def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
+    common = label_runs(runs)
+    ok = [r for r in runs if r.ok]
+    failed = [r for r in runs if not r.ok]
+    # only the columns some run has a value for (samples/s for image models, MFU where known)
+    columns = [c for c in COLUMNS if any(c[1](r.summary) is not None for r in ok)]
+    if any((r.summary.get("throughput") or {}).get("tokens_per_s") for r in ok):
+        columns = [c for c in columns if c[0] != "samples/s"]
+    best = {}
+    for header, get, better in columns:
+        values = [v for v in (get(r.summary) for r in ok) if v is not None]
+        if better and len(set(values)) > 1:  # a tie everywhere marks nothing
+            best[header] = max(values) if better == "max" else min(values)
+
+    lines = [f"# Sweep report: {title}", ""]
+    lead = fastest(runs)
+    if lead:
+        run, ratio = lead
+        unit = "tokens/s" if (run.summary.get("throughput") or {}).get("tokens_per_s") else "samples/s"
+        lead_text = f", {ratio:.2f}x the next fastest" if ratio else " (the only run that finished)"
+        lines += [f"**Fastest:** `{run.label}` (job `{run.name}`): {_fmt(speed(run))} {unit}{lead_text}.", ""]
+    lines += [f"{len(runs)} runs: {len(ok)} ok, {len(failed)} failed. Best value of each column in bold."]
+    if common:
+        lines += [f"Every run: `{' '.join(common)}`."]
+    lines += [""]
+
+    head = ["job", "overrides", "world", *CHOICE_KEYS[:3], *(c[0] for c in columns)]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in ok:
+        choices = run.summary.get("choices") or {}
+        cells = [run.name, f"`{run.label}`", _fmt(run.summary.get("world_size"))]
+        cells += [str(choices.get(k, "-")) for k in CHOICE_KEYS[:3]]
+        for header, get, _ in columns:
+            value = get(run.summary)
+            text = _fmt(value)
+            cells.append(f"**{text}**" if value is not None and best.get(header) == value else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    if failed:
+        lines += ["", "## Failed", "", "| job | overrides | error |", "|---|---|---|"]
+        for run in failed:
+            error = str(run.summary.get("error") or "no error recorded").replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {run.name} | `{run.label}` | {error[:300]} |")
+    lines += [
+        "",
+        "Memory is per rank (the largest rank), model state from the tensors each rank holds and "
+        "activations saved for backward in one micro-batch; comm is wire bytes per optimizer step "
+        "under ring algorithms; imbalance is the busiest data-parallel rank's work over the mean.",
+    ]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot(runs: list[Run], out_dir: Path) -> list[str]:
+    """The four comparison plots as PNGs in `out_dir`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in runs if r.ok]
+    positions = list(range(len(ok)))
+    paths = []
+
+    def bars(ax, values, bottom=None, **kw):
+        ax.bar(positions, values, bottom=bottom, **kw)
+        ax.set_xticks(positions, [r.name for r in ok])
+
+    def save(fig, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(str(path))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        if run.losses:
+            steps, values = zip(*run.losses, strict=True)
+            ax.plot(steps, values, label=f"{run.name}: {run.label}"[:60], linestyle="-" if run.ok else ":")
+    ax.set(xlabel="optimizer step", ylabel="loss", title="Loss")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    unit = "tokens/s" if any((r.summary.get("throughput") or {}).get("tokens_per_s") for r in ok) else "samples/s"
+    bars(ax, [speed(r) or 0 for r in ok], color="tab:blue")
+    ax.set(xlabel="job", ylabel=unit, title=f"Throughput ({unit})")
+    save(fig, "throughput.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(ok)
+    for kind in MEMORY_KINDS:
+        values = [((r.summary.get("memory") or {}).get(kind) or 0) / MB for r in ok]
+        bars(ax, values, bottom=bottom, label=kind.removesuffix("_bytes"))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set(xlabel="job", ylabel="MB per rank", title="Memory per rank")
+    ax.legend(fontsize=7)
+    save(fig, "memory.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ops = sorted({op for r in ok for op in ((r.summary.get("comm") or {}).get("by_op") or {})})
+    bottom = [0.0] * len(ok)
+    for op in ops:
+        values = [(((r.summary.get("comm") or {}).get("by_op") or {}).get(op, {}).get("bytes", 0)) / MB for r in ok]
+        bars(ax, values, bottom=bottom, label=op)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set(xlabel="job", ylabel="payload MB per step", title="Communication by collective")
+    if ops:
+        ax.legend(fontsize=7)
+    save(fig, "comm.png")
+    return paths
+
+
+def write_report(root: str | os.PathLike) -> tuple[Path, list[Run]]:
+    """Write root/report.md and the plots; returns the report's path and the runs it read."""
+    root = Path(root)
+    runs = find_runs(root)
+    plots = plot(runs, root) if runs else []
+    path = root / "report.md"
+    path.write_text(markdown(runs, str(root), plots))
+    return path, runs
+
+
+# ----------------------------------------------------------------------------- W&B
+
+
+def log_to_wandb(root: Path, runs: list[Run], logger: Any) -> str | None:
+    """Log the table and plots as one W&B run of the sweep's group (offline by default).
+    Returns the offline run folder (to `wandb sync`), or None."""
+    import wandb
+
+    columns = ["job", "overrides", "status", *(c[0] for c in COLUMNS)]
+    table = wandb.Table(columns=columns)
+    for run in runs:
+        table.add_data(run.name, run.label, run.summary.get("status"), *(c[1](run.summary) for c in COLUMNS))
+    wb = wandb.init(
+        project=logger.project,
+        entity=logger.entity,
+        mode=logger.mode,
+        dir=str(root),
+        group=logger.group or root.name,
+        name=f"report-{root.name}",
+        job_type="report",
+        settings=wandb.Settings(x_disable_stats=True, console="off"),
+    )
+    images = {p.stem: wandb.Image(str(p)) for p in sorted(root.glob("*.png"))}
+    wb.log({"report": table, **images})
+    offline = os.path.dirname(wb.dir) if wb.settings.mode == "offline" else None
+    wb.finish()
+    return offline
+
+
+# ----------------------------------------------------------------------------- Hydra callback
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra is a dependency; this keeps the CLI importable
+    Callback = object  # type: ignore[assignment,misc]
+
+
+class SweepReport(Callback):
+    """At the end of a multirun: the report in the sweep directory (and on W&B when it is on).
+
+    A basic sweep with failed jobs then exits non-zero (after the report): the failures are listed
+    and nothing is lost. A search (Optuna) scores failures as failed trials and exits 0."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        root = Path(config.hydra.sweep.dir)
+        if not root.is_dir():
+            return
+        path, runs = write_report(root)
+        print(f"sweep report: {path}", flush=True)
+        if runs and config.logger.name in ("wandb", "all") and config.logger.mode != "disabled":
+            offline = log_to_wandb(root, runs, config.logger)
+            if offline:
+                print(f"W&B offline report run: {offline}  (upload later with: wandb sync {offline})", flush=True)
+        failed = [r for r in runs if not r.ok]
+        searching = "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", ""))
+        if failed and not searching:
+            print(
+                f"error: {len(failed)} of {len(runs)} jobs failed: {', '.join(r.name for r in failed)}", file=sys.stderr
+            )
+            sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", help="a multirun directory, or any folder of run directories")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.dir):
+        print(f"error: dir: no folder at {args.dir!r}", file=sys.stderr)
+        sys.exit(2)
+    path, runs = write_report(args.dir)
+    if not runs:
+        print(f"error: dir: no run directories (with a summary.json) under {args.dir!r}", file=sys.stderr)
+        sys.exit(2)
+    print(path.read_text().split("\n\n## Plots")[0])
+    print(f"\nreport: {path}")
+
+
+if __name__ == "__main__":
+    main()

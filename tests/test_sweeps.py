@@ -1,0 +1,234 @@
+"""Sweeps that end in a decision: grouped W&B runs, the comparison report, TensorBoard, knob
+search with Optuna, the submitit launcher, failed and resumed sweeps, every preset, SLURM tasks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from framework.dist import first_host
+from framework.launch import objective
+from framework.report import fastest, find_runs, markdown
+from tests.helpers import CONF, ROOT, is_png_with_content, losses, read_summary, train_cli, wandb_runs
+
+SMOKE = ["experiment=smoke", "steps=3"]
+
+
+def summaries(sweep: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/summary.json")}
+
+
+def test_a_strategy_sweep_groups_its_wandb_runs_and_ends_in_a_report(tmp_path):
+    sweep = tmp_path / "ddp-vs-fsdp"
+    proc = train_cli(["-m", *SMOKE, "logger=wandb", "parallel=ddp,fsdp", "precision=fp32,bf16",
+                      f"hydra.sweep.dir={sweep}"], timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(s["status"] == "ok" for s in summaries(sweep).values()) and len(summaries(sweep)) == 4
+
+    # four job runs in one group named after the sweep directory, each named by its overrides,
+    # tagged with its choices, with the summary's figures in the W&B run summary
+    runs = wandb_runs(sweep)
+    jobs = [r for r in runs if not r["name"].startswith("report-")]
+    assert len(jobs) == 4 and {r["group"] for r in runs} == {"ddp-vs-fsdp"}
+    names = {r["name"].rsplit("-", 1)[0] for r in jobs}
+    assert names == {
+        f"experiment=smoke,logger=wandb,parallel={p},precision={q},steps=3"
+        for p in ("ddp", "fsdp")
+        for q in ("fp32", "bf16")
+    }
+    assert all(f"parallel={r['name'].split('parallel=')[1].split(',')[0]}" in r["tags"] for r in jobs)
+    for key in (
+        "throughput/tokens_per_s",
+        "memory/param_bytes",
+        "comm/wire_bytes",
+        "load_balance/imbalance",
+        "final_loss",
+    ):
+        assert all(key in r["summary"] for r in jobs), key
+    assert len(runs) == 5  # and the report itself, logged as one run of the group
+
+    report = (sweep / "report.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    assert len(rows) == 4
+    assert "**Fastest:**" in report and "parallel=" in report
+    pngs = sorted(sweep.glob("*.png"))
+    assert {p.name for p in pngs} >= {"loss.png", "throughput.png", "memory.png", "comm.png"}
+    assert all(is_png_with_content(p) for p in pngs)
+    # FSDP shards the model state: its memory column is smaller than DDP's, and bolded as best
+    by_parallel = {s["choices"]["parallel"]: s for s in summaries(sweep).values()}
+    assert by_parallel["fsdp"]["memory"]["param_bytes"] < by_parallel["ddp"]["memory"]["param_bytes"]
+
+
+def test_report_marks_the_best_of_each_column_and_names_the_fastest_run(tmp_path):
+    def job(num: int, parallel: str, tokens: float, params: float, status: str = "ok") -> None:
+        run = tmp_path / str(num)
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text(f"- parallel={parallel}\n- steps=3\n")
+        summary = {"status": status, "choices": {"parallel": parallel}, "world_size": 2, "final_loss": 2.0,
+                   "throughput": {"tokens_per_s": tokens, "samples_per_s": tokens / 32},
+                   "memory": {"param_bytes": params}}  # fmt: skip
+        if status != "ok":
+            summary = {"status": status, "error": "RuntimeError: out of memory", "choices": {"parallel": parallel}}
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n')
+
+    job(0, "ddp", 1000.0, 4e6)
+    job(1, "fsdp", 800.0, 2e6)
+    job(2, "tp", 2000.0, 2e6, status="failed")
+    job(10, "pp", 500.0, 2e6)
+    runs = find_runs(tmp_path)
+    assert [r.name for r in runs] == ["0", "1", "2", "10"]  # job numbers in numeric order
+    best, lead = fastest(runs)
+    assert best.name == "0" and lead == pytest.approx(1000 / 800)  # the failed run does not count
+    text = markdown(runs, "t", [])
+    assert "`parallel=ddp` (job `0`): 1,000 tokens/s, 1.25x the next fastest" in text
+    row = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "**1,000**" in row["0"] and "**2**" in row["1"] and "**2**" in row["10"] and "**4**" not in row["0"]
+    assert "Every run: `steps=3`" in text
+    assert "| 2 | `parallel=tp` | RuntimeError: out of memory |" in text
+
+
+def test_tensorboard_logger_writes_events_tensorboards_reader_loads(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    proc = train_cli([*SMOKE, "steps=5", "logger=tensorboard"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4, 5]
+    assert [e.value for e in loss] == pytest.approx(losses(run), rel=1e-6)
+    assert "summary/throughput/tokens_per_s" in events.Tags()["scalars"]
+    assert "_hparams_/experiment" in events.summary_metadata  # the HPARAMS tab: choices vs figures
+    assert not (run / "wandb").exists()
+
+
+def test_logger_all_writes_wandb_and_tensorboard(tmp_path):
+    run = tmp_path / "run"
+    proc = train_cli([*SMOKE, "steps=2", "logger=all"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(wandb_runs(run)) == 1 and list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_an_optuna_search_runs_its_trials_and_scores_a_failing_one_as_failed(tmp_path):
+    """A search preset of the user's own (found on hydra.searchpath) over a knob that makes some
+    trials fail: the search finishes, the failure is a failed trial, the best knob is reported."""
+    presets = tmp_path / "conf" / "hparams_search"
+    presets.mkdir(parents=True)
+    (presets / "flaky.yaml").write_text(
+        (CONF / "hparams_search" / "fastest_ddp.yaml").read_text().split("    params:")[0]
+        + "    params:\n      data.max_bytes: choice(10, 200000)\n      data.batch_size: choice(2, 4)\n"
+    )
+    sweep = tmp_path / "search"
+    proc = train_cli(["hparams_search=flaky", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", *SMOKE,
+                      "logger=none", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1",
+                      f"hydra.sweep.dir={sweep}"], timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = (sweep / "optimization_results.yaml").read_text()
+    assert "best_params:" in results and "data.max_bytes: 200000" in results
+    best = float(results.split("best_value:")[1])
+    jobs = summaries(sweep)
+    assert len(jobs) == 3
+    failed = [s for s in jobs.values() if s["status"] == "failed"]
+    assert failed and all("corpus holds 10 bytes" in s["error"] for s in failed)  # the seed gives one
+    assert best == pytest.approx(max(s["throughput"]["tokens_per_s"] for s in jobs.values() if s["status"] == "ok"))
+    assert "Failed experiment" in proc.stderr + proc.stdout and (sweep / "report.md").exists()
+
+
+def test_objective_is_the_chosen_figure_and_nan_for_a_failed_run():
+    ok = {"status": "ok", "final_loss": 2.5, "throughput": {"tokens_per_s": 100.0, "samples_per_s": None}}
+    assert objective(ok, "tokens_per_s") == 100.0 and objective(ok, "final_loss") == 2.5
+    assert math.isnan(objective(ok, "samples_per_s")) and math.isnan(objective({"status": "failed"}, "final_loss"))
+
+
+def test_submitit_local_launcher_runs_a_two_rank_ddp_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = train_cli(["-m", "hydra/launcher=submitit_local", *SMOKE, "logger=none", f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(sweep / "0")
+    assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["choices"]["parallel"] == "ddp"
+    assert list((sweep / ".submitit").rglob("*_result.pkl"))  # submitit ran it as its own job
+
+
+def test_slurm_launcher_preset_composes():
+    proc = subprocess.run([sys.executable, "train.py", "hydra/launcher=slurm", "--cfg", "hydra", "--package",
+                           "hydra.launcher"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "SlurmLauncher" in proc.stdout and "tasks_per_node: 8" in proc.stdout and "gpus_per_node: 8" in proc.stdout
+
+
+def test_a_failing_job_is_reported_and_a_rerun_with_skip_done_retrains_only_it(tmp_path):
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text("hello world, " * 2000)
+    bad.write_text("tiny")  # fewer bytes than one sequence: that job's workers fail
+    sweep = tmp_path / "sweep"
+    args = ["-m", *SMOKE, "logger=none", f"data.path={good},{bad}", f"hydra.sweep.dir={sweep}"]
+    proc = train_cli(args)
+    assert proc.returncode == 1  # after the report: one of two jobs failed
+    assert "1 of 2 jobs failed" in proc.stderr
+    jobs = summaries(sweep)
+    assert jobs["0"]["status"] == "ok" and jobs["1"]["status"] == "failed"
+    report = (sweep / "report.md").read_text()
+    assert "## Failed" in report and "fewer than seq_len+1" in report and "1 ok, 1 failed" in report
+
+    bad.write_text("hello world, " * 2000)  # fixed: a rerun retrains job 1 only
+    done_before = (sweep / "0" / "metrics.jsonl").stat().st_mtime_ns
+    proc = train_cli([*args, "sweep.skip_done=true"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skip: {sweep / '0'} already finished" in proc.stdout
+    assert (sweep / "0" / "metrics.jsonl").stat().st_mtime_ns == done_before
+    assert summaries(sweep)["1"]["status"] == "ok" and len(losses(sweep / "1")) == 3
+    assert "2 ok, 0 failed" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_preset_trains_two_steps(tmp_path, name):
+    run = tmp_path / "run"
+    proc = train_cli([f"experiment={name}", "steps=2", "logger=none"], run, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(run)
+    assert summary["status"] == "ok" and summary["steps"] == 2 and summary["choices"]["experiment"] == name
+
+
+def test_first_host_of_a_slurm_node_list():
+    assert first_host("gpu[007-009,012],cpu1") == "gpu007"
+    assert first_host("node12") == "node12"
+    assert first_host("a-b[1,3]") == "a-b1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_started_as_slurm_tasks_form_one_run(tmp_path):
+    """As `srun --ntasks=2 python train.py` starts them: SLURM variables, no RANK. They form one
+    2-rank run in one directory named after the job, with the losses of `python train.py`."""
+    args = [str(ROOT / "train.py"), *SMOKE, "logger=none", f"launch.master_port={_free_port()}"]
+    slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "localhost",
+             "SLURM_TASKS_PER_NODE": "2", "WANDB_MODE": "offline"}  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    procs = [
+        subprocess.Popen([sys.executable, *args], cwd=tmp_path, env={**base, **slurm, "SLURM_PROCID": str(r),
+                         "SLURM_LOCALID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    runs = list((tmp_path / "outputs" / "jobs").iterdir())
+    assert [r.name for r in runs] == ["slurm-4242-0"]  # one run directory, named from the job
+    assert read_summary(runs[0])["world_size"] == 2
+
+    local = tmp_path / "local"
+    proc = train_cli([*SMOKE, "logger=none"], local)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert losses(runs[0]) == pytest.approx(losses(local), rel=1e-6)
