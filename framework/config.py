@@ -267,6 +267,18 @@ class MetricsConfig:
 
 
 @dataclass
+class ProfilerConfig:
+    """profile=true: which steps torch.profiler traces (after `wait` steps, `warmup` traced and
+    discarded, then `active` recorded), and what it records."""
+
+    wait: int = 2
+    warmup: int = 1
+    active: int = 2
+    with_stack: bool = True  # Python stacks on every event
+    memory: bool = False  # CUDA: also the allocator's history, for the memory visualiser
+
+
+@dataclass
 class SweepConfig:
     skip_done: bool = False  # a rerun of a multirun skips the jobs whose summary says ok
 
@@ -290,6 +302,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    compile: bool = False  # torch.compile each transformer block (small models: the whole model)
+    profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     optimize: str = "tokens_per_s"  # what the task returns to a sweeper: tokens_per_s | samples_per_s | final_loss
 
 
@@ -423,6 +438,16 @@ def validate(cfg: DictConfig) -> None:
     _at_least(cfg, "metrics.sample_every", 0)
     _at_least(cfg, "memory.checkpoint_every", 1)
     _at_least(cfg, "memory.empty_cache_every", 0)
+    if cfg.profile:
+        for key in ("wait", "warmup", "active"):
+            _at_least(cfg, f"profiler.{key}", 1 if key == "active" else 0)
+        window = cfg.profiler.wait + cfg.profiler.warmup + cfg.profiler.active
+        _require(
+            cfg.steps >= window,
+            "profiler",
+            f"profile=true traces steps {cfg.profiler.wait + cfg.profiler.warmup + 1}..{window} "
+            f"(wait + warmup + active) but the run has steps={cfg.steps}; lower profiler.wait/active or raise steps",
+        )
     if cfg.launch.nproc_per_node is not None:
         _at_least(cfg, "launch.nproc_per_node", 1)
     _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import sys
+import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -75,9 +76,29 @@ class RunFailed(RuntimeError):
     """A worker failed; its error has been printed and the summary says "failed"."""
 
 
+def process_start_time() -> float:
+    """When this process started (Linux: /proc), else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after the name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+_jobs_started = 0
+
+
 def main(cfg: DictConfig) -> float | None:
     """Hydra task function. Returns the figure a sweeper optimises (`optimize`: tokens/s by
     default), NaN for a failed run (a search scores it as a failed trial), None on ranks > 0."""
+    # summary.startup_s counts from here: the process start for its first job, else this job's
+    # start (a sweep's later jobs); local workers inherit it
+    global _jobs_started
+    os.environ["HYDRADIST_START"] = str(process_start_time() if _jobs_started == 0 else time.time())
+    _jobs_started += 1
     if slurm_task():
         adopt_slurm_env(cfg.launch.master_port)  # srun started this process as one rank
     hydra_cfg = HydraConfig.get()

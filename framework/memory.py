@@ -17,21 +17,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from framework.modules import map_blocks
+
 
 def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
-    """Recompute every `every`-th block of ``model.blocks`` (a list, or a dict of a pipeline
-    stage's blocks) in backward instead of keeping its activations: non-reentrant
-    torch.utils.checkpoint. Returns how many blocks were wrapped."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList | nn.ModuleDict):
-        raise ValueError(f"memory=checkpoint: {type(model).__name__} has no `blocks` to checkpoint")
-    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else list(range(len(blocks)))
-    wrapped = 0
-    for i, key in enumerate(keys):
-        if i % every == 0:
-            blocks[key] = checkpoint_wrapper(blocks[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            wrapped += 1
-    return wrapped
+    """Recompute every `every`-th block of ``model.blocks`` in backward instead of keeping its
+    activations: non-reentrant torch.utils.checkpoint. Returns how many blocks were wrapped."""
+    try:
+        return map_blocks(model, lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT), every)
+    except ValueError as err:
+        raise ValueError(f"memory=checkpoint: {err} to checkpoint") from None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

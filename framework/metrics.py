@@ -1,51 +1,116 @@
-"""Throughput and model FLOPs utilisation (MFU).
+"""Throughput, model FLOPs utilisation (MFU) and hardware FLOPs utilisation (HFU).
 
-MFU = achieved model FLOP/s / peak FLOP/s of the devices. Model FLOPs per token for a transformer
-are 6N + 12·L·H·Q·T (PaLM, appendix B; as nanoGPT): 6N for forward+backward through N weights and
-12·L·H·Q·T for attention scores over T positions. Recomputation (checkpointing) is not counted:
-MFU measures useful work.
+MFU = achieved model FLOP/s / peak FLOP/s of the devices used. Model FLOPs per token are the
+model's own count (GPT: 6N over its matmul weights + 12·L·H·Q·T for attention, PaLM appendix B,
+as nanoGPT), taken from the plain model before any sharding, so every strategy divides the same
+work. HFU also counts the forward passes that activation checkpointing recomputes. The peak is
+a known GPU's datasheet figure, `metrics.peak_tflops` when set, or on a CPU a short matmul probe
+in the run's compute dtype, measured once per machine and cached.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import statistics
 import time
 
 import torch
 
 # Dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendor datasheets, no sparsity).
+# Matched as whole words of the device name, longest first: an "L40" is not an "L4".
 PEAK_TFLOPS = {
     "H200": 989.0,
     "H100": 989.0,
     "A100": 312.0,
     "L40S": 362.0,
+    "L40": 181.0,
     "A10G": 125.0,
     "L4": 121.0,
     "V100": 125.0,
 }
 
 
-def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
-    """Per-device peak FLOP/s: the configured figure, else a known GPU's datasheet, else None."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
+def gpu_peak_tflops(name: str) -> float | None:
+    """The table's peak for a CUDA device name ("NVIDIA H100 80GB HBM3"), or None."""
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){key}(?![A-Za-z0-9])", name):
+            return PEAK_TFLOPS[key]
     return None
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float | None:
+def peak_flops(device: torch.device, override_tflops: float | None, dtype: torch.dtype = torch.float32) -> float | None:
+    """Per-device peak FLOP/s: the configured figure, else a known GPU's datasheet, else (CPU)
+    the cached matmul probe; None for an unknown GPU."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        tflops = gpu_peak_tflops(torch.cuda.get_device_name(device))
+        return tflops * 1e12 if tflops else None
+    if device.type == "cpu":
+        return cpu_peak_flops(dtype)
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "cpu"
+
+
+def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.25) -> float:
+    """FLOP/s of square matmuls in `dtype` on this process's threads (the best of a few sizes),
+    measured once per CPU model, thread count, dtype and torch version, and cached in
+    ~/.cache/hydradist/peak_flops.json. Local workers probe at the same time, sharing the cores
+    as they will in training, so each measures its own share."""
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+    path = os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hydradist", "peak_flops.json"
+    )
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    best = 0.0
+    for n in (256, 512, 1024):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up
+        count, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds / 3 or count < 2:
+            a @ b
+            count += 1
+        best = max(best, 2 * n**3 * count / elapsed)
+    cache[key] = best
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cache, f, indent=1)
+    os.replace(tmp, path)  # concurrent probes: the last complete file wins, never a torn one
+    return best
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int | None, recomputed_blocks: int = 0) -> float | None:
+    """The model's training FLOPs per token (None for models that do not count theirs)."""
     fn = getattr(model, "flops_per_token", None)
-    return fn(seq_len) if fn is not None and seq_len is not None else None
+    if fn is None or seq_len is None:
+        return None
+    return fn(seq_len, recomputed_blocks) if recomputed_blocks else fn(seq_len)
 
 
-def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, world_size: int) -> float | None:
+def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, devices: int) -> float | None:
+    """Achieved FLOP/s over the peak of the `devices` used (with flops_per_tok counting
+    recomputation: HFU)."""
     if flops_per_tok is None or tokens_per_s is None or peak is None:
         return None
-    return flops_per_tok * tokens_per_s / (peak * world_size)
+    return flops_per_tok * tokens_per_s / (peak * devices)
 
 
 class Throughput:
@@ -111,7 +176,31 @@ class ForwardTimer:
         return seconds
 
 
+def max_over_mean(values: list[float] | tuple[float, ...]) -> float:
+    """How far the busiest of a group is above the group's mean (1.0: perfectly even)."""
+    return max(values) / (sum(values) / len(values))
+
+
 def compute_imbalance(per_rank: list[list[float]]) -> float | None:
     """Mean over steady steps (the first left out) of the slowest rank's time over the mean."""
     steps = [s for s in list(zip(*per_rank, strict=True))[1:] if sum(s) > 0]
-    return sum(max(s) / (sum(s) / len(s)) for s in steps) / len(steps) if steps else None
+    return sum(max_over_mean(s) for s in steps) / len(steps) if steps else None
+
+
+def load_balance(work: list[list[int]], slots: list[int], forward_s: list[list[float]]) -> dict:
+    """Load balance over the data-parallel ranks (one list per rank, one entry per step):
+    `imbalance`, per step the busiest rank's work (tokens, or samples for fixed-size data) over
+    the mean, averaged over steps, and its worst step; `padding_waste`, the share of token
+    positions computed on padding (or, under packing, masked at document boundaries); and the
+    forward-time imbalance (`compute_imbalance`: forward only, where a backward ends waiting for
+    the slowest rank; under FSDP and tensor parallel the forward holds collectives too)."""
+    per_step = [max_over_mean(s) for s in zip(*work, strict=True)]
+    total_work = sum(sum(w) for w in work)
+    return {
+        "imbalance": sum(per_step) / len(per_step) if per_step else None,
+        "max_imbalance": max(per_step, default=None),
+        "padding_waste": 1 - total_work / sum(slots) if sum(slots) else None,
+        "work_per_rank": [sum(w) for w in work],
+        "compute_imbalance": compute_imbalance(forward_s),
+        "forward_s_per_rank": [sum(f) for f in forward_s],
+    }

@@ -8,11 +8,10 @@ import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
@@ -29,6 +28,7 @@ from framework.dist import (
     init_distributed,
     restart_count,
 )
+from framework.loss import cross_entropy
 from framework.memory import (
     SavedActivationMeter,
     device_peak_bytes,
@@ -37,10 +37,11 @@ from framework.memory import (
     peak_rss_bytes,
     release_cached_memory,
 )
-from framework.metrics import ForwardTimer, Throughput, compute_imbalance, flops_per_token, mfu, peak_flops
+from framework.metrics import ForwardTimer, Throughput, flops_per_token, load_balance, mfu, peak_flops
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
 from framework.precision import Precision, build_precision
+from framework.profiling import build_profiler
 from framework.tracking import Tracker, build_tracker
 from models import build_model
 
@@ -73,17 +74,39 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass(frozen=True)
+class Flops:
+    """Training FLOPs per token: the model's (MFU), and with recomputation (HFU); None for models
+    that do not count theirs. `devices`: the accelerators (or CPU ranks) the run uses."""
+
+    model: float | None
+    hardware: float | None
+    devices: int
+
+
+def count_flops(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Flops:
+    seq_len = cfg.data.get("seq_len")
+    n_layer = cfg.model.get("n_layer", 0)
+    recomputed = -(-n_layer // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
+    # parallel=dp is one process driving every visible GPU
+    devices = torch.cuda.device_count() if cfg.parallel.name == "dp" else info.world_size
+    return Flops(flops_per_token(model, seq_len), flops_per_token(model, seq_len, recomputed), devices)
+
+
 @dataclass
 class Parts:
     """What a rank trains with, built once by `build`."""
 
-    model: nn.Module  # the plain model (FLOPs)
+    flops: Flops  # per token, counted on the plain model before any sharding
     par: Parallelized  # the module to run, its gradient-sync switch, its data-parallel coordinates
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: DataPipeline
     precision: Precision
     start_step: int
+    # Per-rank batch sizes: DDP/FSDP average gradients over ranks, so a rank with n_r of the
+    # step's N samples scales its mean loss by n_r x dp / N: the update is the mean over all N.
+    loss_weight: float = 1.0
 
 
 def restart_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
@@ -103,6 +126,7 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Parts:
     seed_everything(cfg.seed)
     model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"}
     model = build_model(cfg.model.name, **model_kwargs).to(info.device)
+    flops = count_flops(model, cfg, info)  # before sharding: every strategy counts the same work
     par = parallelize(model, cfg, info)
     optimizer = build_optimizer(par.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
@@ -115,7 +139,9 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Parts:
     task = "lm" if cfg.model.name == "gpt" else "classify"
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, task)
     precision = build_precision(cfg.precision, info.device)
-    return Parts(model, par, optimizer, scheduler, data, precision, start_step)
+    sizes = cfg.data.rank_batch_sizes
+    loss_weight = sizes[par.dp_rank] * par.dp_size / sum(sizes) if sizes else 1.0
+    return Parts(flops, par, optimizer, scheduler, data, precision, start_step, loss_weight)
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str]) -> dict[str, Any]:
@@ -134,158 +160,200 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
     return summary
 
 
-def loop(
-    cfg: DictConfig,
-    info: DistInfo,
-    parts: Parts,
-    files: RunFiles,
-    tracker: Tracker,
-    choices: dict[str, str],
-) -> dict[str, Any]:
-    par, optimizer, scheduler, data, precision = (
-        parts.par,
-        parts.optimizer,
-        parts.scheduler,
-        parts.data,
-        parts.precision,
-    )
-    accum = cfg.accumulation_steps
-    counts_tokens = cfg.data.name in ("text", "varlen")  # sequence data: report tokens/s
-    fpt = flops_per_token(parts.model, cfg.data.get("seq_len"))
-    peak = peak_flops(info.device, cfg.metrics.peak_tflops)
+@dataclass
+class RunStats:
+    """What one rank gathers over the loop, for the summary."""
+
+    losses: list[float]  # global mean loss per step, earlier attempts' steps included
+    throughput: Throughput = field(default_factory=Throughput)
+    work: list[int] = field(default_factory=list)  # tokens (samples for fixed-size data) per step
+    forward_s: list[float] = field(default_factory=list)  # forward seconds per step
+    slots: int = 0  # token positions computed, padding included
+    comm: list[dict[str, Any]] = field(default_factory=list)  # collectives of each sampled step
+    state_bytes: dict[str, int] = field(default_factory=dict)  # parameters, gradients, optimizer
+    first_step_s: float | None = None  # the first step's time (compilation included)
+    startup_s: float | None = None  # process start to the end of the first optimizer step
+
+
+@dataclass
+class StepFigures:
+    """One optimizer step's figures, the same on every rank after one small all-reduce."""
+
+    loss: float
+    tokens: int | None
+    samples: int
+    grad_norm: float
+    seconds: float
+
+
+def loop(cfg: DictConfig, info: DistInfo, parts: Parts, files: RunFiles, tracker: Tracker, choices: dict) -> dict:
+    par, data, accum = parts.par, parts.data, cfg.accumulation_steps
+    stats = RunStats(losses=list(files.prior_losses))
     meter = SavedActivationMeter(par.module)
-    throughput = Throughput()
-    local_work: list[int] = []  # tokens (samples for fixed-size data) per step, data-counting ranks
-    losses: list[float] = list(files.prior_losses)
-    state_bytes: dict[str, int] = {}
-    comm_samples: list[dict[str, Any]] = []  # this rank's collectives on the sampled steps
-    local_slots = 0  # token positions computed, padding included (padding waste)
     # this rank's forward time per step: compute with no gradient communication in it (DDP and
     # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
     forward_timer = ForwardTimer(info.device)
-    local_forward: list[float] = []
-    # Per-rank batch sizes: DDP/FSDP average gradients over ranks, so a rank with n_r of the
-    # step's N samples scales its mean loss by n_r x dp / N: the update is the mean over all N.
-    sizes = cfg.data.rank_batch_sizes
-    loss_weight = sizes[par.dp_rank] * par.dp_size / sum(sizes) if sizes else 1.0
-
+    peak = peak_flops(info.device, cfg.metrics.peak_tflops, parts.precision.dtype) if parts.flops.model else None
+    profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
     batches = data.batches(skip=parts.start_step * accum)
     progress = tqdm(  # rank 0 only
-        total=cfg.steps,
-        initial=parts.start_step,
-        disable=not (info.is_main and cfg.progress),
-        dynamic_ncols=True,
+        total=cfg.steps, initial=parts.start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
     )
     par.module.train()
-    for step in range(parts.start_step, cfg.steps):
-        inject_fault(step, info)
-        t0 = time.perf_counter()
-        step_batches = [next(batches) for _ in range(accum)]
-        epoch = step_batches[-1][0]
-        step_work = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
-        step_samples = sum(b[1].size(0) for _, b in step_batches)
-        local_slots += sum(data.slots_in(b) or 0 for _, b in step_batches)
-        # On a few sampled steps, count every collective (forward, backward, clipping, update)
-        # and the bytes saved for backward; both slow the step, so other steps run bare.
-        sampled = is_sampled(step, parts.start_step, cfg.steps, cfg.metrics.sample_every)
-        comm = CommCounter() if sampled else nullcontext()
+    with profiler:
+        for step in range(parts.start_step, cfg.steps):
+            inject_fault(step, info)
+            t0 = time.perf_counter()
+            step_batches = [next(batches) for _ in range(accum)]
+            # On a few sampled steps, count every collective (forward, backward, clipping, update)
+            # and the bytes saved for backward; both slow the step, so other steps run bare.
+            sampled = is_sampled(step, parts.start_step, cfg.steps, cfg.metrics.sample_every)
+            counter = CommCounter() if sampled else nullcontext()
+            with counter:
+                step_loss = forward_backward(cfg, info, parts, step_batches, meter if sampled else None, forward_timer)
+                grad_norm = optimizer_step(parts, cfg.optim.grad_clip)
+            if sampled:
+                stats.state_bytes = model_state_bytes(par.module, parts.optimizer)  # before zero_grad frees grads
+                stats.comm.append(counter.totals())
+            parts.optimizer.zero_grad(set_to_none=True)
+            parts.scheduler.step()
+            if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
+                release_cached_memory(info.device)
 
-        with comm:
-            if par.pipeline is None:
-                loss_sum = torch.zeros((), device=info.device)
-                for micro, (_, batch) in enumerate(step_batches):
-                    inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
-                    measure = meter.measure() if sampled and micro == 0 else nullcontext()
-                    # Gradients are synchronised on the last micro-batch only: once per step.
-                    with par.grad_sync(micro == accum - 1), par.loss_context():
-                        with precision.autocast(), measure, forward_timer:
-                            logits = par.module(*inputs)
-                            loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
-                        precision.scaler.scale(loss * loss_weight / accum).backward()
-                    # under loss parallel the loss is a replicated DTensor: take the plain value
-                    loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
-                step_loss = loss_sum / accum
-            else:
-                # A pipeline runs the step's micro-batches itself, in its schedule's order: the
-                # accumulated batches go in as one batch of accumulation_steps x batch_size.
-                inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
-                with precision.autocast(), meter.measure() if sampled else nullcontext():
-                    step_loss = par.pipeline.step(inputs[0], target)
+            figures = reduce_step_figures(cfg, info, parts, step_batches, step_loss, grad_norm)
+            figures.seconds = time.perf_counter() - t0  # after the all-reduce, a sync point
+            record_step(stats, figures, sampled, par.counts_data, data, step_batches, forward_timer)
+            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
+                log_step(step, figures, stats, parts, peak, sampled, step_batches[-1][0], files, tracker)
+            progress.set_postfix(loss=f"{figures.loss:.4f}", refresh=False)
+            progress.update(1)
+            profiler.step()
 
-            precision.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = par.clip_grad_norm(max_norm)
-            precision.scaler.step(optimizer)  # skipped when amp found inf/nan gradients
-            precision.scaler.update()
-        if sampled:
-            state_bytes = model_state_bytes(par.module, optimizer)  # before zero_grad frees grads
-            comm_samples.append(comm.totals())
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
-            release_cached_memory(info.device)
-
-        # One small all-reduce for the step's figures: the loss averaged over the ranks that hold
-        # one (a pipeline's last stage), work summed over one rank per data-parallel group.
-        # `.tolist()` is a sync point that ends the step, so the time below is its true time.
-        holds, counts = float(par.holds_loss) * loss_weight, float(par.counts_data)
-        figures = torch.tensor([holds, step_work * counts, step_samples * counts], device=info.device)
-        local = torch.cat([(step_loss.float() * holds).view(1), figures])
-        totals = all_reduce_sum(local, info).tolist()
-        loss_value, tokens, samples = totals[0] / totals[1], round(totals[2]), round(totals[3])
-        tokens = tokens if counts_tokens else None
-        elapsed = time.perf_counter() - t0
-        throughput.add(elapsed, samples, tokens, sampled)
-        if par.counts_data:
-            local_work.append(step_work)
-            local_forward.append(forward_timer.take())
-        losses.append(loss_value)
-
-        if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
-            scale = precision.scaler.get_scale() if precision.scaler.is_enabled() else None
-            record = {
-                "step": step + 1,
-                "loss": loss_value,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm),
-                "step_time_s": elapsed,
-                "samples_per_s": samples / elapsed,
-                "tokens_per_s": tokens / elapsed if tokens is not None else None,
-                "mfu": mfu(fpt, tokens / elapsed if tokens else None, peak, info.world_size),
-                "epoch": epoch,
-                "loss_scale": scale,
-                "comm_calls": comm_samples[-1]["calls"] if sampled else None,  # sampled steps
-                "comm_bytes": comm_samples[-1]["bytes"] if sampled else None,
-            }
-            files.log_step(record)  # rank 0 only
-            tracker.log(record, step=step + 1)  # rank 0 only
-        progress.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
-        progress.update(1)
-
-        if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps):
-            path = checkpoint_dir(cfg, files.run_dir, step + 1)
-            checkpoint.save(path, par.module, optimizer, step + 1)
+            if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps):
+                path = checkpoint_dir(cfg, files.run_dir, step + 1)
+                checkpoint.save(path, par.module, parts.optimizer, step + 1)
     progress.close()
     if cfg.checkpoint.export:
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
 
-    summary = summarize(
-        cfg,
-        info,
-        par,
-        choices,
-        losses,
-        throughput,
-        fpt,
-        peak,
-        {**state_bytes, "activation_bytes": meter.peak if state_bytes else None},
-        mean_totals(comm_samples),
-        local_work,
-        local_slots,
-        local_forward,
-    )
+    summary = summarize(cfg, info, par, choices, stats, meter, parts.flops, peak)
     files.write_summary(summary)  # rank 0 only
     return summary
+
+
+def forward_backward(
+    cfg: DictConfig,
+    info: DistInfo,
+    parts: Parts,
+    step_batches: list,
+    meter: SavedActivationMeter | None,
+    forward_timer: ForwardTimer,
+) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches; returns this rank's mean loss."""
+    par, data, precision, accum = parts.par, parts.data, parts.precision, len(step_batches)
+    if par.pipeline is not None:
+        # A pipeline runs the step's micro-batches itself, in its schedule's order: the
+        # accumulated batches go in as one batch of accumulation_steps x batch_size.
+        inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
+        with precision.autocast(), meter.measure() if meter else nullcontext():
+            return par.pipeline.step(inputs[0], target)
+    loss_sum = torch.zeros((), device=info.device)
+    for micro, (_, batch) in enumerate(step_batches):
+        inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
+        measure = meter.measure() if meter and micro == 0 else nullcontext()
+        # Gradients are synchronised on the last micro-batch only: once per step.
+        with par.grad_sync(micro == accum - 1), par.loss_context():
+            with precision.autocast(), measure, forward_timer:
+                loss = cross_entropy(par.module(*inputs), target)
+            precision.scaler.scale(loss * parts.loss_weight / accum).backward()
+        # under loss parallel the loss is a replicated DTensor: take the plain value
+        loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+    return loss_sum / accum
+
+
+def optimizer_step(parts: Parts, grad_clip: float) -> torch.Tensor:
+    """Clip the true (unscaled) gradients by their global norm and step; returns the norm."""
+    scaler = parts.precision.scaler
+    scaler.unscale_(parts.optimizer)
+    norm = parts.par.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
+    scaler.step(parts.optimizer)  # skipped when amp found inf/nan gradients
+    scaler.update()
+    return norm
+
+
+def reduce_step_figures(
+    cfg: DictConfig, info: DistInfo, parts: Parts, step_batches: list, step_loss: torch.Tensor, grad_norm: torch.Tensor
+) -> StepFigures:
+    """One small all-reduce for the step's figures: the loss averaged over the ranks that hold
+    one (a pipeline's last stage), tokens and samples summed over one rank per data-parallel
+    group. `.tolist()` is a sync point that ends the step, so the step's time is its true time."""
+    par, data = parts.par, parts.data
+    holds, counts = float(par.holds_loss) * parts.loss_weight, float(par.counts_data)
+    tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
+    samples = sum(b[1].size(0) for _, b in step_batches)
+    local = torch.tensor([0.0, holds, tokens * counts, samples * counts], device=info.device)
+    local[0] = step_loss.float() * holds
+    totals = all_reduce_sum(local, info).tolist()
+    sequence_data = cfg.data.name in ("text", "varlen")  # report tokens/s
+    return StepFigures(
+        loss=totals[0] / totals[1],
+        tokens=round(totals[2]) if sequence_data else None,
+        samples=round(totals[3]),
+        grad_norm=float(grad_norm),
+        seconds=0.0,
+    )
+
+
+def record_step(
+    stats: RunStats,
+    figures: StepFigures,
+    sampled: bool,
+    counts_data: bool,
+    data: DataPipeline,
+    step_batches: list,
+    forward_timer: ForwardTimer,
+) -> None:
+    stats.throughput.add(figures.seconds, figures.samples, figures.tokens, sampled)
+    stats.losses.append(figures.loss)
+    if stats.first_step_s is None:
+        stats.first_step_s = figures.seconds
+        stats.startup_s = time.time() - float(os.environ.get("HYDRADIST_START", time.time()))
+    if counts_data:
+        stats.work.append(sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches))
+        stats.slots += sum(data.slots_in(b) or 0 for _, b in step_batches)
+        stats.forward_s.append(forward_timer.take())
+
+
+def log_step(
+    step: int,
+    figures: StepFigures,
+    stats: RunStats,
+    parts: Parts,
+    peak: float | None,
+    sampled: bool,
+    epoch: int,
+    files: RunFiles,
+    tracker: Tracker,
+) -> None:
+    """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
+    scaler, seconds = parts.precision.scaler, figures.seconds
+    tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None
+    record = {
+        "step": step + 1,
+        "loss": figures.loss,
+        "lr": parts.scheduler.get_last_lr()[0],
+        "grad_norm": figures.grad_norm,
+        "step_time_s": seconds,
+        "samples_per_s": figures.samples / seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(parts.flops.model, tokens_per_s, peak, parts.flops.devices),
+        "epoch": epoch,
+        "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
+        "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
+        "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
+    }
+    files.log_step(record)
+    tracker.log(record, step=step + 1)
 
 
 def summarize(
@@ -293,56 +361,30 @@ def summarize(
     info: DistInfo,
     par: Parallelized,
     choices: dict[str, str],
-    losses: list[float],
-    throughput: Throughput,
-    fpt: float | None,
+    stats: RunStats,
+    meter: SavedActivationMeter,
+    flops: Flops,
     peak: float | None,
-    memory_bytes: dict[str, int],
-    comm: dict[str, Any] | None,
-    local_work: list[int],
-    local_slots: int,
-    local_forward: list[float],
 ) -> dict[str, Any]:
     """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
+    memory_bytes = {**stats.state_bytes, "activation_bytes": meter.peak if stats.state_bytes else None}
     local = {
         **memory_bytes,
         "device_peak_bytes": device_peak_bytes(info.device),
         "device_reserved_bytes": device_reserved_bytes(info.device),
-        "comm": comm,
         "rss_peak_bytes": peak_rss_bytes(),
-        "work": local_work,
-        "slots": local_slots,
-        "forward": local_forward,
+        "comm": mean_totals(stats.comm),
+        "work": stats.work,
+        "slots": stats.slots,
+        "forward": stats.forward_s,
+        "startup_s": stats.startup_s,
     }
     everyone = all_gather_object(local, info)
-    memory_keys = (
-        "param_bytes",
-        "grad_bytes",
-        "optim_bytes",
-        "activation_bytes",
-        "device_peak_bytes",
-        "device_reserved_bytes",
-        "rss_peak_bytes",
-    )
-    memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in memory_keys}
-    # Load balance over the data-parallel ranks: per step, the busiest rank's work (tokens, or
-    # samples for fixed-size data) over the mean, averaged over steps; padding waste: the share
-    # of token positions computed on padding.
-    counting = [r for r in everyone if r["work"]]
-    per_step = list(zip(*(r["work"] for r in counting), strict=True))
-    imbalance = sum(max(s) / (sum(s) / len(s)) for s in per_step) / len(per_step) if per_step else None
-    slots = sum(r["slots"] for r in counting)
-    load_balance = {
-        "imbalance": imbalance,
-        "max_imbalance": max((max(s) / (sum(s) / len(s)) for s in per_step), default=None),
-        "padding_waste": 1 - sum(sum(r["work"]) for r in counting) / slots if slots else None,
-        "work_per_rank": [sum(r["work"]) for r in counting],
-        # forward seconds per step, busiest rank over mean (steady steps; None for pipelines)
-        "compute_imbalance": compute_imbalance([r["forward"] for r in counting]),
-        "forward_s_per_rank": [sum(r["forward"]) for r in counting],
-    }
-    rates = throughput.rates()
-    achieved = fpt * rates["tokens_per_s"] / info.world_size / 1e12 if fpt and rates["tokens_per_s"] else None
+    memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
+    counting = [r for r in everyone if r["work"]]  # one rank per data-parallel group
+    rates = throughput = stats.throughput.rates()
+    tokens_per_s = rates["tokens_per_s"]
+    achieved = flops.model * tokens_per_s / flops.devices / 1e12 if flops.model and tokens_per_s else None
     return {
         "status": "ok",
         "choices": choices,
@@ -352,18 +394,36 @@ def summarize(
         "backend_env": {k: os.environ.get(k) for k in backend_env(cfg.backend)},
         "global_batch_size": cfg.data.batch_size * cfg.accumulation_steps * par.dp_size,
         "steps": cfg.steps,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
-        "throughput": rates,
-        "step_time_s": throughput.median_step_time(),
-        "train_time_s": throughput.total_time(),
-        "mfu": mfu(fpt, rates["tokens_per_s"], peak, info.world_size),
+        "first_loss": stats.losses[0] if stats.losses else None,
+        "final_loss": stats.losses[-1] if stats.losses else None,
+        "throughput": throughput,
+        "step_time_s": stats.throughput.median_step_time(),
+        "train_time_s": stats.throughput.total_time(),
+        "startup_s": max(r["startup_s"] for r in everyone if r["startup_s"] is not None),
+        "compile_s": stats.first_step_s if cfg.compile else None,
+        "mfu": mfu(flops.model, tokens_per_s, peak, flops.devices),
+        "hfu": mfu(flops.hardware, tokens_per_s, peak, flops.devices),
+        "flops_per_token": flops.model,
+        "peak_tflops_per_device": peak / 1e12 if peak else None,
         "tflops_per_device": achieved,
         "memory": memory,
         # the rank that communicates most (pipeline stages differ), per optimizer step
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
-        "load_balance": load_balance,
+        "load_balance": load_balance(
+            [r["work"] for r in counting], [r["slots"] for r in counting], [r["forward"] for r in counting]
+        ),  # fmt: skip
     }
+
+
+MEMORY_KEYS = (
+    "param_bytes",
+    "grad_bytes",
+    "optim_bytes",
+    "activation_bytes",
+    "device_peak_bytes",
+    "device_reserved_bytes",
+    "rss_peak_bytes",
+)
 
 
 def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:

@@ -123,8 +123,25 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.pos_emb.weight.numel() if non_embedding else n
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward), PaLM appendix B as in nanoGPT:
-        6N for the weight matmuls plus 12·L·H·Q·T for attention."""
-        L, H, Q = self.n_layer, self.n_head, self.n_embd // self.n_head
-        return 6 * self.num_params() + 12 * L * H * Q * seq_len
+    def matmul_params(self) -> int:
+        """Weights that multiply activations: every Linear's (the output head's included). The
+        embeddings are lookups, and norms and biases elementwise: they are not counted."""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+    def flops_per_token(self, seq_len: int, recomputed_blocks: int = 0) -> float:
+        """Training FLOPs per token (forward + backward) of the matmuls, PaLM appendix B as in
+        nanoGPT: 6N over the N matmul weights (2 forward, 4 backward per weight) plus 12·L·H·Q·T
+        for attention's scores and weighted sum over T positions (causal masking not discounted,
+        as FlopCounterMode and the usual MFU convention count it).
+
+        recomputed_blocks: blocks whose forward runs again in backward (activation checkpointing):
+        the hardware FLOPs (HFU) add their recomputation, 2 per block weight and 4·H·Q·T, less the
+        block's last projection, which non-reentrant checkpointing does not rerun (it stops once
+        every tensor backward needs is back)."""
+        L, D = self.n_layer, self.n_embd
+        model_flops = 6 * self.matmul_params() + 12 * L * D * seq_len
+        block = self.blocks[0]
+        rerun = (
+            sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)) - block.mlp.proj.weight.numel()
+        )
+        return model_flops + recomputed_blocks * (2 * rerun + 4 * D * seq_len)

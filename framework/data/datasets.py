@@ -15,6 +15,8 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 
+from framework.loss import IGNORE_INDEX
+
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
 
@@ -160,12 +162,12 @@ class VarlenSequences(Dataset):
         if self.task == "classify":
             return (padded, lengths), torch.stack(labels)
         target = padded[:, 1:].clone()
-        target[torch.arange(target.size(1)) >= (lengths - 1)[:, None]] = -100  # padding: no loss
+        target[torch.arange(target.size(1)) >= (lengths - 1)[:, None]] = IGNORE_INDEX  # padding: no loss
         return (padded[:, :-1],), target
 
     def tokens_in(self, batch: Batch) -> int:
         inputs, target = batch
-        return int(inputs[1].sum()) if self.task == "classify" else int((target != -100).sum())
+        return int(inputs[1].sum()) if self.task == "classify" else int((target != IGNORE_INDEX).sum())
 
     def slots_in(self, batch: Batch) -> int:
         """Token positions the batch computes on, padding included."""
@@ -193,7 +195,7 @@ class PackedSequences(Dataset):
         s = slice(i * self.block_len, (i + 1) * self.block_len + 1)
         tokens, docs = self.tokens[s], self.docs[s]
         target = tokens[1:].clone()
-        target[docs[1:] != docs[:-1]] = -100  # the next document's first token: not predictable
+        target[docs[1:] != docs[:-1]] = IGNORE_INDEX  # the next document's first token: not predictable
         # document ids relative to the block, so the model sees small integers
         return (tokens[:-1], docs[:-1] - docs[0]), target
 
@@ -201,7 +203,7 @@ class PackedSequences(Dataset):
 
     @staticmethod
     def tokens_in(batch: Batch) -> int:
-        return int((batch[1] != -100).sum())
+        return int((batch[1] != IGNORE_INDEX).sum())
 
     @staticmethod
     def slots_in(batch: Batch) -> int:

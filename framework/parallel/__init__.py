@@ -1,11 +1,13 @@
 """Parallel strategies. ``parallelize`` applies them to a plain model in the one fixed order:
 
-    pipeline split -> tensor parallel -> activation checkpointing -> FSDP / DDP
+    pipeline split -> tensor parallel -> activation checkpointing -> compile -> FSDP / DDP
 
 Tensor parallelism first, because its plan names the model's own submodules (``attn.q``) and
 checkpointing wraps them; checkpointing before FSDP so that FSDP's units are the (wrapped)
-blocks and a block's parameters are gathered again for its recomputation; the data-parallel
-wrapper last, over the final parameters. A pipeline split comes before all of them: each stage is
+blocks and a block's parameters are gathered again for its recomputation; compilation per block
+after checkpointing (the recomputation is compiled too) and before FSDP, whose hooks and
+collectives stay outside the compiled graphs; the data-parallel wrapper last, over the final
+parameters. A pipeline split comes before all of them: each stage is
 then parallelized like a model of its own.
 
 The result, ``Parallelized``, is what the trainer needs of any strategy: the module to run, a
@@ -27,16 +29,14 @@ from torch import nn
 
 from framework.dist import DistInfo
 from framework.memory import apply_activation_checkpointing
+from framework.modules import map_blocks
 from framework.parallel.dims import Mesh, ParallelDims
 from framework.parallel.pipeline import Pipeline
-
-MESH_STRATEGIES = ("fsdp", "tp", "pp", "hybrid")
 
 
 @dataclass
 class Parallelized:
     module: nn.Module  # run forward through it; its parameters are this rank's (local shards)
-    model: nn.Module  # the plain model it was built from (for FLOPs)
     grad_sync: Callable[[bool], AbstractContextManager] = lambda enabled: nullcontext()
     clip_grad_norm: Callable[[float], torch.Tensor] | None = None
     loss_context: Callable[[], AbstractContextManager] = nullcontext
@@ -61,19 +61,18 @@ def model_dims(cfg: DictConfig) -> tuple[int | None, int | None]:
 def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
     name = cfg.parallel.name
     if name == "none":
-        _checkpoint(model, cfg)
-        return Parallelized(model, model)
+        _checkpoint_and_compile(model, cfg)
+        return Parallelized(model)
     if name == "dp":
-        _checkpoint(model, cfg)
-        return Parallelized(nn.DataParallel(model), model)
+        _checkpoint_and_compile(model, cfg)
+        return Parallelized(nn.DataParallel(model))
     if name == "ddp":
         from framework.parallel.ddp import apply_ddp
 
-        _checkpoint(model, cfg)
+        _checkpoint_and_compile(model, cfg)
         ddp = apply_ddp(model, cfg.parallel, info)
         return Parallelized(
             ddp,
-            model,
             grad_sync=lambda enabled: nullcontext() if enabled else ddp.no_sync(),
             dp_rank=info.rank,
             dp_size=info.world_size,
@@ -81,9 +80,22 @@ def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Paralleliz
     return _parallelize_on_mesh(model, cfg, info)
 
 
-def _checkpoint(module: nn.Module, cfg: DictConfig) -> None:
+def _checkpoint_and_compile(module: nn.Module, cfg: DictConfig) -> None:
+    """Steps 3 and 4 of the order, in place: activation checkpointing, then torch.compile of each
+    block (`nn.Module.compile`: the module keeps its type and parameter names, so FSDP units,
+    state dicts and checkpoints are unchanged), or of the whole module for models without blocks."""
     if cfg.memory.name == "checkpoint":
         apply_activation_checkpointing(module, cfg.memory.checkpoint_every)
+    if cfg.compile:
+
+        def compiled(block: nn.Module) -> nn.Module:
+            block.compile()
+            return block
+
+        if getattr(module, "blocks", None) is not None:
+            map_blocks(module, compiled)
+        else:
+            module.compile()
 
 
 def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
@@ -105,11 +117,13 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
         # 2. tensor parallel
         if dims.tp > 1:
             apply_tp(part, mesh.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
-        # 3. activation checkpointing
-        _checkpoint(part, cfg)
-    # 4. FSDP over the data-parallel axes (HSDP when dp_replicate > 1)
-    fsdp_v1 = dims.dp > 1 and pcfg.version == 1
-    if dims.dp > 1:
+        # 3. activation checkpointing, 4. compile
+        _checkpoint_and_compile(part, cfg)
+    # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
+    # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
+    shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
+    fsdp_v1 = shard and pcfg.version == 1
+    if shard:
         if fsdp_v1:
             offload = cfg.memory.cpu_offload
             parts = [apply_fsdp1(p, mesh.dp_mesh, pcfg, cfg.precision.name, info.device, offload) for p in parts]
@@ -119,7 +133,6 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
 
     par = Parallelized(
         module=parts[0] if dims.pp == 1 else LocalStages(parts),
-        model=model,
         mesh=mesh,
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
@@ -129,7 +142,7 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
     if dims.pp > 1:
         par.pipeline = build_pipeline(parts, stage_ids, n_stages, pcfg, par.pp_group, info.device)
         par.holds_loss = par.pipeline.has_last
-    elif dims.dp > 1 and not fsdp_v1:
+    elif shard and not fsdp_v1:
         root = parts[0]
         par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, pcfg)
     elif fsdp_v1:

@@ -21,15 +21,8 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from framework.modules import model_blocks
 from framework.precision import DTYPES
-
-
-def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated units a model exposes in ``.blocks`` (none for models without them)."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks.values())
-    return list(blocks) if blocks is not None else []
 
 
 def mixed_precision_dtypes(precision: str, reduce_dtype: str) -> tuple[torch.dtype | None, torch.dtype]:

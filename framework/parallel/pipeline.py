@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
+
+from framework.loss import cross_entropy
 
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
 MULTI_STAGE = {
@@ -81,10 +82,6 @@ def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
     return out
 
 
-def pipeline_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
-
-
 @dataclass
 class Pipeline:
     """Runs one optimizer step's forward and backward through the schedule."""
@@ -125,9 +122,9 @@ def build_pipeline(
         for m, s in zip(stage_modules, ids, strict=True)
     ]
     if cfg.schedule in SINGLE_STAGE:
-        schedule = getattr(pipelining, SINGLE_STAGE[cfg.schedule])(stages[0], cfg.n_microbatches, loss_fn=pipeline_loss)
+        schedule = getattr(pipelining, SINGLE_STAGE[cfg.schedule])(stages[0], cfg.n_microbatches, loss_fn=cross_entropy)
     else:
-        schedule = getattr(pipelining, MULTI_STAGE[cfg.schedule])(stages, cfg.n_microbatches, loss_fn=pipeline_loss)
+        schedule = getattr(pipelining, MULTI_STAGE[cfg.schedule])(stages, cfg.n_microbatches, loss_fn=cross_entropy)
     return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, cfg.n_microbatches)
 
 

@@ -1,0 +1,88 @@
+"""What the framework costs: `train.py`'s gpt + DDP job against a plain hand-written DDP loop
+(`raw_ddp.py`: same model class, data, batch, world size and threads), alternating A B A B in one
+invocation so that machine noise falls on both alike, in fp32 and bf16.
+
+The framework runs as users run it: its default measurement (memory and communication sampled
+on a few steps) and W&B logging (offline) on; its throughput here counts every step after the
+first, the sampled ones included. Both sides: tokens over seconds of steps 2..N.
+
+    python benchmarks/overhead.py                 # 3 pairs x fp32, bf16; 30 steps each run
+    python benchmarks/overhead.py --pairs 5 --steps 50
+
+The last line is `framework/raw throughput ratio: X`, the median of all pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import table  # noqa: E402
+
+MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 128, "batch_size": 8}  # train.py's default gpt job
+WORLD = 2
+
+
+def steady_rate(seconds: list[float], tokens: list[int]) -> float:
+    """Tokens per second over every step but the first (warm-up)."""
+    return sum(tokens[1:]) / sum(seconds[1:])
+
+
+def run_framework(steps: int, precision: str, out: Path) -> float:
+    args = [sys.executable, str(ROOT / "train.py"), f"steps={steps}", f"precision={precision}",
+            "parallel=ddp", f"launch.nproc_per_node={WORLD}", f"hydra.run.dir={out}",
+            f"model.n_layer={MODEL['n_layer']}", f"model.n_embd={MODEL['n_embd']}", f"model.n_head={MODEL['n_head']}",
+            f"data.seq_len={MODEL['seq_len']}", f"data.batch_size={MODEL['batch_size']}"]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    subprocess.run(args, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return steady_rate(
+        [r["step_time_s"] for r in records], [round(r["tokens_per_s"] * r["step_time_s"]) for r in records]
+    )
+
+
+def run_raw(steps: int, precision: str) -> float:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+            str(ROOT / "benchmarks" / "raw_ddp.py"), f"--steps={steps}", f"--precision={precision}",
+            f"--n-layer={MODEL['n_layer']}", f"--n-embd={MODEL['n_embd']}", f"--n-head={MODEL['n_head']}",
+            f"--seq-len={MODEL['seq_len']}", f"--batch-size={MODEL['batch_size']}"]  # fmt: skip
+    proc = subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return steady_rate(result["seconds"], result["tokens"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--precisions", default="fp32,bf16")
+    args = parser.parse_args()
+
+    rows, ratios = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in args.precisions.split(","):
+            for pair in range(args.pairs):
+                framework = run_framework(args.steps, precision, Path(tmp) / f"{precision}-{pair}")
+                raw = run_raw(args.steps, precision)
+                ratios.setdefault(precision, []).append(framework / raw)
+                rows.append([precision, pair + 1, framework, raw, framework / raw])
+                print(f"{precision} pair {pair + 1}: framework {framework:,.0f} tokens/s, raw {raw:,.0f}", flush=True)
+    print(f"\ngpt {MODEL['n_layer']}x{MODEL['n_embd']}, T={MODEL['seq_len']}, B={MODEL['batch_size']} per rank, "
+          f"{WORLD} gloo ranks, DDP, {args.steps} steps per run (steady tokens/s, steps 2..N)\n")  # fmt: skip
+    print(table(["precision", "pair", "framework tokens/s", "raw loop tokens/s", "framework / raw"], rows))
+    print()
+    print(table(["precision", "median framework / raw"], [[p, statistics.median(r)] for p, r in ratios.items()]))
+    print(f"framework/raw throughput ratio: {statistics.median(r for rs in ratios.values() for r in rs):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Performance features: torch.compile (same losses as eager), profiler traces, MFU that can be
+audited (peak table, CPU probe), start-up time, and the GPU script's CPU dry run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.config import validate
+from framework.metrics import cpu_peak_flops, gpu_peak_tflops, mfu
+from framework.sweep import run_configs
+from tests.helpers import ROOT, compose_config, losses, read_summary, train_cli
+
+BASE = ["experiment=smoke", "logger=none", "steps=4"]
+
+
+def config(overrides: list[str], world: int) -> dict:
+    cfg = compose_config([*BASE, f"launch.nproc_per_node={world}", *overrides])
+    validate(cfg)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_compile_trains_like_eager_under_ddp_fsdp_tp_and_checkpointing(tmp_path):
+    strategies = {
+        "ddp": ["parallel=ddp"],
+        "fsdp": ["parallel=fsdp"],
+        "tp": ["parallel=tp"],
+        "ddp_checkpoint": ["parallel=ddp", "memory=checkpoint"],
+    }
+    configs = {
+        f"{name}-{c}": config([*args, f"compile={c}"], 2)
+        for name, args in strategies.items()
+        for c in ("false", "true")
+    }
+    summaries = run_configs(configs, 2, str(tmp_path))
+    for name in strategies:
+        eager, compiled = summaries[f"{name}-false"], summaries[f"{name}-true"]
+        assert compiled["status"] == "ok" and compiled["compile_s"] > 0 and eager["compile_s"] is None
+        assert losses(tmp_path / f"{name}-true") == pytest.approx(losses(tmp_path / f"{name}-false"), rel=1e-3), name
+
+
+def test_compile_trains_like_eager_in_one_process(tmp_path):
+    from framework.trainer import run
+
+    for c in ("false", "true"):
+        cfg = OmegaConf.create(config(["parallel=none", f"compile={c}"], 1))
+        assert run(cfg, str(tmp_path / c), {"parallel": "none"})["status"] == "ok"
+    assert losses(tmp_path / "true") == pytest.approx(losses(tmp_path / "false"), rel=1e-3)
+
+
+def test_profile_writes_a_chrome_trace_per_rank_with_collectives(tmp_path):
+    run = tmp_path / "run"
+    proc = train_cli(
+        [*BASE, "steps=5", "profile=true", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2"], run
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        trace = json.loads((run / "profile" / f"rank{rank}.trace.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert "gloo:all_reduce" in names and "c10d::allreduce_" in names  # DDP's gradient all-reduce
+        assert any(n.startswith("aten::mm") or n == "aten::addmm" for n in names)  # the compute
+        assert any(e.get("cat") == "python_function" for e in trace["traceEvents"])  # with stacks
+        # the recorded window: profiler.active optimizer steps, marked by the profiler
+        assert sum(1 for n in names if n.startswith("ProfilerStep#")) == 2
+
+
+def test_a_profile_window_longer_than_the_run_is_a_config_error():
+    from framework.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([*BASE, "profile=true", "profiler.wait=3"]))
+    assert err.value.key == "profiler" and "steps=4" in str(err.value)
+
+
+def test_cpu_runs_report_mfu_from_a_cached_matmul_probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    peak = cpu_peak_flops()
+    assert peak > 1e8  # any CPU does more than 0.1 GFLOP/s
+    assert cpu_peak_flops() == peak  # the second call reads the cache
+    assert json.loads((tmp_path / "cache" / "hydradist" / "peak_flops.json").read_text())
+
+    run = tmp_path / "run"
+    proc = train_cli([*BASE, "memory=checkpoint"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_summary(run)
+    assert 0 < s["mfu"] < s["hfu"] < 1  # recomputation counts for HFU only
+    assert s["mfu"] == pytest.approx(
+        mfu(s["flops_per_token"], s["throughput"]["tokens_per_s"], s["peak_tflops_per_device"] * 1e12, 2)
+    )
+    assert 0 < s["startup_s"] < 120
+
+
+def test_mfu_peak_table_matches_whole_gpu_names():
+    assert gpu_peak_tflops("NVIDIA L4") == 121.0
+    assert gpu_peak_tflops("NVIDIA L40") == 181.0  # not an L4
+    assert gpu_peak_tflops("NVIDIA L40S") == 362.0
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_peak_tflops("Tesla T4") is None
+
+
+def test_the_gpu_script_dry_run_works_on_cpu():
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) >= 7 and "dry run" in proc.stdout  # header + one row per check
+    assert "| cpu smoke | ok |" in proc.stdout
+
+
+def test_overhead_benchmark_runs_and_prints_its_ratio():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--pairs", "1", "--steps", "6",
+                           "--precisions", "fp32"], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("framework/raw throughput ratio: ") and float(last.split(": ")[1]) > 0.5
