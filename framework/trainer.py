@@ -145,10 +145,12 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Parts:
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str]) -> dict[str, Any]:
-    parts = build(cfg, info, files.run_dir)
-    files.truncate_metrics(parts.start_step)  # a restarted run rewrites the steps after its checkpoint
+    # The tracker first: W&B's service starts in the background while the model is built, not
+    # while the first steps run (on a small machine it competes with them for the cores).
     tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main)
     try:
+        parts = build(cfg, info, files.run_dir)
+        files.truncate_metrics(parts.start_step)  # a restarted run rewrites the steps after its checkpoint
         summary = loop(cfg, info, parts, files, tracker, choices)
     except BaseException:
         tracker.finish(ok=False)
