@@ -68,7 +68,8 @@ def varlen_table() -> None:
     for name, s in got.items():
         lb = s["load_balance"]
         rate = s["throughput"]["tokens_per_s"]
-        out.append([name, lb["imbalance"], lb["max_imbalance"], lb["padding_waste"], rate, rate / base])
+        waste = lb.get("padding_waste", lb.get("boundary_waste"))  # packing: masked document boundaries
+        out.append([name, lb["imbalance"], lb["max_imbalance"], waste, rate, rate / base])
     print("\n(b) gpt on varlen (log-normal lengths 4..128, mean 24), world size 2\n")
     print(
         table(

@@ -3,14 +3,17 @@
 Every process-group call (DDP's bucket all-reduces from its C++ reducer, FSDP's all-gathers and
 reduce-scatters, tensor parallel's functional collectives, a pipeline's sends and receives) goes
 through torch's dispatcher as a ``c10d`` / ``_c10d_functional`` op; a TorchDispatchMode sees each
-one with its tensors and process group. Nothing is computed from a formula.
+one with its tensors and process group: which collectives run, how often, on which group, with
+how many bytes is observed, not predicted.
 
 Per call two figures:
-- ``bytes``: the payload, the tensor data the collective is about (an all-reduce's tensor, an
-  all-gather's gathered output, a reduce-scatter's full input, a send's tensor);
-- ``wire_bytes``: what this rank sends under the standard ring algorithms for a group of N:
-  all-reduce 2(N-1)/N x payload (a reduce-scatter then an all-gather), all-gather and
-  reduce-scatter (N-1)/N x payload, broadcast (N-1)/N x payload, send/recv the payload.
+- ``bytes``: the payload, measured: the tensor data the collective is about (an all-reduce's
+  tensor, an all-gather's gathered output, a reduce-scatter's full input, a send's tensor);
+- ``wire_bytes``: a model, not a measurement: what this rank would send under the standard ring
+  algorithms for its group of N (all-reduce 2(N-1)/N x payload, a reduce-scatter then an
+  all-gather; all-gather, reduce-scatter and broadcast (N-1)/N x payload; send the payload).
+  Backends pick other algorithms (NCCL's trees, gloo's halving-doubling) and add headers, so
+  the bytes on a real link differ.
 
 Counting runs Python for every op while active, so the trainer samples a few steps.
 """
@@ -70,14 +73,20 @@ def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
 
 
-def _group_size(args: tuple, kwargs: dict) -> int:
+def _group_size(op: str, args: tuple, kwargs: dict) -> int:
     """The size of the process group an op runs on (a ProcessGroup object, a group size, or a
-    functional collective's group name)."""
+    functional collective's group name). Raises when there is none: guessing the world size
+    would silently misstate the wire bytes of every sub-group collective."""
     import torch.distributed as dist
 
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.ScriptObject) and hasattr(a, "size"):
+        if isinstance(a, dist.ProcessGroup):
             return a.size()
+        if isinstance(a, torch.ScriptObject):  # c10d ops carry the group boxed (a ReduceOp is too)
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except RuntimeError:
+                continue
     if "group_size" in kwargs:
         return int(kwargs["group_size"])
     for a in args:
@@ -86,7 +95,7 @@ def _group_size(args: tuple, kwargs: dict) -> int:
                 return dist.distributed_c10d._resolve_process_group(a).size()
             except Exception:  # not a group name
                 continue
-    return dist.get_world_size() if dist.is_initialized() else 1
+    raise ValueError(f"communication accounting: cannot tell the process group of {op}")
 
 
 def payload_bytes(op: str, args: tuple, kwargs: dict) -> int:
@@ -136,7 +145,7 @@ class CommCounter(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional"):
             category = OPS.get(rest.split(".")[0])
             if category is not None:
-                self._record(category, payload_bytes(str(func), args, kwargs), _group_size(args, kwargs))
+                self._record(category, payload_bytes(str(func), args, kwargs), _group_size(str(func), args, kwargs))
         return func(*args, **kwargs)
 
     def __enter__(self):

@@ -1,5 +1,5 @@
 """The training loss of every model and strategy, in one place (the trainer and a pipeline's
-last stage both use it)."""
+last stage both use it), and how it is weighted across ranks and micro-batches."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # a target position that carries no loss: padding, a document boundary
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the positions whose target is not IGNORE_INDEX, in fp32."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX)
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the positions whose target is not IGNORE_INDEX, in fp32."""
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
+
+
+def loss_elements(target: torch.Tensor) -> int:
+    """How many terms a batch adds to the loss: its tokens that carry a target (language
+    models), or its samples (classifiers)."""
+    return int((target != IGNORE_INDEX).sum())

@@ -136,6 +136,25 @@ class Throughput:
             "tokens_per_s": sum(tokens) / elapsed if elapsed and None not in tokens else None,
         }
 
+    def per_step(self) -> dict[str, float | int | None]:
+        """Samples and tokens an optimizer step really took, over all data-parallel ranks: the
+        mean (an int when every step took the same, as with fixed batches), and for tokens the
+        range (token budgets and variable lengths vary it)."""
+        samples = [s[1] for s in self.steps]
+        tokens = [s[2] for s in self.steps if s[2] is not None]
+
+        def mean(values: list[int]) -> float | int | None:
+            if not values:
+                return None
+            return values[0] if len(set(values)) == 1 else sum(values) / len(values)
+
+        return {
+            "samples": mean(samples),
+            "tokens": mean(tokens),
+            "tokens_min": min(tokens, default=None),
+            "tokens_max": max(tokens, default=None),
+        }
+
     def total_time(self) -> float:
         """Seconds of all steps, sampled and warm-up ones included."""
         return sum(s[0] for s in self.steps)

@@ -28,7 +28,7 @@ from framework.dist import (
     init_distributed,
     restart_count,
 )
-from framework.loss import cross_entropy
+from framework.loss import cross_entropy, loss_elements
 from framework.memory import (
     SavedActivationMeter,
     device_peak_bytes,
@@ -104,9 +104,6 @@ class Parts:
     data: DataPipeline
     precision: Precision
     start_step: int
-    # Per-rank batch sizes: DDP/FSDP average gradients over ranks, so a rank with n_r of the
-    # step's N samples scales its mean loss by n_r x dp / N: the update is the mean over all N.
-    loss_weight: float = 1.0
 
 
 def restart_checkpoint(cfg: DictConfig, run_dir: str) -> str | None:
@@ -139,9 +136,7 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Parts:
     task = "lm" if cfg.model.name == "gpt" else "classify"
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, task)
     precision = build_precision(cfg.precision, info.device)
-    sizes = cfg.data.rank_batch_sizes
-    loss_weight = sizes[par.dp_rank] * par.dp_size / sum(sizes) if sizes else 1.0
-    return Parts(flops, par, optimizer, scheduler, data, precision, start_step, loss_weight)
+    return Parts(flops, par, optimizer, scheduler, data, precision, start_step)
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str]) -> dict[str, Any]:
@@ -251,7 +246,15 @@ def forward_backward(
     meter: SavedActivationMeter | None,
     forward_timer: ForwardTimer,
 ) -> torch.Tensor:
-    """Forward and backward over the step's micro-batches; returns this rank's mean loss."""
+    """Forward and backward over the step's micro-batches; returns this rank's summed loss (a
+    pipeline: its mean loss).
+
+    The step's loss is the mean over every loss term (token, or sample) of the step on every
+    data-parallel rank, however they are split: one all-reduce of the step's term count N before
+    backward, then each rank backpropagates its summed loss x dp / N. DDP and FSDP average
+    gradients over the dp ranks, so the update is the gradient of the global mean, as one process
+    on the union of the ranks' batches would compute it (a rank with fewer real tokens, or a
+    smaller `rank_batch_sizes` batch, weighs less)."""
     par, data, precision, accum = parts.par, parts.data, parts.precision, len(step_batches)
     if par.pipeline is not None:
         # A pipeline runs the step's micro-batches itself, in its schedule's order: the
@@ -259,6 +262,7 @@ def forward_backward(
         inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
         with precision.autocast(), meter.measure() if meter else nullcontext():
             return par.pipeline.step(inputs[0], target)
+    scale = par.dp_size / step_elements(cfg, info, par, step_batches)
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
         inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
@@ -266,11 +270,22 @@ def forward_backward(
         # Gradients are synchronised on the last micro-batch only: once per step.
         with par.grad_sync(micro == accum - 1), par.loss_context():
             with precision.autocast(), measure, forward_timer:
-                loss = cross_entropy(par.module(*inputs), target)
-            precision.scaler.scale(loss * parts.loss_weight / accum).backward()
+                loss = cross_entropy(par.module(*inputs), target, reduction="sum")
+            precision.scaler.scale(loss * scale).backward()
         # under loss parallel the loss is a replicated DTensor: take the plain value
         loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
-    return loss_sum / accum
+    return loss_sum
+
+
+def step_elements(cfg: DictConfig, info: DistInfo, par: Parallelized, step_batches: list) -> int:
+    """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
+    config; variable-length data counts it with one small all-reduce (a sync point)."""
+    if cfg.data.name != "varlen":  # every target counts: seq_len per sample (text), or 1
+        per_sample = cfg.data.seq_len if cfg.model.name == "gpt" else 1
+        sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * par.dp_size
+        return sum(sizes) * len(step_batches) * per_sample
+    local = sum(loss_elements(batch[1]) for _, batch in step_batches) if par.counts_data else 0
+    return int(all_reduce_sum(torch.tensor(local, device=info.device), info).item())
 
 
 def optimizer_step(parts: Parts, grad_clip: float) -> torch.Tensor:
@@ -286,15 +301,21 @@ def optimizer_step(parts: Parts, grad_clip: float) -> torch.Tensor:
 def reduce_step_figures(
     cfg: DictConfig, info: DistInfo, parts: Parts, step_batches: list, step_loss: torch.Tensor, grad_norm: torch.Tensor
 ) -> StepFigures:
-    """One small all-reduce for the step's figures: the loss averaged over the ranks that hold
-    one (a pipeline's last stage), tokens and samples summed over one rank per data-parallel
-    group. `.tolist()` is a sync point that ends the step, so the step's time is its true time."""
+    """One small all-reduce for the step's figures: the loss (summed losses over summed loss terms,
+    one rank per data-parallel group; a pipeline: the mean over the ranks that hold a loss, its
+    last stage), tokens and samples summed over one rank per data-parallel group. `.tolist()` is
+    a sync point that ends the step, so the step's time is its true time."""
     par, data = parts.par, parts.data
-    holds, counts = float(par.holds_loss) * parts.loss_weight, float(par.counts_data)
-    tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
-    samples = sum(b[1].size(0) for _, b in step_batches)
-    local = torch.tensor([0.0, holds, tokens * counts, samples * counts], device=info.device)
-    local[0] = step_loss.float() * holds
+    counting = float(par.counts_data)  # tp and pp peers read the same batch: count it once
+    tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting
+    samples = sum(b[1].size(0) for _, b in step_batches) * counting
+    if par.pipeline is None:
+        terms = sum(loss_elements(b[1]) for _, b in step_batches) * counting
+        local = torch.stack([step_loss.float() * counting, step_loss.new_tensor(terms, dtype=torch.float32)])
+    else:
+        holds = float(par.holds_loss)
+        local = torch.stack([step_loss.float() * holds, step_loss.new_tensor(holds, dtype=torch.float32)])
+    local = torch.cat([local, local.new_tensor([tokens, samples])])
     totals = all_reduce_sum(local, info).tolist()
     sequence_data = cfg.data.name in ("text", "varlen")  # report tokens/s
     return StepFigures(
@@ -385,6 +406,12 @@ def summarize(
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
     counting = [r for r in everyone if r["work"]]  # one rank per data-parallel group
     rates = throughput = stats.throughput.rates()
+    per_step = stats.throughput.per_step()
+    balance = load_balance(
+        [r["work"] for r in counting], [r["slots"] for r in counting], [r["forward"] for r in counting]
+    )
+    if cfg.data.get("pack"):  # packed blocks hold no padding: the unused positions are document boundaries
+        balance["boundary_waste"] = balance.pop("padding_waste")
     tokens_per_s = rates["tokens_per_s"]
     achieved = flops.model * tokens_per_s / flops.devices / 1e12 if flops.model and tokens_per_s else None
     return {
@@ -394,7 +421,8 @@ def summarize(
         "parallel_dims": par.mesh.dims.degrees if par.mesh else {"dp": par.dp_size},
         # NCCL_*/GLOO_* knobs as this worker's environment holds them
         "backend_env": {k: os.environ.get(k) for k in backend_env(cfg.backend)},
-        "global_batch_size": cfg.data.batch_size * cfg.accumulation_steps * par.dp_size,
+        "global_batch_size": per_step["samples"],  # samples per optimizer step, as they came
+        "per_step": per_step,
         "steps": cfg.steps,
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
@@ -411,9 +439,7 @@ def summarize(
         "memory": memory,
         # the rank that communicates most (pipeline stages differ), per optimizer step
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
-        "load_balance": load_balance(
-            [r["work"] for r in counting], [r["slots"] for r in counting], [r["forward"] for r in counting]
-        ),  # fmt: skip
+        "load_balance": balance,
     }
 
 

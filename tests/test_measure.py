@@ -103,17 +103,66 @@ def test_counting_is_exact_on_known_sizes():
     assert fsdp["by_op"]["reduce_scatter"] == {"calls": 2, "bytes": (1010 + 110) * 4}
 
 
+def _count_sub_groups(rank: int, world: int):
+    """At world 4, collectives on groups of 2: HSDP (2 replicas x 2 shards) and tensor parallel
+    on a (dp 2 x tp 2) mesh. Wire bytes use each group's own size, not the world's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from framework.comm import CommCounter
+
+    hsdp = torch.nn.Linear(100, 10)  # 1010 parameters
+    fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    with CommCounter() as hsdp_count:
+        hsdp(torch.randn(4, 100)).sum().backward()
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 16, bias=False))
+    parallelize_module(mlp, tp_mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    with CommCounter() as tp_count:
+        mlp(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    return hsdp_count.totals(), tp_count.totals()
+
+
+def test_counting_is_exact_on_sub_groups_at_world_4():
+    hsdp, tp = run_workers(_count_sub_groups, 4)[0]
+    full = 1010 * 4
+    # gathered over the 2 shards for forward (the root keeps them for backward), gradients
+    # reduce-scattered over the 2 shards, then each shard all-reduced over the 2 replicas
+    assert hsdp["by_op"] == {"all_gather": {"calls": 1, "bytes": full}, "reduce_scatter": {"calls": 1, "bytes": full},
+                             "all_reduce": {"calls": 1, "bytes": full // 2}}  # fmt: skip
+    assert hsdp["wire_bytes"] == full // 2 + full // 2 + full // 2  # groups of 2, not the world of 4
+    # column- then row-wise: one all-reduce of the (4, 16) output forward, one of the input's
+    # gradient backward (the input requires grad), on the tp group of 2
+    assert tp["by_op"] == {"all_reduce": {"calls": 2, "bytes": 2 * 4 * 16 * 4}}
+    assert tp["wire_bytes"] == 2 * 4 * 16 * 4
+
+
+def test_counting_refuses_to_guess_a_process_group():
+    from framework.comm import _group_size
+
+    with pytest.raises(ValueError, match="cannot tell the process group of c10d.allreduce_"):
+        _group_size("c10d.allreduce_", (torch.zeros(2),), {})
+
+
 def test_measuring_can_be_switched_off_and_is_sampled(tmp_path):
-    from framework.trainer import is_sampled
+    from framework.trainer import is_sampled, run
 
     assert [s for s in range(200) if is_sampled(s, 0, 200, 50)] == [2, 52, 102, 152]
     assert [s for s in range(2) if is_sampled(s, 0, 2, 50)] == [1]
     assert not any(is_sampled(s, 0, 200, 0) for s in range(200))
+    summary = run(OmegaConf.create(config(["parallel=none", "metrics.sample_every=0"], 1)), str(tmp_path), {})
+    assert summary["comm"] is None
+    assert all(summary["memory"][k] is None for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes"))
+    measured = run(OmegaConf.create(config(["parallel=none"], 1)), str(tmp_path / "on"), {})
+    assert measured["memory"]["param_bytes"] > 0  # the same run measured (sample_every=1)
 
 
 def test_cpu_offload_needs_fsdp_and_cuda():
     with pytest.raises(ConfigError, match="FSDP feature"):
         validate(compose_config(["memory=offload"]))
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        validate(compose_config(["memory=offload", "parallel=fsdp"]))
+    else:
         with pytest.raises(ConfigError, match="needs CUDA"):
             validate(compose_config(["memory=offload", "parallel=fsdp"]))

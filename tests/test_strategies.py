@@ -1,9 +1,11 @@
 """Numerical parity of every sharded and model-parallel strategy with one process.
 
 With fp32 and dropout 0, a strategy is a re-arrangement of the same arithmetic: at the same
-global batch it must follow the single-process loss trajectory. Gradient clipping stays on, so
-the global gradient norm over sharded gradients is checked too. Configs run back to back inside
-one group of worker processes (no process start-up per config).
+global batch it must follow the single-process loss trajectory, and its global gradient norm
+(over sharded, replicated and partial gradients) must equal the single process's at every step.
+Adam's update hardly depends on the gradient's scale, so a run with plain SGD and active
+clipping checks that a wrong norm (a wrong clipping factor) shows in the losses. Configs run back
+to back inside one group of worker processes (no process start-up per config).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from omegaconf import OmegaConf
 
 from framework.config import validate
 from framework.sweep import run_configs
-from tests.helpers import compose_config, losses
+from tests.helpers import compose_config, losses, read_metrics
 
 STEPS = 5
 BASE = [
@@ -33,16 +35,20 @@ def config(overrides: list[str], world: int) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def single_process(out, overrides: list[str] = ()) -> tuple:
     from framework.trainer import run
 
-    out = tmp_path_factory.mktemp("reference")
-    cfg = OmegaConf.create(config(["parallel=none", f"data.batch_size={GLOBAL_BATCH}"], 1))
+    cfg = OmegaConf.create(config(["parallel=none", f"data.batch_size={GLOBAL_BATCH}", *overrides], 1))
     summary = run(cfg, str(out), {"parallel": "none"})
     got = losses(out)
     assert len(got) == STEPS and got[-1] < got[0] and summary["status"] == "ok"
-    return got, torch.load(out / "model.pt", weights_only=True)
+    grad_norms = [m["grad_norm"] for m in read_metrics(out)]
+    return got, torch.load(out / "model.pt", weights_only=True), grad_norms
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return single_process(tmp_path_factory.mktemp("reference"))
 
 
 def train_all(configs: dict, world: int, out_dir) -> dict:
@@ -53,12 +59,14 @@ def train_all(configs: dict, world: int, out_dir) -> dict:
 def assert_parity(results: dict, reference: tuple, out_dir, tol: float = 1e-5) -> None:
     """Same losses (1e-5 relative: observed <= 2e-7, reordered fp32 sums) and, exported as a full
     state dict from the shards, the same trained weights under the plain model's names."""
-    ref_losses, ref_state = reference
+    ref_losses, ref_state, ref_norms = reference
     for name, (got, summary) in results.items():
         assert summary["global_batch_size"] == GLOBAL_BATCH, name
         assert len(got) == STEPS, name
         for step, (a, b) in enumerate(zip(got, ref_losses, strict=True), start=1):
             assert abs(a - b) / abs(b) <= tol, f"{name} step {step}: {a} vs single process {b}"
+        norms = [m["grad_norm"] for m in read_metrics(out_dir / name)]
+        assert norms == pytest.approx(ref_norms, rel=1e-4), f"{name}: gradient norms {norms} vs {ref_norms}"
         state = torch.load(out_dir / name / "model.pt", weights_only=True)
         assert state.keys() == ref_state.keys(), name
         for key in ref_state:
@@ -131,3 +139,19 @@ def test_hybrid_and_hsdp_follow_the_single_process_trajectory_world_4(tmp_path, 
     assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert results["hybrid_dp2_pp2"][1]["parallel_dims"]["pp"] == 2
     assert_parity(results, reference, tmp_path)
+
+
+SGD = ["optim=sgd", "optim.lr=0.5", "optim.momentum=0.0", "optim.grad_clip=0.5"]
+
+
+def test_sharded_clipping_scales_like_one_process_under_sgd(tmp_path):
+    """Plain SGD with clipping active (norms above 0.5): the update is lr x clip factor x
+    gradient, so a wrong global norm under sharding moves the losses."""
+    reference = single_process(tmp_path / "reference", SGD)
+    assert max(reference[2]) > 0.5  # clipping is active
+    configs = {
+        "fsdp2_sgd": config(["parallel=fsdp", "data.batch_size=4", *SGD], 2),
+        "tp_sgd": config(["parallel=tp", "data.batch_size=8", *SGD], 2),
+        "pp_sgd": config(["parallel=pp", "data.batch_size=8", *SGD], 2),
+    }
+    assert_parity(train_all(configs, 2, tmp_path), reference, tmp_path)

@@ -224,3 +224,18 @@ def test_varlen_text_source_reads_paragraphs_of_the_corpus(tmp_path):
     assert data.lengths.tolist() == [9, 40, 64]  # paragraphs, cut at max_len
     (inputs,), target = data.collate([data[0], data[2]])
     assert inputs.shape == (2, 63) and (target[0, 8:] == -100).all()  # padding carries no loss
+
+
+def test_amp_trains_with_a_dynamic_loss_scale(tmp_path):
+    """precision=amp end to end: float16 autocast on CPU, the GradScaler's scale in every
+    metrics line (65536 to start; halved after any step whose gradients overflow), loss falls."""
+    from framework.trainer import run
+    from tests.helpers import compose_config, read_metrics
+
+    cfg = compose_config(["experiment=smoke", "logger=none", "parallel=none", "precision=amp", "steps=6"])
+    summary = run(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), str(tmp_path), {})
+    metrics = read_metrics(tmp_path)
+    scales = [m["loss_scale"] for m in metrics]
+    assert all(s is not None and s > 0 for s in scales) and scales[0] <= 65536.0
+    assert all(b in (a, a / 2) for a, b in zip(scales, scales[1:], strict=False))  # growth_interval 2000
+    assert summary["final_loss"] < summary["first_loss"]

@@ -13,6 +13,7 @@ the cross-entropy on the shards, never gathering the (B, T, vocab) logits.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -23,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from framework.parallel.fsdp import model_blocks
+from framework.modules import model_blocks
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
@@ -62,4 +63,15 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             plan["ln_f"] = SequenceParallel()
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    # The model's output leaves tensor parallel as a local tensor, a view of the DTensor it came
+    # from. FSDP, applied next, hooks its pre-backward all-gather on the output, and an in-place
+    # op on a view would drop that hook: give the output a storage of its own (a hook registered
+    # now runs before FSDP's).
+    model.register_forward_hook(_own_storage)
     return model
+
+
+def _own_storage(module: nn.Module, args: tuple, output):
+    if isinstance(output, torch.Tensor) and not hasattr(output, "to_local") and output._base is not None:
+        return output.clone()
+    return output
