@@ -10,24 +10,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from framework.config import register_configs, validate  # noqa: E402
-from framework.launch import register_resolvers  # noqa: E402
+from framework.config import compose_run  # noqa: E402
 from framework.sweep import run_configs  # noqa: E402
 
 
 def config(overrides: list[str]) -> dict[str, Any]:
     """Compose and validate like `python train.py OVERRIDES`; a resolved dict."""
-    register_configs()
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["logger=none", "progress=false", *overrides])
-    validate(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return compose_run(["logger=none", "progress=false", *overrides])
 
 
 def run(rows: dict[str, list[str]], world: int, common: list[str]) -> dict[str, dict[str, Any]]:

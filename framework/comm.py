@@ -29,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from framework.memory import tensor_bytes
+
 # dispatcher op name (without overload) -> category
 OPS = {
     "allreduce_": "all_reduce",
@@ -70,7 +72,8 @@ RING_FACTOR = {  # wire bytes per payload byte for a group of n ranks
 
 
 def _nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+    """Bytes of every tensor in `obj` (a tensor, or a list of them)."""
+    return sum(tensor_bytes(t) for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
 
 
 def _group_size(op: str, args: tuple, kwargs: dict) -> int:

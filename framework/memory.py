@@ -34,7 +34,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of the part of `t` on this rank (a sharded tensor's local shard)."""
     t = _local(t)
     return t.numel() * t.element_size()
 
@@ -45,10 +46,10 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     optim_bytes = 0
     if optimizer is not None:
         for state in optimizer.state.values():
-            optim_bytes += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+            optim_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return {
-        "param_bytes": sum(_nbytes(p) for p in params),
-        "grad_bytes": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "param_bytes": sum(tensor_bytes(p) for p in params),
+        "grad_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
         "optim_bytes": optim_bytes,
     }
 

@@ -15,6 +15,8 @@ import os
 import re
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,6 +107,25 @@ def flops_per_token(model: torch.nn.Module, seq_len: int | None, recomputed_bloc
     return fn(seq_len, recomputed_blocks) if recomputed_blocks else fn(seq_len)
 
 
+@dataclass(frozen=True)
+class Flops:
+    """Training FLOPs per token: the model's (MFU), and with recomputation (HFU); None for models
+    that do not count theirs. `devices`: the accelerators (or CPU ranks) the run uses."""
+
+    model: float | None
+    hardware: float | None
+    devices: int
+
+
+def count_flops(model: torch.nn.Module, cfg: Any, world_size: int) -> Flops:
+    seq_len = cfg.data.get("seq_len")
+    n_layer = cfg.model.get("n_layer", 0)
+    recomputed = -(-n_layer // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
+    # parallel=dp is one process driving every visible GPU
+    devices = torch.cuda.device_count() if cfg.parallel.name == "dp" else world_size
+    return Flops(flops_per_token(model, seq_len), flops_per_token(model, seq_len, recomputed), devices)
+
+
 def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, devices: int) -> float | None:
     """Achieved FLOP/s over the peak of the `devices` used (with flops_per_tok counting
     recomputation: HFU)."""
@@ -188,7 +209,7 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - self.t0
         return False
 
-    def take(self) -> float:
+    def pop_seconds(self) -> float:
         """This step's forward seconds (and reset)."""
         seconds = self.seconds + sum(a.elapsed_time(b) / 1000 for a, b in self.pending)
         self.seconds, self.pending = 0.0, []

@@ -26,7 +26,8 @@ def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: st
 
 def _train_each(configs: dict[str, dict[str, Any]], out_dir: str) -> dict[str, dict[str, Any]]:
     from framework.dist import destroy_distributed, init_distributed
-    from framework.trainer import RunFiles, train
+    from framework.run_files import RunFiles
+    from framework.trainer import train
 
     info = init_distributed("cpu", "gloo", timeout_s=300)
     summaries = {}

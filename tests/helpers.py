@@ -9,22 +9,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
 def compose_config(overrides: list[str] | None = None):
-    from framework.config import register_configs
-    from framework.launch import register_resolvers
+    """The config `python train.py OVERRIDES` composes (not validated)."""
+    from framework.config import compose
 
-    register_configs()
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="config", overrides=overrides or [])
+    return compose(overrides)
+
+
+def world_config(overrides: list[str], world: int) -> dict[str, Any]:
+    """Composed, validated and resolved for `world` local workers: what run_configs takes."""
+    from framework.config import compose_run
+
+    return compose_run([*overrides, f"launch.nproc_per_node={world}"])
 
 
 def train_cli(args: list[str], run_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

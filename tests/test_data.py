@@ -7,12 +7,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config import validate
 from framework.data.datasets import PackedSequences, VarlenSequences
 from framework.data.samplers import LengthGroupedBatchSampler, TokenBudgetBatchSampler, WeightedBatchSampler
 from framework.sweep import run_configs
 from models import GPT
-from tests.helpers import compose_config, losses
+from tests.helpers import losses, world_config
 
 LENGTHS = VarlenSequences(1000, 32, 4, 4, 128, 24, seed=0).lengths.tolist()
 
@@ -82,9 +81,7 @@ def test_packing_masks_the_loss_at_boundaries():
 
 
 def config(overrides: list[str], world: int) -> dict:
-    cfg = compose_config(["logger=none", "steps=5", f"launch.nproc_per_node={world}", *overrides])
-    validate(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return world_config(["logger=none", "steps=5", *overrides], world)
 
 
 def test_per_rank_batch_sizes_update_like_one_process_on_the_union_batch(tmp_path):

@@ -9,15 +9,13 @@ from omegaconf import OmegaConf
 
 from framework.config import ConfigError, validate
 from framework.sweep import run_configs
-from tests.helpers import compose_config, run_workers
+from tests.helpers import compose_config, run_workers, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=4", "model.n_layer=4", "metrics.sample_every=1"]
 
 
 def config(overrides: list[str], world: int) -> dict:
-    cfg = compose_config([*BASE, f"launch.nproc_per_node={world}", *overrides])
-    validate(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return world_config([*BASE, *overrides], world)
 
 
 def state_bytes(summary: dict) -> int:

@@ -51,7 +51,7 @@ def test_same_losses_however_the_global_batch_is_split(tmp_path, reference, name
 def _no_sync_worker(rank: int, world: int):
     from omegaconf import OmegaConf
 
-    from framework.config import MemoryConfig, ParallelConfig
+    from framework.config.schema import MemoryConfig, ParallelConfig
     from framework.dist import DistInfo
     from framework.parallel import parallelize
 

@@ -13,15 +13,13 @@ from omegaconf import OmegaConf
 from framework.config import validate
 from framework.metrics import cpu_peak_flops, gpu_peak_tflops, mfu
 from framework.sweep import run_configs
-from tests.helpers import ROOT, compose_config, losses, read_summary, train_cli
+from tests.helpers import ROOT, compose_config, losses, read_summary, train_cli, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=4"]
 
 
 def config(overrides: list[str], world: int) -> dict:
-    cfg = compose_config([*BASE, f"launch.nproc_per_node={world}", *overrides])
-    validate(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return world_config([*BASE, *overrides], world)
 
 
 def test_compile_trains_like_eager_under_ddp_fsdp_tp_and_checkpointing(tmp_path):

@@ -14,9 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config import validate
 from framework.sweep import run_configs
-from tests.helpers import compose_config, losses, read_metrics
+from tests.helpers import losses, read_metrics, world_config
 
 STEPS = 5
 BASE = [
@@ -30,9 +29,7 @@ GLOBAL_BATCH = 8
 
 
 def config(overrides: list[str], world: int) -> dict:
-    cfg = compose_config([*BASE, f"launch.nproc_per_node={world}", *overrides])
-    validate(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return world_config([*BASE, *overrides], world)
 
 
 def single_process(out, overrides: list[str] = ()) -> tuple:

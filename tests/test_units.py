@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config import OptimConfig, PrecisionConfig
+from framework.config.schema import OptimConfig, PrecisionConfig
 from framework.data.datasets import VarlenSequences
 from framework.data.samplers import ResumableDistributedSampler
 from framework.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes

@@ -110,15 +110,15 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
 
     # 1. pipeline split: this rank's stages, each parallelized below like a model of its own
     if dims.pp > 1:
-        parts, stage_ids, n_stages = build_stages(model, pcfg, mesh.pp_rank, dims.pp)
+        stages, stage_ids, n_stages = build_stages(model, pcfg, mesh.pp_rank, dims.pp)
     else:
-        parts = [model]
-    for part in parts:
+        stages = [model]
+    for stage in stages:
         # 2. tensor parallel
         if dims.tp > 1:
-            apply_tp(part, mesh.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+            apply_tp(stage, mesh.device_mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
         # 3. activation checkpointing, 4. compile
-        _checkpoint_and_compile(part, cfg)
+        _checkpoint_and_compile(stage, cfg)
     # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
     # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
     shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
@@ -126,30 +126,30 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
     if shard:
         if fsdp_v1:
             offload = cfg.memory.cpu_offload
-            parts = [apply_fsdp1(p, mesh.dp_mesh, pcfg, cfg.precision.name, info.device, offload) for p in parts]
+            stages = [apply_fsdp1(p, mesh.dp_mesh, pcfg, cfg.precision.name, info.device, offload) for p in stages]
         else:
-            for part in parts:
-                apply_fsdp2(part, mesh.dp_mesh, pcfg, cfg.precision.name, cfg.memory.cpu_offload)
+            for stage in stages:
+                apply_fsdp2(stage, mesh.dp_mesh, pcfg, cfg.precision.name, cfg.memory.cpu_offload)
 
     par = Parallelized(
-        module=parts[0] if dims.pp == 1 else LocalStages(parts),
+        module=stages[0] if dims.pp == 1 else LocalStages(stages),
         mesh=mesh,
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
         counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0,
-        pp_group=mesh.mesh["pp"].get_group() if dims.pp > 1 else None,
+        pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
     )
     if dims.pp > 1:
-        par.pipeline = build_pipeline(parts, stage_ids, n_stages, pcfg, par.pp_group, info.device)
+        par.pipeline = build_pipeline(stages, stage_ids, n_stages, pcfg, par.pp_group, info.device)
         par.holds_loss = par.pipeline.has_last
     elif shard and not fsdp_v1:
-        root = parts[0]
+        root = stages[0]
         par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, pcfg)
     elif fsdp_v1:
-        root = parts[0]
+        root = stages[0]
         par.grad_sync = lambda enabled: nullcontext() if enabled or pcfg.sync_every_microbatch else root.no_sync()
     if fsdp_v1:
-        par.clip_grad_norm = parts[0].clip_grad_norm_
+        par.clip_grad_norm = stages[0].clip_grad_norm_
     else:
         par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims)
     if dims.tp > 1 and pcfg.loss_parallel:

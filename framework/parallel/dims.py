@@ -22,6 +22,11 @@ class DimsError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise DimsError(key, message)
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
@@ -83,6 +88,39 @@ class ParallelDims:
         if self.pp > 1 and n_layer is not None and n_layer < stages:
             raise DimsError("parallel.pp", f"{n_layer} layers cannot fill {stages} pipeline stages")
 
+    def check_run(self, cfg: DictConfig) -> None:
+        """What these degrees demand of the rest of the config (`cfg`: the whole run's)."""
+        from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
+
+        p = cfg.parallel
+        if p.version == 1:
+            _require(self.tp == 1 and self.pp == 1, "parallel.version",
+                     "FSDP1 (version=1) shards data-parallel only; use version=2 with tp or pp")  # fmt: skip
+            _require(
+                (p.sharding_strategy == "HYBRID_SHARD") == (self.dp_replicate > 1),
+                "parallel.sharding_strategy",
+                "HYBRID_SHARD needs parallel.dp_replicate > 1 (replicas of shard groups) and the other "
+                "strategies dp_replicate=1",
+            )
+        if self.pp > 1:
+            _require(cfg.precision.name != "amp", "precision",
+                     "amp (float16 loss scaling) is not supported with pipeline parallel; use precision=bf16")  # fmt: skip
+            local_batch = cfg.data.batch_size * cfg.accumulation_steps
+            _require(local_batch % p.n_microbatches == 0, "parallel.n_microbatches",
+                     f"must divide the local batch data.batch_size x accumulation_steps = {local_batch}")  # fmt: skip
+            stages = self.pp * stages_per_rank(p)
+            _require(
+                p.n_microbatches >= stages or p.schedule in SINGLE_STAGE,
+                "parallel.n_microbatches",
+                f"the {p.schedule} schedule needs at least as many micro-batches as stages ({stages})",
+            )
+        if self.tp > 1 and p.sequence_parallel:
+            _require(
+                cfg.data.seq_len % self.tp == 0,
+                "data.seq_len",
+                f"sequence parallel splits sequences over tp={self.tp} ranks; {cfg.data.seq_len} does not divide",
+            )
+
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different batches a step reads."""
@@ -108,21 +146,26 @@ class Mesh:
     """The mesh with the coordinates the rest of the framework asks for."""
 
     dims: ParallelDims
-    mesh: object  # torch DeviceMesh over AXES
+    device_mesh: object  # torch DeviceMesh over AXES
 
     @cached_property
     def dp_mesh(self):
         """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D."""
-        return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+        return (
+            self.device_mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.device_mesh["dp_shard"]
+        )
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard + self.mesh["dp_shard"].get_local_rank()
+        return (
+            self.device_mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard
+            + self.device_mesh["dp_shard"].get_local_rank()
+        )
 
     @property
     def pp_rank(self) -> int:
-        return self.mesh["pp"].get_local_rank()
+        return self.device_mesh["pp"].get_local_rank()
 
     @property
     def tp_rank(self) -> int:
-        return self.mesh["tp"].get_local_rank()
+        return self.device_mesh["tp"].get_local_rank()

@@ -25,7 +25,7 @@ MULTI_STAGE = {
     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
     "ZBVZeroBubble": "ScheduleZBVZeroBubble",
 }
-SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE)
+SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE)  # the names `parallel.schedule` accepts
 
 
 def stages_per_rank(cfg: DictConfig) -> int:

@@ -1,0 +1,50 @@
+"""What a config means on this machine: the device, the backend, how many local workers, the
+environment a backend reads, the world size the run will have."""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+
+
+def backend_env(cfg: DictConfig) -> dict[str, str]:
+    """Environment variables the `backend` group sets (unset knobs stay unset)."""
+    env = {f"NCCL_{k.upper()}": str(v) for k, v in cfg.nccl.items() if v is not None}
+    if cfg.gloo_socket_ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = cfg.gloo_socket_ifname
+    return env
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    import torch
+
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def resolve_backend(cfg: DictConfig) -> str:
+    return {"cpu": "gloo", "cuda": "nccl"}[resolve_device(cfg)] if cfg.backend.name == "auto" else cfg.backend.name
+
+
+def resolve_nproc(cfg: DictConfig) -> int:
+    """Local worker processes to start: explicit, else 1 for parallel=none, else per GPU (CPU: 2)."""
+    import torch
+
+    if cfg.launch.nproc_per_node is not None:
+        return cfg.launch.nproc_per_node
+    if cfg.parallel.name == "none":
+        return 1
+    if resolve_device(cfg) == "cuda":
+        return torch.cuda.device_count()
+    return 2
+
+
+def world_size_of(cfg: DictConfig) -> int:
+    """The world the run will have: the launcher's (torchrun sets WORLD_SIZE) or ours."""
+    from framework.dist import launched_as_worker
+
+    if launched_as_worker():
+        return int(os.environ["WORLD_SIZE"])
+    return resolve_nproc(cfg)

@@ -1,0 +1,314 @@
+"""The config schema: one dataclass per config group choice, registered in Hydra's ConfigStore
+under `schema/<group>` (outside the user-facing groups, so `--help` does not offer them as
+choices). The YAML files of conf/ extend them (`defaults: [/schema/<group>@_here_: <name>, _self_]`),
+so an unknown key or a value of the wrong type fails when Hydra composes the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# ----------------------------------------------------------------------------- groups
+
+
+@dataclass
+class NCCLConfig:
+    """NCCL tuning knobs, exported to every worker as NCCL_<NAME> before the process group starts.
+    null: left unset (NCCL's own choice)."""
+
+    algo: str | None = None  # Tree | Ring | CollnetDirect | NVLS ... (NCCL_ALGO)
+    proto: str | None = None  # LL | LL128 | Simple
+    socket_ifname: str | None = None  # e.g. eth0: the interface for bootstrap and socket traffic
+    ib_disable: int | None = None  # 1: no InfiniBand, use sockets
+    p2p_disable: int | None = None  # 1: no NVLink/PCIe peer-to-peer
+    cross_nic: int | None = None
+    nthreads: int | None = None
+    buffsize: int | None = None
+    min_nchannels: int | None = None
+    max_nchannels: int | None = None
+    debug: str | None = None  # WARN | INFO | TRACE
+    debug_subsys: str | None = None  # e.g. INIT,COLL
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"  # auto | gloo | nccl | mpi (auto: nccl with CUDA, else gloo)
+    timeout_s: int = 600  # collective timeout of the process group
+    init_method: str = "env"  # env (MASTER_ADDR/PORT from the launcher) | tcp://host:port | file:///path
+    gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME
+    nccl: NCCLConfig = field(default_factory=NCCLConfig)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "ddp"  # none | dp | ddp | fsdp | tp | pp | hybrid
+    # Degrees of the mesh pp x dp_replicate x dp_shard x tp (fsdp, tp, pp, hybrid).
+    # -1: the ranks left over; 0 (tp, pp): auto, 2-way where the world and the model allow.
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    # DDP (torch.nn.parallel.DistributedDataParallel)
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
+    powersgd_rank: int = 1
+    # FSDP
+    version: int = 2  # 2: fully_shard (FSDP2); 1: FullyShardedDataParallel (FSDP1)
+    reshard_after_forward: bool = True  # True: FULL_SHARD (ZeRO-3); False: SHARD_GRAD_OP (ZeRO-2)
+    reduce_dtype: str = "fp32"  # gradient reduction dtype under bf16/amp: fp32 | bf16
+    sync_every_microbatch: bool = False  # accumulation: reduce-scatter every micro-batch (less memory)
+    sharding_strategy: str = "FULL_SHARD"  # FSDP1: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
+    # tensor parallel
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+    # pipeline parallel
+    schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble
+    n_microbatches: int = 4
+    stages_per_rank: int = 0  # 0: auto (1 for GPipe/1F1B, 2 for interleaved and V schedules)
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | amp (float16 autocast + GradScaler) | bf16 (bfloat16 autocast)
+    init_scale: float = 65536.0  # GradScaler's starting loss scale (amp only)
+    growth_interval: int = 2000
+
+
+@dataclass
+class MemoryConfig:
+    name: str = "none"  # none | checkpoint
+    checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
+    empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
+    cpu_offload: bool = False  # FSDP: keep sharded parameters, gradients and optimizer state in CPU memory
+
+
+@dataclass
+class LoaderFields:
+    name: str = MISSING
+    batch_size: int = 8  # micro-batch of ONE data-parallel rank
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None  # only with num_workers > 0 (torch's default: 2)
+    drop_last: bool = True
+    shuffle: bool = True
+    sampler: str = "distributed"  # distributed | length_grouped | token_budget (varlen)
+    max_tokens: int = 4096  # token_budget: padded tokens per rank per micro-batch
+    rank_batch_sizes: list[int] | None = None  # per data-parallel rank micro-batch sizes (by capability)
+    pack: bool = False  # varlen + gpt: concatenate sequences into blocks of pack_len, no padding
+    pack_len: int = 128
+
+
+@dataclass
+class TextDataConfig(LoaderFields):
+    name: str = "text"
+    path: str | None = None  # file or folder of text; null: this Python's standard library source
+    seq_len: int = 128
+    max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
+    val_fraction: float = 0.0
+
+
+@dataclass
+class ImagesDataConfig(LoaderFields):
+    name: str = "images"
+    num_samples: int = 2048
+    image_size: int = 32
+    channels: int = 3
+    num_classes: int = 10
+    noise: float = 1.0  # synthetic only
+    source: str = "synthetic"  # synthetic | folder (torchvision ImageFolder) | cifar10 (local, never downloaded)
+    root: str | None = None  # folder or CIFAR-10 root
+    transforms_on: str = "device"  # device: batched augmentation on the training device | loader: per sample in workers
+    augment: bool = True  # random crop (4-pixel padding) and horizontal flip
+
+
+@dataclass
+class VectorsDataConfig(LoaderFields):
+    name: str = "vectors"
+    num_samples: int = 4096
+    dim: int = 32
+    num_classes: int = 8
+
+
+@dataclass
+class VarlenDataConfig(LoaderFields):
+    name: str = "varlen"
+    num_samples: int = 4096
+    vocab_size: int = 32
+    num_classes: int = 4
+    min_len: int = 4
+    max_len: int = 128
+    mean_len: float = 24.0  # long-tailed (log-normal) lengths around this mean
+    source: str = "synthetic"  # synthetic | text (paragraphs of the text corpus)
+    path: str | None = None  # source=text: a file or folder of text; null: the stdlib source
+    seq_len: int = 128  # the longest input a model sees (max_len, or pack_len when packing)
+
+
+@dataclass
+class GPTConfig:
+    name: str = "gpt"
+    vocab_size: int = 256
+    block_size: int = 128  # longest sequence the model accepts
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+
+
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    in_dim: int = 32
+    hidden: int = 256
+    depth: int = 3
+    num_classes: int = 8
+    dropout: float = 0.0
+
+
+@dataclass
+class ResNetConfig:
+    name: str = "resnet"
+    arch: str = "resnet18"  # any torchvision.models resnet builder name
+    num_classes: int = 10
+    small_input: bool = True  # 3x3 stem without max-pool, for 32x32 images
+
+
+@dataclass
+class LSTMConfig:
+    name: str = "lstm"
+    vocab_size: int = 32
+    embed_dim: int = 64
+    hidden: int = 128
+    num_layers: int = 1
+    num_classes: int = 4
+    bidirectional: bool = False
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    momentum: float = 0.9  # sgd only
+    grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
+    schedule: str = "cosine"  # cosine | constant
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb | tensorboard | all (wandb and tensorboard) | none
+    project: str = "hydradist"  # W&B
+    entity: str | None = None
+    mode: str = "offline"  # W&B: offline | online | disabled
+    group: str | None = None  # W&B group; null: in a multirun, the sweep directory's name
+    run_name: str | None = None  # null: set by train.py (a sweep job: its overrides)
+    tags: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- top level
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int | None = None  # null: 1 for parallel=none, else one per GPU (CPU: 2)
+    max_restarts: int = 0
+    master_port: int | None = None  # srun without torchrun: the rendezvous port (null: from the job id)
+    monitor_interval_s: float = 0.1
+    start_method: str = "spawn"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N optimizer steps (0: never); always saved at the end if > 0
+    dir: str | None = None  # null: <run dir>/checkpoints
+    resume: str | None = None  # a checkpoint folder to resume from
+    export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
+
+
+@dataclass
+class MetricsConfig:
+    peak_tflops: float | None = None  # per-device peak for MFU; null: known GPUs only
+    log_every: int = 1
+    sample_every: int = 50  # measure memory and communication on the 3rd step and every N (0: off)
+
+
+@dataclass
+class ProfilerConfig:
+    """profile=true: which steps torch.profiler traces (after `wait` steps, `warmup` traced and
+    discarded, then `active` recorded), and what it records."""
+
+    wait: int = 2
+    warmup: int = 1
+    active: int = 2
+    with_stack: bool = True  # Python stacks on every event
+    memory: bool = False  # CUDA: also the allocator's history, for the memory visualiser
+
+
+@dataclass
+class SweepConfig:
+    skip_done: bool = False  # a rerun of a multirun skips the jobs whose summary says ok
+
+
+@dataclass
+class Config:
+    backend: Any = MISSING
+    parallel: Any = MISSING
+    precision: Any = MISSING
+    memory: Any = MISSING
+    data: Any = MISSING
+    model: Any = MISSING
+    optim: Any = MISSING
+    logger: Any = MISSING
+    seed: int = 1337
+    steps: int = 100  # optimizer steps
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True  # progress bar on rank 0
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    compile: bool = False  # torch.compile each transformer block (small models: the whole model)
+    profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    optimize: str = "tokens_per_s"  # what the task returns to a sweeper: tokens_per_s | samples_per_s | final_loss
+
+
+# group -> {schema name: dataclass}, stored as `schema/<group>/<name>`; a group with one schema
+# for all its choices names it `base`
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "backend": {"base": BackendConfig},
+    "parallel": {"base": ParallelConfig},
+    "precision": {"base": PrecisionConfig},
+    "memory": {"base": MemoryConfig},
+    "data": {
+        "text": TextDataConfig,
+        "images": ImagesDataConfig,
+        "vectors": VectorsDataConfig,
+        "varlen": VarlenDataConfig,
+    },
+    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "resnet": ResNetConfig, "lstm": LSTMConfig},
+    "optim": {"base": OptimConfig},
+    "logger": {"base": LoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Put every schema into Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schemas in GROUP_SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)

@@ -1,0 +1,357 @@
+"""`validate(cfg)`: what a schema cannot check (value ranges, combinations, what this machine can
+run), before any worker starts. Each concern is one small check; the first problem raises
+`ConfigError` naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from framework.config.resolve import resolve_device, resolve_nproc, world_size_of
+from framework.parallel.pipeline import SCHEDULES
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. ``key`` is the dotted config key at fault."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+# ----------------------------------------------------------------------------- validation
+
+ALLOWED = {
+    "backend.name": ("auto", "gloo", "nccl", "mpi"),
+    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"),
+    "parallel.version": (1, 2),
+    "parallel.reduce_dtype": ("fp32", "bf16"),
+    "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+    "parallel.schedule": SCHEDULES,
+    "parallel.comm_hook": ("none", "fp16", "bf16", "powersgd"),
+    "precision.name": ("fp32", "amp", "bf16"),
+    "memory.name": ("none", "checkpoint", "offload"),
+    "optim.name": ("adamw", "sgd"),
+    "optim.schedule": ("cosine", "constant"),
+    "logger.name": ("wandb", "tensorboard", "all", "none"),
+    "optimize": ("tokens_per_s", "samples_per_s", "final_loss"),
+    "logger.mode": ("offline", "online", "disabled"),
+    "device": ("auto", "cpu", "cuda"),
+    "data.sampler": ("distributed", "length_grouped", "token_budget"),
+    "launch.start_method": ("spawn", "fork", "forkserver"),
+}
+
+# Which data each model can train on: (model, data) pairs that make a task.
+MODEL_DATA = {
+    "gpt": ("text", "varlen"),
+    "mlp": ("vectors",),
+    "resnet": ("images",),
+    "lstm": ("varlen",),
+}
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _at_least(cfg: DictConfig, key: str, low: int) -> None:
+    value = _get(cfg, key)
+    _require(value >= low, key, f"got {value}; must be an integer >= {low}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
+    for check in (_check_values, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
+                  _check_model_and_data, _check_batching, _check_paths):  # fmt: skip
+        check(cfg)
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Choices among their allowed names, counts in their ranges."""
+    for key, allowed in ALLOWED.items():
+        value = _get(cfg, key)
+        _require(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")
+
+    _at_least(cfg, "steps", 1)
+    _at_least(cfg, "accumulation_steps", 1)
+    _at_least(cfg, "data.batch_size", 1)
+    _at_least(cfg, "data.num_workers", 0)
+    _at_least(cfg, "backend.timeout_s", 1)
+    _at_least(cfg, "launch.max_restarts", 0)
+    _at_least(cfg, "checkpoint.every", 0)
+    _at_least(cfg, "metrics.log_every", 1)
+    _at_least(cfg, "metrics.sample_every", 0)
+    _at_least(cfg, "memory.checkpoint_every", 1)
+    _at_least(cfg, "memory.empty_cache_every", 0)
+    if cfg.profile:
+        for key in ("wait", "warmup", "active"):
+            _at_least(cfg, f"profiler.{key}", 1 if key == "active" else 0)
+        window = cfg.profiler.wait + cfg.profiler.warmup + cfg.profiler.active
+        _require(
+            cfg.steps >= window,
+            "profiler",
+            f"profile=true traces steps {cfg.profiler.wait + cfg.profiler.warmup + 1}..{window} "
+            f"(wait + warmup + active) but the run has steps={cfg.steps}; lower profiler.wait/active or raise steps",
+        )
+    if cfg.launch.nproc_per_node is not None:
+        _at_least(cfg, "launch.nproc_per_node", 1)
+    _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
+    if cfg.data.prefetch_factor is not None:
+        _require(
+            cfg.data.num_workers > 0,
+            "data.prefetch_factor",
+            "only applies with data.num_workers > 0; set it to null or raise num_workers",
+        )
+    if cfg.data.persistent_workers:
+        _require(
+            cfg.data.num_workers > 0,
+            "data.persistent_workers",
+            "needs data.num_workers > 0",
+        )
+
+
+def _check_device_and_backend(cfg: DictConfig) -> None:
+    """A device and a process-group backend this machine has."""
+    import torch
+    import torch.distributed as dist
+
+    if cfg.device == "cuda":
+        _require(
+            torch.cuda.is_available(),
+            "device",
+            "cuda requested but no CUDA device is visible; use device=cpu or device=auto",
+        )
+    backend = cfg.backend.name
+    if backend == "nccl":
+        _require(
+            torch.cuda.is_available() and dist.is_nccl_available(),
+            "backend",
+            "nccl needs CUDA GPUs and a CUDA build of torch; none here. Use backend=gloo (or backend=auto)",
+        )
+        _require(
+            resolve_device(cfg) == "cuda",
+            "backend",
+            "nccl communicates CUDA tensors; set device=cuda or device=auto",
+        )
+    if backend == "mpi":
+        _require(
+            dist.is_mpi_available(),
+            "backend",
+            "mpi is not built into this torch (the PyPI wheels leave it out); use backend=gloo or "
+            "backend=nccl, or build torch from source against an MPI library",
+        )
+    if backend == "gloo":
+        _require(
+            dist.is_gloo_available(),
+            "backend",
+            "gloo is not built into this torch; use backend=nccl",
+        )
+    init = cfg.backend.init_method
+    _require(
+        init == "env" or init.startswith("tcp://") or init.startswith("file://"),
+        "backend.init_method",
+        f"got {init!r}; allowed: env, tcp://HOST:PORT, file:///PATH",
+    )
+
+
+def _check_world(cfg: DictConfig) -> None:
+    """How many workers, against the strategy and the visible GPUs."""
+    import torch
+
+    nproc = resolve_nproc(cfg)
+    _require(
+        nproc >= 1,
+        "launch.nproc_per_node",
+        "no CUDA device visible for one worker per GPU; set launch.nproc_per_node",
+    )
+    if cfg.parallel.name in ("none", "dp"):
+        _require(
+            nproc == 1,
+            "launch.nproc_per_node",
+            f"parallel={cfg.parallel.name} runs one process, got {nproc} workers; "
+            "set launch.nproc_per_node=1 or choose parallel=ddp",
+        )
+    if resolve_device(cfg) == "cuda" and cfg.launch.nproc_per_node is not None:
+        _require(
+            nproc <= torch.cuda.device_count(),
+            "launch.nproc_per_node",
+            f"got {nproc} workers but only {torch.cuda.device_count()} GPUs are visible",
+        )
+
+
+def _check_memory(cfg: DictConfig) -> None:
+    """CPU offload and activation checkpointing where they apply."""
+    if cfg.memory.cpu_offload:
+        _require(
+            cfg.parallel.name in ("fsdp", "hybrid"),
+            "memory.cpu_offload",
+            f"CPU offload is an FSDP feature; got parallel={cfg.parallel.name}. Use parallel=fsdp",
+        )
+        _require(
+            resolve_device(cfg) == "cuda",
+            "memory.cpu_offload",
+            "FSDP CPU offload moves shards between GPU and CPU memory and needs CUDA; none here. "
+            "Use memory=none or memory=checkpoint",
+        )
+    if cfg.memory.name == "checkpoint":
+        _require(
+            cfg.model.name != "lstm",
+            "memory",
+            "checkpointing wraps a model's blocks; lstm has none. Use memory=none",
+        )
+
+
+def _check_model_and_data(cfg: DictConfig) -> None:
+    """The model trains on its kind of data, and their shapes agree."""
+    model = cfg.model.name
+    data = cfg.data.name
+    _require(model in MODEL_DATA, "model", f"got {model!r}; allowed: {', '.join(MODEL_DATA)}")
+    _require(
+        data in MODEL_DATA[model],
+        "data",
+        f"model={model} trains on data={'|'.join(MODEL_DATA[model])}, got data={data}; "
+        f"add data={MODEL_DATA[model][0]} (or use experiment={model})",
+    )
+    if model == "gpt":
+        _require(
+            cfg.model.n_embd % cfg.model.n_head == 0,
+            "model.n_head",
+            f"n_embd={cfg.model.n_embd} must divide evenly into n_head={cfg.model.n_head} heads",
+        )
+        _require(
+            cfg.data.seq_len <= cfg.model.block_size,
+            "data.seq_len",
+            f"got {cfg.data.seq_len}; must be <= model.block_size={cfg.model.block_size}",
+        )
+        _require(cfg.data.seq_len >= 2, "data.seq_len", "must be >= 2")
+    if model == "lstm":
+        _require(
+            cfg.data.vocab_size <= cfg.model.vocab_size,
+            "model.vocab_size",
+            f"got {cfg.model.vocab_size}; must be >= data.vocab_size={cfg.data.vocab_size}",
+        )
+    if data == "varlen":
+        _require(1 <= cfg.data.min_len <= cfg.data.max_len, "data.min_len", "need 1 <= min_len <= max_len")
+        _require(
+            cfg.data.source in ("synthetic", "text"),
+            "data.source",
+            f"got {cfg.data.source!r}; allowed: synthetic, text",
+        )
+        if model == "gpt":
+            _require(cfg.data.min_len >= 2, "data.min_len", "language modelling needs sequences of >= 2 tokens")
+            longest = cfg.data.pack_len if cfg.data.pack else cfg.data.max_len - 1
+            _require(
+                longest <= cfg.model.block_size,
+                "model.block_size",
+                f"got {cfg.model.block_size}; the longest input is {longest} tokens",
+            )
+    else:
+        _require(
+            cfg.data.sampler == "distributed" and not cfg.data.pack,
+            "data.sampler" if cfg.data.sampler != "distributed" else "data.pack",
+            "length grouping, token budgets and packing are for variable-length data: use data=varlen",
+        )
+
+
+def _check_batching(cfg: DictConfig) -> None:
+    """Packing and per-rank batch sizes: where they apply."""
+    model = cfg.model.name
+    if cfg.data.pack:
+        _require(
+            model == "gpt",
+            "data.pack",
+            "packing keeps attention within documents in gpt only; lstm packs with pack_padded_sequence",
+        )
+        _require(
+            cfg.parallel.name in ("none", "ddp", "fsdp"),
+            "data.pack",
+            f"not with parallel={cfg.parallel.name}; use none, ddp or fsdp",
+        )
+        _require(
+            cfg.data.sampler == "distributed",
+            "data.sampler",
+            "packed blocks all have pack_len tokens: use sampler=distributed",
+        )
+    if cfg.data.rank_batch_sizes:
+        sizes = list(cfg.data.rank_batch_sizes)
+        _require(
+            cfg.parallel.name in ("ddp", "fsdp") and len(sizes) == world_size_of(cfg) and min(sizes) >= 1,
+            "data.rank_batch_sizes",
+            f"one micro-batch size >= 1 per rank of parallel=ddp or fsdp ({world_size_of(cfg)} ranks), got {sizes}",
+        )
+        _require(
+            cfg.data.sampler == "distributed",
+            "data.sampler",
+            "rank_batch_sizes makes its own batches: use sampler=distributed",
+        )
+
+
+def _check_paths(cfg: DictConfig) -> None:
+    """Files and folders the run reads exist (images, text, a checkpoint to resume)."""
+    import os
+
+    data = cfg.data.name
+    if data == "images":
+        _require(
+            cfg.data.source in ("synthetic", "folder", "cifar10"),
+            "data.source",
+            f"got {cfg.data.source!r}; allowed: synthetic, folder, cifar10",
+        )
+        _require(
+            cfg.data.transforms_on in ("device", "loader"),
+            "data.transforms_on",
+            f"got {cfg.data.transforms_on!r}; allowed: device, loader",
+        )
+        if cfg.data.source != "synthetic":
+            from framework.data.images import check_image_root
+
+            problem = check_image_root(cfg.data.source, cfg.data.root)
+            _require(problem is None, "data.root", problem or "")
+    if data == "text" and cfg.data.path is not None:
+        _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
+    if cfg.checkpoint.resume is not None:
+        _require(
+            os.path.isdir(cfg.checkpoint.resume),
+            "checkpoint.resume",
+            f"no checkpoint folder at {cfg.checkpoint.resume!r}",
+        )
+
+
+def _check_strategy(cfg: DictConfig) -> None:
+    """Strategy-specific checks: degrees against the world size and the model's shape."""
+    import torch
+
+    from framework.parallel.dims import DimsError, ParallelDims
+
+    p, model = cfg.parallel, cfg.model.name
+    if p.name == "dp":
+        _require(
+            torch.cuda.is_available() and torch.cuda.device_count() > 1,
+            "parallel",
+            "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
+            "device; none here. Use parallel=ddp, which is faster anyway",
+        )
+    if p.name in ("tp", "pp", "hybrid"):
+        _require(
+            model == "gpt",
+            "parallel",
+            f"parallel={p.name} splits transformer blocks and heads: model=gpt only, got model={model}",
+        )
+    if p.name not in ("fsdp", "tp", "pp", "hybrid"):
+        return
+    n_layer, n_head = (cfg.model.n_layer, cfg.model.n_head) if model == "gpt" else (None, None)
+    try:
+        dims = ParallelDims.from_config(p, world_size_of(cfg), n_layer, n_head)
+        dims.check_run(cfg)
+    except DimsError as err:
+        raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None

@@ -1,0 +1,126 @@
+"""What a run gathers and how it ends: the per-rank figures of the loop (`RunStats`), the
+run's summary.json (`summarize`: one gather, the max over ranks of per-rank figures), and rank
+0's closing lines."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from framework.comm import mean_totals
+from framework.config import backend_env
+from framework.dist import DistInfo, all_gather_object
+from framework.memory import SavedActivationMeter, device_peak_bytes, device_reserved_bytes, peak_rss_bytes
+from framework.metrics import Flops, Throughput, load_balance, mfu
+from framework.parallel import Parallelized
+from framework.tracking import Tracker
+
+
+@dataclass
+class RunStats:
+    """What one rank gathers over the loop, for the summary."""
+
+    losses: list[float]  # global mean loss per step, earlier attempts' steps included
+    throughput: Throughput = field(default_factory=Throughput)
+    work: list[int] = field(default_factory=list)  # tokens (samples for fixed-size data) per step
+    forward_s: list[float] = field(default_factory=list)  # forward seconds per step
+    slots: int = 0  # token positions computed, padding included
+    comm: list[dict[str, Any]] = field(default_factory=list)  # collectives of each sampled step
+    state_bytes: dict[str, int] = field(default_factory=dict)  # parameters, gradients, optimizer
+    first_step_s: float | None = None  # the first step's time (compilation included)
+    startup_s: float | None = None  # process start to the end of the first optimizer step
+
+
+def summarize(
+    cfg: DictConfig,
+    info: DistInfo,
+    par: Parallelized,
+    choices: dict[str, str],
+    stats: RunStats,
+    meter: SavedActivationMeter,
+    flops: Flops,
+    peak: float | None,
+) -> dict[str, Any]:
+    """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
+    memory_bytes = {**stats.state_bytes, "activation_bytes": meter.peak if stats.state_bytes else None}
+    local = {
+        **memory_bytes,
+        "device_peak_bytes": device_peak_bytes(info.device),
+        "device_reserved_bytes": device_reserved_bytes(info.device),
+        "rss_peak_bytes": peak_rss_bytes(),
+        "comm": mean_totals(stats.comm),
+        "work": stats.work,
+        "slots": stats.slots,
+        "forward": stats.forward_s,
+        "startup_s": stats.startup_s,
+    }
+    everyone = all_gather_object(local, info)
+    memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
+    counting = [r for r in everyone if r["work"]]  # one rank per data-parallel group
+    rates = throughput = stats.throughput.rates()
+    per_step = stats.throughput.per_step()
+    balance = load_balance(
+        [r["work"] for r in counting], [r["slots"] for r in counting], [r["forward"] for r in counting]
+    )
+    if cfg.data.get("pack"):  # packed blocks hold no padding: the unused positions are document boundaries
+        balance["boundary_waste"] = balance.pop("padding_waste")
+    tokens_per_s = rates["tokens_per_s"]
+    achieved = flops.model * tokens_per_s / flops.devices / 1e12 if flops.model and tokens_per_s else None
+    return {
+        "status": "ok",
+        "choices": choices,
+        "world_size": info.world_size,
+        "parallel_dims": par.mesh.dims.degrees if par.mesh else {"dp": par.dp_size},
+        # NCCL_*/GLOO_* knobs as this worker's environment holds them
+        "backend_env": {k: os.environ.get(k) for k in backend_env(cfg.backend)},
+        "global_batch_size": per_step["samples"],  # samples per optimizer step, as they came
+        "per_step": per_step,
+        "steps": cfg.steps,
+        "first_loss": stats.losses[0] if stats.losses else None,
+        "final_loss": stats.losses[-1] if stats.losses else None,
+        "throughput": throughput,
+        "step_time_s": stats.throughput.median_step_time(),
+        "train_time_s": stats.throughput.total_time(),
+        "startup_s": max(r["startup_s"] for r in everyone if r["startup_s"] is not None),
+        "compile_s": stats.first_step_s if cfg.compile else None,
+        "mfu": mfu(flops.model, tokens_per_s, peak, flops.devices),
+        "hfu": mfu(flops.hardware, tokens_per_s, peak, flops.devices),
+        "flops_per_token": flops.model,
+        "peak_tflops_per_device": peak / 1e12 if peak else None,
+        "tflops_per_device": achieved,
+        "memory": memory,
+        # the rank that communicates most (pipeline stages differ), per optimizer step
+        "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
+        "load_balance": balance,
+    }
+
+
+MEMORY_KEYS = (
+    "param_bytes",
+    "grad_bytes",
+    "optim_bytes",
+    "activation_bytes",
+    "device_peak_bytes",
+    "device_reserved_bytes",
+    "rss_peak_bytes",
+)
+
+
+def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
+    """Rank 0's closing lines: what the run did and where its files are."""
+    rate = summary["throughput"]
+    speed = f"{rate['tokens_per_s']:.0f} tokens/s" if rate["tokens_per_s"] else f"{rate['samples_per_s']:.1f} samples/s"
+    print(
+        f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+        f"{speed}, {summary['step_time_s'] * 1000:.1f} ms/step on {summary['world_size']} rank(s)\n"
+        f"run dir: {run_dir}",
+        flush=True,
+    )
+    if tracker.offline_dir:
+        print(
+            f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
+            flush=True,
+        )
