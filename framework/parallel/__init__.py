@@ -104,32 +104,34 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
     from framework.parallel.pipeline import LocalStages, build_pipeline, build_stages
     from framework.parallel.tensor import apply_tp
 
-    pcfg = cfg.parallel
-    dims = ParallelDims.from_config(pcfg, info.world_size, *model_dims(cfg))
+    parallel_cfg = cfg.parallel
+    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(cfg))
     mesh = Mesh(dims, dims.build_mesh(info.device.type))
 
     # 1. pipeline split: this rank's stages, each parallelized below like a model of its own
     if dims.pp > 1:
-        stages, stage_ids, n_stages = build_stages(model, pcfg, mesh.pp_rank, dims.pp)
+        stages, stage_ids, n_stages = build_stages(model, parallel_cfg, mesh.pp_rank, dims.pp)
     else:
         stages = [model]
     for stage in stages:
         # 2. tensor parallel
         if dims.tp > 1:
-            apply_tp(stage, mesh.device_mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+            apply_tp(stage, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
         # 3. activation checkpointing, 4. compile
         _checkpoint_and_compile(stage, cfg)
     # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
     # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
     shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
-    fsdp_v1 = shard and pcfg.version == 1
+    fsdp_v1 = shard and parallel_cfg.version == 1
     if shard:
         if fsdp_v1:
             offload = cfg.memory.cpu_offload
-            stages = [apply_fsdp1(p, mesh.dp_mesh, pcfg, cfg.precision.name, info.device, offload) for p in stages]
+            stages = [
+                apply_fsdp1(p, mesh.dp_mesh, parallel_cfg, cfg.precision.name, info.device, offload) for p in stages
+            ]
         else:
             for stage in stages:
-                apply_fsdp2(stage, mesh.dp_mesh, pcfg, cfg.precision.name, cfg.memory.cpu_offload)
+                apply_fsdp2(stage, mesh.dp_mesh, parallel_cfg, cfg.precision.name, cfg.memory.cpu_offload)
 
     par = Parallelized(
         module=stages[0] if dims.pp == 1 else LocalStages(stages),
@@ -140,19 +142,21 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
         pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
     )
     if dims.pp > 1:
-        par.pipeline = build_pipeline(stages, stage_ids, n_stages, pcfg, par.pp_group, info.device)
+        par.pipeline = build_pipeline(stages, stage_ids, n_stages, parallel_cfg, par.pp_group, info.device)
         par.holds_loss = par.pipeline.has_last
     elif shard and not fsdp_v1:
         root = stages[0]
-        par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, pcfg)
+        par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, parallel_cfg)
     elif fsdp_v1:
         root = stages[0]
-        par.grad_sync = lambda enabled: nullcontext() if enabled or pcfg.sync_every_microbatch else root.no_sync()
+        par.grad_sync = lambda enabled: (
+            nullcontext() if enabled or parallel_cfg.sync_every_microbatch else root.no_sync()
+        )
     if fsdp_v1:
         par.clip_grad_norm = stages[0].clip_grad_norm_
     else:
         par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims)
-    if dims.tp > 1 and pcfg.loss_parallel:
+    if dims.tp > 1 and parallel_cfg.loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
         par.loss_context = loss_parallel
