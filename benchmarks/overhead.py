@@ -9,6 +9,8 @@ first, the sampled ones included. Both sides: tokens over seconds of steps 2..N.
     python benchmarks/overhead.py                 # 3 pairs x fp32, bf16; 30 steps each run
     python benchmarks/overhead.py --pairs 5 --steps 50
 
+With the optional extra `peers` installed (`pip install -e ".[peers]"`), the same job written with
+Lightning Fabric and with Accelerate (`peers_ddp.py`) runs in every pair too, as extra columns.
 The last line is `framework/raw throughput ratio: X`, the median of all pairs.
 """
 
@@ -50,9 +52,17 @@ def run_framework(steps: int, precision: str, out: Path) -> float:
     )
 
 
-def run_raw(steps: int, precision: str) -> float:
+def installed_peers() -> list[str]:
+    import importlib.util
+
+    return [name for name, module in (("fabric", "lightning"), ("accelerate", "accelerate"))
+            if importlib.util.find_spec(module) is not None]  # fmt: skip
+
+
+def run_raw(steps: int, precision: str, peer: str | None = None) -> float:
+    script = ["raw_ddp.py"] if peer is None else ["peers_ddp.py", f"--peer={peer}"]
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-            str(ROOT / "benchmarks" / "raw_ddp.py"), f"--steps={steps}", f"--precision={precision}",
+            str(ROOT / "benchmarks" / script[0]), *script[1:], f"--steps={steps}", f"--precision={precision}",
             f"--n-layer={MODEL['n_layer']}", f"--n-embd={MODEL['n_embd']}", f"--n-head={MODEL['n_head']}",
             f"--seq-len={MODEL['seq_len']}", f"--batch-size={MODEL['batch_size']}"]  # fmt: skip
     proc = subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
@@ -67,18 +77,23 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16")
     args = parser.parse_args()
 
+    peers = installed_peers()
     rows, ratios = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precisions.split(","):
             for pair in range(args.pairs):
                 framework = run_framework(args.steps, precision, Path(tmp) / f"{precision}-{pair}")
                 raw = run_raw(args.steps, precision)
+                others = [run_raw(args.steps, precision, peer) for peer in peers]
                 ratios.setdefault(precision, []).append(framework / raw)
-                rows.append([precision, pair + 1, framework, raw, framework / raw])
+                rows.append([precision, pair + 1, framework, raw, *others, framework / raw])
                 print(f"{precision} pair {pair + 1}: framework {framework:,.0f} tokens/s, raw {raw:,.0f}", flush=True)
     print(f"\ngpt {MODEL['n_layer']}x{MODEL['n_embd']}, T={MODEL['seq_len']}, B={MODEL['batch_size']} per rank, "
           f"{WORLD} gloo ranks, DDP, {args.steps} steps per run (steady tokens/s, steps 2..N)\n")  # fmt: skip
-    print(table(["precision", "pair", "framework tokens/s", "raw loop tokens/s", "framework / raw"], rows))
+    peer_columns = [f"{peer} tokens/s" for peer in peers]
+    print(
+        table(["precision", "pair", "framework tokens/s", "raw loop tokens/s", *peer_columns, "framework / raw"], rows)
+    )
     print()
     print(table(["precision", "median framework / raw"], [[p, statistics.median(r)] for p, r in ratios.items()]))
     print(f"framework/raw throughput ratio: {statistics.median(r for rs in ratios.values() for r in rs):.3f}")
