@@ -11,7 +11,7 @@ from framework.data.datasets import PackedSequences, VarlenSequences
 from framework.data.samplers import LengthGroupedBatchSampler, TokenBudgetBatchSampler, WeightedBatchSampler
 from framework.sweep import run_configs
 from models import GPT
-from tests.helpers import losses, world_config
+from tests.helpers import losses, run_workers, world_config
 
 LENGTHS = VarlenSequences(1000, 32, 4, 4, 128, 24, seed=0).lengths.tolist()
 
@@ -148,3 +148,45 @@ def test_loader_workers_do_not_change_the_run(tmp_path):
     got = run_configs({k: config(v, 2) for k, v in rows.items()}, 2, str(tmp_path))
     assert losses(tmp_path / "workers_0") == losses(tmp_path / "workers_2")
     assert got["workers_0"]["global_batch_size"] == got["workers_2"]["global_batch_size"]
+
+
+def _token_budget_step(rank: int, world: int):
+    """One token-budget step through the trainer's own build and forward_backward at 2 ranks (DDP),
+    and, on every rank, the same model's gradient on the union of both ranks' batches."""
+    from omegaconf import OmegaConf
+
+    from framework.dist import DistInfo, all_gather_object
+    from framework.loss import IGNORE_INDEX, cross_entropy
+    from framework.trainer import build, forward_backward
+    from framework.metrics import ForwardTimer
+
+    cfg = OmegaConf.create(config(["model=gpt", "data=varlen", "data.sampler=token_budget", "data.max_tokens=512"], 2))
+    info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
+    setup = build(cfg, info, "/nonexistent")
+    step_batches = [next(setup.data.batches())]
+    forward_backward(cfg, info, setup, step_batches, None, ForwardTimer(info.device))
+    grads = {n: p.grad.clone() for n, p in setup.par.module.module.named_parameters()}
+
+    torch.manual_seed(cfg.seed)  # the same initial weights, one process, the union batch
+    from models import build_model
+
+    union = build_model("gpt", **{k: v for k, v in cfg.model.items() if k != "name"})
+    batches = [b for _, b in all_gather_object(step_batches[0], info)]
+    longest = max(b[0][0].size(1) for b in batches)
+    pad = lambda t, value: torch.nn.functional.pad(t, (0, longest - t.size(1)), value=value)  # noqa: E731
+    inputs = torch.cat([pad(b[0][0], 0) for b in batches])
+    target = torch.cat([pad(b[1], IGNORE_INDEX) for b in batches])
+    cross_entropy(union(inputs), target).backward()
+    tokens = [int((b[1] != IGNORE_INDEX).sum()) for b in batches]
+    return grads, {n: p.grad for n, p in union.named_parameters()}, tokens
+
+
+def test_token_budget_gradients_equal_one_process_on_the_union_batch():
+    """A token-budget step at 2 ranks: DDP's gradient equals one process's on the union of the
+    two ranks' batches, the mean over every real token of the step. (Token budgets hand each rank
+    the same real tokens here, so a mean of per-rank means would agree too; the random-batch test
+    above is the one where the weighting decides.)"""
+    grads, union, tokens = run_workers(_token_budget_step, 2)[0]
+    assert sum(tokens) > 0 and len(tokens) == 2
+    for name, g in union.items():
+        assert torch.allclose(grads[name], g, rtol=1e-5, atol=1e-7), name
