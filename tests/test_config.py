@@ -167,3 +167,11 @@ def test_validate_names_the_key_and_what_is_allowed(overrides, key, hint):
 def test_nccl_without_cuda_is_refused():
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         validate(compose_config(["backend=nccl"]))
+
+
+def test_one_process_strategies_start_one_worker_by_default():
+    from framework.config import resolve_nproc
+
+    assert resolve_nproc(compose_config(["parallel=dp"])) == 1  # DataParallel drives every GPU from one process
+    assert resolve_nproc(compose_config(["parallel=none"])) == 1
+    assert resolve_nproc(compose_config(["parallel=dp", "launch.nproc_per_node=3"])) == 3

@@ -29,12 +29,12 @@ def resolve_backend(cfg: DictConfig) -> str:
 
 
 def resolve_nproc(cfg: DictConfig) -> int:
-    """Local worker processes to start: explicit, else 1 for parallel=none, else per GPU (CPU: 2)."""
+    """Local worker processes to start: explicit, else 1 for parallel=none or dp, else one per GPU (CPU: 2)."""
     import torch
 
     if cfg.launch.nproc_per_node is not None:
         return cfg.launch.nproc_per_node
-    if cfg.parallel.name == "none":
+    if cfg.parallel.name in ("none", "dp"):  # dp: one process drives every GPU
         return 1
     if resolve_device(cfg) == "cuda":
         return torch.cuda.device_count()
