@@ -66,11 +66,13 @@ def _cpu_name() -> str:
 
 
 def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.25) -> float:
-    """FLOP/s of square matmuls in `dtype` on this process's threads (the best of a few sizes),
-    measured once per CPU model, thread count, dtype and torch version, and cached in
+    """FLOP/s of square matmuls on this process's threads (the best of a few sizes), run the way
+    training runs them: `F.linear` on fp32 tensors, under autocast to `dtype` when it is not fp32
+    (a bare bf16 matmul takes a much slower CPU path than autocast's, and would put MFU above 1).
+    Measured once per CPU model, thread count, dtype and torch version, and cached in
     ~/.cache/hydradist/peak_flops.json. Local workers probe at the same time, sharing the cores
     as they will in training, so each measures its own share."""
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}|probe=linear-autocast"
     path = os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hydradist", "peak_flops.json"
     )
@@ -81,14 +83,16 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.25) ->
         cache = {}
     if key in cache:
         return cache[key]
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
     best = 0.0
     for n in (256, 512, 1024):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b  # warm-up
-        count, t0 = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - t0) < seconds / 3 or count < 2:
-            a @ b
-            count += 1
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        with autocast:
+            torch.nn.functional.linear(a, b)  # warm-up
+            count, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < seconds / 3 or count < 2:
+                torch.nn.functional.linear(a, b)
+                count += 1
         best = max(best, 2 * n**3 * count / elapsed)
     cache[key] = best
     os.makedirs(os.path.dirname(path), exist_ok=True)
