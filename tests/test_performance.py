@@ -90,6 +90,10 @@ def test_cpu_runs_report_mfu_from_a_cached_matmul_probe(tmp_path, monkeypatch):
         mfu(s["flops_per_token"], s["throughput"]["tokens_per_s"], s["peak_tflops_per_device"] * 1e12, 2)
     )
     assert 0 < s["startup_s"] < 120
+    # bf16 autocast: the peak is probed on the same kernels, so MFU stays a fraction
+    proc = train_cli([*BASE, "precision=bf16"], tmp_path / "bf16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 0 < read_summary(tmp_path / "bf16")["mfu"] < 1
 
 
 def test_mfu_peak_table_matches_whole_gpu_names():
