@@ -188,11 +188,16 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
         lines += [f"Every run: `{' '.join(common)}`."]
     lines += [""]
 
-    head = ["job", "overrides", "world", *CHOICE_KEYS[:3], *(c[0] for c in columns)]
+    head = ["job", "overrides", "world", "global batch", *CHOICE_KEYS[:3], *(c[0] for c in columns)]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in ok:
         choices = run.summary.get("choices") or {}
-        cells = [run.name, f"`{run.label}`", _fmt(run.summary.get("world_size"))]
+        cells = [
+            run.name,
+            f"`{run.label}`",
+            _fmt(run.summary.get("world_size")),
+            _fmt(run.summary.get("global_batch_size")),
+        ]
         cells += [str(choices.get(k, "-")) for k in CHOICE_KEYS[:3]]
         for header, get, _ in columns:
             value = get(run.summary)
