@@ -152,7 +152,7 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
             "data.seq_len",
             "sequence parallel",
         ),
-        (["parallel=dp"], "launch.nproc_per_node", "one process"),
+        (["parallel=dp", "launch.nproc_per_node=2"], "launch.nproc_per_node", "one process"),
         (["parallel=dp", "launch.nproc_per_node=1"], "parallel", "more than one CUDA"),
     ],
 )
