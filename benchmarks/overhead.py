@@ -1,5 +1,5 @@
 """What the framework costs: `train.py`'s gpt + DDP job against a plain hand-written DDP loop
-(`raw_ddp.py`: same model class, data, batch, world size and threads), alternating A B A B in one
+(`raw_ddp.py`: same model class, data, batch, world size and threads), alternating A B, B A in one
 invocation so that machine noise falls on both alike, in fp32 and bf16.
 
 The framework runs as users run it: its default measurement (memory and communication sampled
@@ -82,8 +82,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precisions.split(","):
             for pair in range(args.pairs):
-                framework = run_framework(args.steps, precision, Path(tmp) / f"{precision}-{pair}")
-                raw = run_raw(args.steps, precision)
+                # A B in even pairs, B A in odd ones: whatever drifts within a pair falls on both
+                out = Path(tmp) / f"{precision}-{pair}"
+                if pair % 2 == 0:
+                    framework, raw = run_framework(args.steps, precision, out), run_raw(args.steps, precision)
+                else:
+                    raw, framework = run_raw(args.steps, precision), run_framework(args.steps, precision, out)
                 others = [run_raw(args.steps, precision, peer) for peer in peers]
                 ratios.setdefault(precision, []).append(framework / raw)
                 rows.append([precision, pair + 1, framework, raw, *others, framework / raw])
