@@ -10,7 +10,6 @@ Rank 0 prints one JSON line: per-step seconds and tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,9 +17,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from raw_ddp import job_arguments  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from framework.data.datasets import ByteTextDataset  # noqa: E402
@@ -28,15 +29,8 @@ from models import GPT  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = job_arguments()
     parser.add_argument("--peer", choices=["fabric", "accelerate"], required=True)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--n-head", type=int, default=4)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))

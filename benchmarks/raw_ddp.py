@@ -30,7 +30,8 @@ from framework.data.datasets import ByteTextDataset  # noqa: E402
 from models import GPT  # noqa: E402
 
 
-def main() -> None:
+def job_arguments() -> argparse.ArgumentParser:
+    """The job's knobs, shared with peers_ddp.py so every loop runs the same job."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
@@ -39,7 +40,11 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = job_arguments().parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
