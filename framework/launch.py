@@ -17,6 +17,8 @@ import json
 import logging
 import math
 import os
+import shlex
+import signal
 import sys
 import time
 import uuid
@@ -29,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_nproc, validate
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
+from framework.resilience import Preempted, exit_code
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,10 @@ def main(cfg: DictConfig) -> float | None:
             summary = worker_main(config, run_dir, choices)
         else:
             summary = launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
+    except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(resume_hint(stop, run_dir, sweeping, hydra_cfg.overrides.task), file=sys.stderr, flush=True)
+        sys.exit(exit_code(stop.signum))
     except RunFailed as err:
         if not sweeping:
             sys.exit(1)
@@ -152,6 +159,16 @@ def main(cfg: DictConfig) -> float | None:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)  # parallel=none runs in-process
         return failed_job(hydra_cfg, err)
     return None if summary is None else objective(summary, cfg.optimize)
+
+
+def resume_hint(stop: Preempted, run_dir: str, sweeping: bool, overrides: list[str]) -> str:
+    """The one line a preempted run prints: where it stopped and how to continue."""
+    where = f"preempted by {signal.Signals(stop.signum).name} after step {stop.step}; checkpoint: {stop.path}"
+    if sweeping:
+        return f"{where}. Resume: rerun the sweep with the same hydra.sweep.dir, sweep.skip_done=true checkpoint.resume=auto"
+    kept = [o for o in overrides if not o.startswith(("checkpoint.resume=", "hydra.run.dir="))]
+    args = [*kept, f"hydra.run.dir={run_dir}", "checkpoint.resume=auto"]
+    return f"{where}. Resume: python train.py {' '.join(shlex.quote(a) for a in args)}"
 
 
 def failed_job(hydra_cfg: Any, err: Exception) -> float:
@@ -215,25 +232,53 @@ def launch_local_workers(
     config: dict[str, Any], run_dir: str, choices: dict[str, str], nproc: int
 ) -> dict[str, Any] | None:
     """Start `nproc` workers on this machine with torch's elastic agent and wait for them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in list(logging.Logger.manager.loggerDict):  # each elastic module's logger sets its own level
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, once
     launch = config["launch"]
     launch_config = local_launch_config(
         nproc, launch["max_restarts"], launch["monitor_interval_s"], launch["start_method"]
     )
     try:
-        results = elastic_launch(launch_config, worker_main)(config, run_dir, choices)
+        results = elastic_launch(launch_config, spawned_worker)(config, run_dir, choices)
+    except SignalException as err:  # this process got the signal; the agent passed it to the workers
+        raise preempted(run_dir, err.sigval) from None
     except ChildFailedError as err:
+        codes = {failure.exitcode for failure in err.failures.values()}
+        if codes <= {exit_code(signal.SIGTERM), exit_code(signal.SIGINT)}:  # the workers were signalled
+            raise preempted(run_dir, max(codes) - 128) from None
         errors = [f"worker rank {rank} failed (exit code {failure.exitcode}): {_failure_message(failure)}"
                   for rank, failure in sorted(err.failures.items())]  # fmt: skip
+        cause = _summary(run_dir).get("error")  # the first failing rank's own error (others may exit first)
         for line in errors:
             print(f"error: {line}", file=sys.stderr)
+        if cause and not any(cause in line for line in errors):
+            print(f"error: {cause}", file=sys.stderr)
         print(f"error: run failed; its files are in {run_dir}", file=sys.stderr)
-        raise RunFailed(errors[0]) from None
+        raise RunFailed(cause or errors[0]) from None
     return results.get(0)
+
+
+def preempted(run_dir: str, signum: int) -> Preempted:
+    """The preemption the workers recorded in summary.json (they saved a checkpoint); if they
+    could not, the run still stops with the signal's exit code."""
+    summary = _summary(run_dir)
+    if summary.get("status") != "preempted":
+        print(f"error: stopped by {signal.Signals(signum).name} before a checkpoint was saved", file=sys.stderr)
+        sys.exit(exit_code(signum))
+    return Preempted(signal.Signals[summary["signal"]], summary["step"], summary["checkpoint"])
+
+
+def _summary(run_dir: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _failure_message(failure: Any) -> str:
@@ -241,6 +286,15 @@ def _failure_message(failure: Any) -> str:
     if isinstance(data, dict) and isinstance(data.get("message"), dict):
         return data["message"].get("message", "").strip() or failure.message
     return str(failure.message or "no error file; see the worker's output above")
+
+
+def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+    """The entrypoint of a worker the local launcher starts: a preempted worker exits with the
+    signal's code (no traceback); the launcher reads the rest from summary.json."""
+    try:
+        return worker_main(config, run_dir, choices)
+    except Preempted as stop:
+        sys.exit(exit_code(stop.signum))
 
 
 def worker_main(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:

@@ -12,8 +12,9 @@ from omegaconf import DictConfig
 from framework.dist import DistInfo
 
 
-def checkpoint_dir(cfg: DictConfig, run_dir: str, step: int) -> str:
-    return os.path.join(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"), f"step-{step:06d}")
+def checkpoint_root(cfg: DictConfig, run_dir: str) -> str:
+    """Where a run's checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
+    return cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
 
 
 class RunFiles:
@@ -45,9 +46,10 @@ class RunFiles:
             self._metrics.write(json.dumps(record) + "\n")
             self._metrics.flush()
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
-        if self.is_main:
+    def write_summary(self, summary: dict[str, Any], any_rank: bool = False) -> None:
+        if self.is_main or any_rank:
             path = os.path.join(self.run_dir, "summary.json")
-            with open(path + ".tmp", "w") as f:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(summary, f, indent=2)
-            os.replace(path + ".tmp", path)  # never a half-written summary
+            os.replace(tmp, path)  # never a half-written summary

@@ -32,6 +32,7 @@ class RunStats:
     state_bytes: dict[str, int] = field(default_factory=dict)  # parameters, gradients, optimizer
     first_step_s: float | None = None  # the first step's time (compilation included)
     startup_s: float | None = None  # process start to the end of the first optimizer step
+    skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
 
 
 def summarize(
@@ -79,6 +80,7 @@ def summarize(
         "global_batch_size": per_step["samples"],  # samples per optimizer step, as they came
         "per_step": per_step,
         "steps": cfg.steps,
+        "nonfinite_skipped": stats.skipped_steps,
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
         "throughput": throughput,

@@ -13,6 +13,8 @@ def backend_env(cfg: DictConfig) -> dict[str, str]:
     env = {f"NCCL_{k.upper()}": str(v) for k, v in cfg.nccl.items() if v is not None}
     if cfg.gloo_socket_ifname is not None:
         env["GLOO_SOCKET_IFNAME"] = cfg.gloo_socket_ifname
+    if cfg.trace_buffer:  # the flight recorder (gloo and NCCL): names the collective a rank is stuck in
+        env["TORCH_FR_BUFFER_SIZE"] = str(cfg.trace_buffer)
     return env
 
 

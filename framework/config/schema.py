@@ -37,7 +37,9 @@ class NCCLConfig:
 @dataclass
 class BackendConfig:
     name: str = "auto"  # auto | gloo | nccl | mpi (auto: nccl with CUDA, else gloo)
-    timeout_s: int = 600  # collective timeout of the process group
+    timeout_s: int = 600  # collective timeout of the process group (set-up and the first step)
+    step_timeout_s: float | None = None  # after the first step, a shorter collective timeout (null: timeout_s)
+    trace_buffer: int = 2000  # flight recorder: the last N collectives per rank, to name a hung one (0: off)
     init_method: str = "env"  # env (MASTER_ADDR/PORT from the launcher) | tcp://host:port | file:///path
     gloo_socket_ifname: str | None = None  # GLOO_SOCKET_IFNAME
     nccl: NCCLConfig = field(default_factory=NCCLConfig)
@@ -233,7 +235,10 @@ class LaunchConfig:
 class CheckpointConfig:
     every: int = 0  # save every N optimizer steps (0: never); always saved at the end if > 0
     dir: str | None = None  # null: <run dir>/checkpoints
-    resume: str | None = None  # a checkpoint folder to resume from
+    resume: str | None = None  # a checkpoint folder to resume from, or auto: this run's newest (if any)
+    keep_last: int = 0  # keep only the newest K complete checkpoints (0: all)
+    async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
+    preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
     export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
 
 
@@ -283,6 +288,7 @@ class Config:
     compile: bool = False  # torch.compile each transformer block (small models: the whole model)
     profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop (an error naming the step) | skip (not applied, counted)
     optimize: str = "tokens_per_s"  # what the task returns to a sweeper: tokens_per_s | samples_per_s | final_loss
 
 

@@ -41,6 +41,7 @@ ALLOWED = {
     "device": ("auto", "cpu", "cuda"),
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
     "launch.start_method": ("spawn", "fork", "forkserver"),
+    "nonfinite": ("stop", "skip"),
 }
 
 # Which data each model can train on: (model, data) pairs that make a task.
@@ -89,6 +90,19 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "backend.timeout_s", 1)
     _at_least(cfg, "launch.max_restarts", 0)
     _at_least(cfg, "checkpoint.every", 0)
+    _at_least(cfg, "checkpoint.keep_last", 0)
+    _at_least(cfg, "backend.trace_buffer", 0)
+    _require(
+        cfg.checkpoint.preempt_grace_s > 0,
+        "checkpoint.preempt_grace_s",
+        f"got {cfg.checkpoint.preempt_grace_s}; must be > 0 seconds",
+    )
+    step_timeout = cfg.backend.step_timeout_s
+    _require(
+        step_timeout is None or step_timeout > 0,
+        "backend.step_timeout_s",
+        f"got {step_timeout}; must be null or > 0 seconds",
+    )
     _at_least(cfg, "metrics.log_every", 1)
     _at_least(cfg, "metrics.sample_every", 0)
     _at_least(cfg, "memory.checkpoint_every", 1)
@@ -319,11 +333,11 @@ def _check_paths(cfg: DictConfig) -> None:
             _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
-    if cfg.checkpoint.resume is not None:
+    if cfg.checkpoint.resume not in (None, "auto"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),
             "checkpoint.resume",
-            f"no checkpoint folder at {cfg.checkpoint.resume!r}",
+            f"no checkpoint folder at {cfg.checkpoint.resume!r} (or `auto`: the run's newest checkpoint)",
         )
 
 

@@ -49,7 +49,11 @@ class DataPipeline:
     dataset: Dataset
     sampler: ResumableDistributedSampler | LengthGroupedBatchSampler | TokenBudgetBatchSampler | WeightedBatchSampler
     loader: DataLoader
+    global_batch: str  # what one step of all data-parallel ranks reads, e.g. "distributed: 64 samples"
+    loader_seed: int
     device_transform: DeviceAugment | None = None  # batched preprocessing on the training device
+    epoch: int = 0  # the position (see `position`)
+    offset: int = 0
 
     def prepare(self, batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
         """Move a batch to the device and finish its preprocessing there."""
@@ -58,19 +62,28 @@ class DataPipeline:
             inputs = (self.device_transform(inputs[0]), *inputs[1:])
         return inputs, target
 
-    def batches(self, skip: int = 0) -> Iterator[tuple[int, Batch]]:
-        """Endless (epoch, batch) pairs, after skipping `skip` batches (a resumed run: the sampler
-        seeks there without loading them). The sampler's epoch is set before every epoch so each
-        one is shuffled differently, and identically on every rank."""
-        per_epoch = len(self.loader)
-        epoch, offset = divmod(skip, per_epoch)
+    def batches(self, epoch: int = 0, offset: int = 0) -> Iterator[tuple[int, Batch]]:
+        """Endless (epoch, batch) pairs, from batch `offset` of `epoch` on (a resumed run: the
+        sampler seeks there without loading the batches before it). `position` is where the
+        batches handed out so far end. Each epoch is shuffled from (seed, epoch), identically on
+        every rank, and the loader's worker seeds are drawn from (seed, rank, epoch): an epoch
+        reads the same whether the run got there directly or resumed into it."""
         unit = self.loader.batch_size if isinstance(self.sampler, ResumableDistributedSampler) else 1
         self.sampler.load_state_dict({"epoch": epoch, "start": offset * unit})
+        self.epoch, self.offset = epoch, offset
         while True:
+            self.loader.generator.manual_seed(self.loader_seed + 1_000_003 * self.epoch)
             for batch in self.loader:
-                yield epoch, batch
-            epoch += 1
-            self.sampler.set_epoch(epoch)
+                self.offset += 1
+                yield self.epoch, batch
+            self.epoch, self.offset = self.epoch + 1, 0
+            self.sampler.set_epoch(self.epoch)
+
+    def position(self) -> dict[str, int | str]:
+        """Where the batches handed out so far end: what a checkpoint stores. The offset counts
+        this rank's batches, which is also the global batches: a checkpoint resumes at another
+        world size when the global batch (`global_batch`) is the same."""
+        return {"epoch": self.epoch, "offset": self.offset, "global_batch": self.global_batch}
 
     def tokens_in(self, batch: Batch) -> int | None:
         return self.dataset.tokens_in(batch)
@@ -118,14 +131,24 @@ def build_data(
         pin_memory=cfg.pin_memory and device.type == "cuda",
         persistent_workers=cfg.persistent_workers and cfg.num_workers > 0,
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
-        generator=torch.Generator().manual_seed(seed + dp_rank),
+        generator=torch.Generator(),  # seeded per epoch by DataPipeline.batches
         **batching,
     )
     if len(loader) == 0:
         raise ValueError(f"data.batch_size: {cfg.batch_size} is more than the samples each rank gets per epoch")
     on_device = cfg.name == "images" and cfg.source != "synthetic" and cfg.transforms_on == "device"
     transform = DeviceAugment(cfg.augment, seed + dp_rank, device) if on_device else None
-    return DataPipeline(dataset, sampler, loader, transform)
+    return DataPipeline(dataset, sampler, loader, global_batch(cfg, dp_size), seed + dp_rank, transform)
+
+
+def global_batch(cfg: DictConfig, dp_size: int) -> str:
+    """What one step of all data-parallel ranks reads: with the same sampler and global batch,
+    step s reads the same samples at any world size."""
+    if cfg.rank_batch_sizes:
+        return f"rank_batch_sizes: {sum(cfg.rank_batch_sizes)} samples"
+    if cfg.sampler == "token_budget":
+        return f"token_budget: {cfg.max_tokens * dp_size} tokens"
+    return f"{cfg.sampler}: {cfg.batch_size * dp_size} samples"
 
 
 def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:

@@ -1,0 +1,223 @@
+"""What keeps a run safe on a cluster: preemption, hung or failed peers, non-finite losses.
+
+- **Preemption.** SIGTERM (a scheduler's notice, or `kill`) or SIGINT (Ctrl-C) only sets a flag.
+  The flag rides on the step's one small all-reduce, so every rank sees it after the same step;
+  they save a checkpoint and exit with code 128 + the signal (143 for SIGTERM, 130 for SIGINT).
+  If the step and save do not finish within `checkpoint.preempt_grace_s` (a peer is stuck), the
+  process exits anyway, with that code.
+- **Failed or hung peers.** A rank whose collective times out names the collective (from the
+  process group's flight recorder) and the ranks that never joined it (those that did not report
+  a timeout of their own through the store). Any rank that fails marks the run aborted in the
+  store; a watchdog thread on every rank polls that mark, so a rank stuck outside a collective
+  exits too, instead of waiting for its launcher to kill it.
+- **Fault injection for tests.** `HYDRADIST_FAULT="RANK:STEP[:KIND]"`, on the first attempt only:
+  kind `exit` (default; dies abruptly), `hang` (stops participating), `nan` (its loss becomes
+  NaN), `sigterm` (sends SIGTERM to the process that launched it, as a scheduler would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from framework.dist import DistInfo, restart_count
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+ABORT_KEY = "hydradist/abort"
+STUCK_KEY = "hydradist/stuck/"
+
+
+def exit_code(signum: int) -> int:
+    """The exit code of a preempted run: 128 + the signal (143: SIGTERM, 130: SIGINT)."""
+    return 128 + signum
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after `step`, with a checkpoint at `path`."""
+
+    def __init__(self, signum: int, step: int, path: str):
+        self.signum, self.step, self.path = signum, step, path
+        super().__init__(f"preempted by {signal.Signals(signum).name} after step {step}; checkpoint: {path}")
+
+
+class NonFiniteLoss(RuntimeError):
+    """nonfinite=stop: a step's loss or gradient norm was NaN or inf."""
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message names it and the ranks missing."""
+
+
+class Aborted(RuntimeError):
+    """Another rank failed (its error is the run's); this rank stops."""
+
+
+class Guard:
+    """One run's signal handlers and watchdog (a context manager around a rank's training)."""
+
+    def __init__(self, info: DistInfo, grace_s: float, poll_s: float = 0.5):
+        self.info, self.grace_s, self.poll_s = info, grace_s, poll_s
+        self.signum: int | None = None
+        self.abort_reason: str | None = None
+        self._signalled_at = 0.0
+        self._stop = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._thread: threading.Thread | None = None
+        self.store = dist.distributed_c10d._get_default_store() if info.distributed else None
+
+    def __enter__(self) -> Guard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._thread = threading.Thread(target=self._watch, name="hydradist-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.abort_reason is not None:  # sent by the watchdog: another rank failed
+            raise Aborted(self.abort_reason)
+        if self.signum is None:  # repeats (Ctrl-C reaches a worker from the terminal and the launcher) change nothing
+            self.signum, self._signalled_at = signum, time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self.signum is not None and time.monotonic() - self._signalled_at > self.grace_s:
+                self._exit(f"no step ended within checkpoint.preempt_grace_s={self.grace_s:g} s of the signal; exiting without a checkpoint", exit_code(self.signum))  # fmt: skip
+            reason = self._aborted()
+            if reason is not None and self.abort_reason is None:
+                # stop the main thread where it is (a Python loop, a sleep, a data wait): it unwinds
+                # and exits cleanly; stuck inside a native call, it is ended below instead
+                print(f"rank {self.info.rank}: stopping: {reason}", file=sys.stderr, flush=True)
+                self.abort_reason, aborted_at = reason, time.monotonic()
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            if self.abort_reason is not None and time.monotonic() - aborted_at > 5:
+                self._exit("did not stop within 5 s; exiting", 1)
+
+    def _aborted(self) -> str | None:
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([ABORT_KEY]):
+                return self.store.get(ABORT_KEY).decode()
+        except Exception:  # the store is gone: the launcher is tearing the job down
+            return "the rendezvous store is gone"
+        return None
+
+    def _exit(self, message: str, code: int) -> None:
+        print(f"rank {self.info.rank}: {message}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    def abort(self, reason: str) -> None:
+        """Mark the run failed for every rank's watchdog (called by a rank that fails)."""
+        if self.store is not None:
+            try:
+                if not self.store.check([ABORT_KEY]):
+                    self.store.set(ABORT_KEY, f"rank {self.info.rank} failed: {reason}")
+            except Exception:
+                pass
+
+    def shorten_timeout(self, seconds: float | None) -> None:
+        """backend.step_timeout_s: after the first step (set-up, compilation and the first
+        collectives done), every process group's collectives time out sooner."""
+        if seconds and self.info.distributed:
+            for group in list(dist.distributed_c10d._world.pg_map):
+                dist.set_timeout(timedelta(seconds=seconds), group)
+
+
+# ----------------------------------------------------------------------------- collective failures
+
+COLLECTIVE_ERRORS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in COLLECTIVE_ERRORS)
+
+
+def last_collective() -> dict | None:
+    """The newest entry of this process's flight recorder (backend.trace_buffer > 0)."""
+    try:
+        trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
+    except Exception:
+        return None
+    entries = trace.get("entries") or []
+    if not entries:
+        return None
+    entry = max(entries, key=lambda e: e["time_created_ns"])
+    pg_name = entry["process_group"][0]
+    entry["ranks"] = json.loads(trace.get("pg_config", {}).get(pg_name, {}).get("ranks", "[]"))
+    return entry
+
+
+def diagnose(err: BaseException, guard: Guard, step: int, wait_s: float = 3.0) -> CollectiveFailure:
+    """Name the collective that failed and the ranks that never joined it: every rank whose own
+    wait failed reports through the store; the group's ranks that do not report within `wait_s`
+    are the missing ones."""
+    entry = last_collective()
+    info = guard.info
+    what = "a collective"
+    ranks = list(range(info.world_size))
+    if entry is not None:
+        sizes = entry.get("input_sizes") or []
+        what = f"{entry['profiling_name']} #{entry['collective_seq_id']} (sizes {sizes})"
+        ranks = entry["ranks"] or ranks
+    missing = None
+    if guard.store is not None:
+        try:
+            guard.store.set(f"{STUCK_KEY}{info.rank}", str(step))
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                reported = [r for r in ranks if guard.store.check([f"{STUCK_KEY}{r}"])]
+                if len(reported) == len(ranks):
+                    break
+                time.sleep(0.2)
+            missing = [r for r in ranks if r not in reported]
+        except Exception:
+            missing = None
+    who = f"; ranks that never joined it: {missing}" if missing else ""
+    first = str(err).strip().splitlines()[0][:200]
+    return CollectiveFailure(f"step {step}: {what} failed on rank {info.rank}{who} ({first})")
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+
+def inject_fault(step: int, info: DistInfo) -> bool:
+    """Apply HYDRADIST_FAULT (see the module doc) before `step`; True when this rank's loss of
+    this step is to be poisoned with NaN."""
+    fault = os.environ.get("HYDRADIST_FAULT")
+    if not fault or restart_count() > 0:
+        return False
+    rank, at, *kind = fault.split(":")
+    if info.rank != int(rank) or step != int(at):
+        return False
+    kind = kind[0] if kind else "exit"
+    if kind == "exit":
+        os._exit(17)
+    if kind == "hang":
+        while True:  # stops participating (only a signal or the watchdog ends it)
+            time.sleep(1)
+    if kind == "sigterm":  # as a scheduler does: to the launching process (or this one, if none)
+        os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
+        return False
+    if kind == "nan":
+        return True
+    raise ValueError(f"HYDRADIST_FAULT: unknown kind {kind!r} (exit | hang | nan | sigterm)")

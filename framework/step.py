@@ -1,0 +1,156 @@
+"""One optimizer step's mechanics: forward and backward over the micro-batches (token-weighted
+over the data-parallel ranks), the update, and the step's figures in one small all-reduce."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from framework.data import DataPipeline, concat_batches
+from framework.dist import DistInfo, all_reduce_sum
+from framework.loss import cross_entropy, loss_elements
+from framework.memory import SavedActivationMeter
+from framework.metrics import Flops, ForwardTimer
+from framework.parallel import Parallelized
+from framework.precision import Precision
+
+
+@dataclass
+class Setup:
+    """What a rank trains with, built once by `build`."""
+
+    flops: Flops  # per token, counted on the plain model before any sharding
+    par: Parallelized  # the module to run, its gradient-sync switch, its data-parallel coordinates
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: DataPipeline
+    precision: Precision
+    start_step: int = 0  # optimizer steps done (a resumed run: the checkpoint's)
+    data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed) to start from
+    skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
+
+
+@dataclass
+class StepFigures:
+    """One optimizer step's figures, the same on every rank after one small all-reduce."""
+
+    loss: float
+    tokens: int | None
+    samples: int
+    grad_norm: float
+    seconds: float
+    preempt: bool  # some rank got a signal: every rank stops after this step
+    sampled: bool = False  # memory and communication were measured
+    applied: bool = True  # the update was applied (not skipped for non-finite gradients)
+
+
+def forward_backward(
+    cfg: DictConfig,
+    info: DistInfo,
+    setup: Setup,
+    step_batches: list,
+    meter: SavedActivationMeter | None,
+    forward_timer: ForwardTimer,
+    poison: bool = False,
+) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches; returns this rank's summed loss (a
+    pipeline: its mean loss).
+
+    The step's loss is the mean over every loss term (token, or sample) of the step on every
+    data-parallel rank, however they are split: one all-reduce of the step's term count N before
+    backward, then each rank backpropagates its summed loss x dp / N. DDP and FSDP average
+    gradients over the dp ranks, so the update is the gradient of the global mean, as one process
+    on the union of the ranks' batches would compute it (a rank with fewer real tokens, or a
+    smaller `rank_batch_sizes` batch, weighs less)."""
+    par, data, precision, accum = setup.par, setup.data, setup.precision, len(step_batches)
+    if par.pipeline is not None:
+        # A pipeline runs the step's micro-batches itself, in its schedule's order: the
+        # accumulated batches go in as one batch of accumulation_steps x batch_size.
+        inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
+        with precision.autocast(), meter.measure() if meter else nullcontext():
+            return par.pipeline.step(inputs[0], target)
+    scale = par.dp_size / step_elements(cfg, info, par, step_batches)
+    loss_sum = torch.zeros((), device=info.device)
+    for micro, (_, batch) in enumerate(step_batches):
+        inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
+        measure = meter.measure() if meter and micro == 0 else nullcontext()
+        # Gradients are synchronised on the last micro-batch only: once per step.
+        with par.grad_sync(micro == accum - 1), par.loss_context():
+            with precision.autocast(), measure, forward_timer:
+                loss = cross_entropy(par.module(*inputs), target, reduction="sum")
+                if poison:  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan)
+                    loss = loss * float("nan")
+            precision.scaler.scale(loss * scale).backward()
+        # under loss parallel the loss is a replicated DTensor: take the plain value
+        loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+    return loss_sum
+
+
+def step_elements(cfg: DictConfig, info: DistInfo, par: Parallelized, step_batches: list) -> int:
+    """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
+    config; variable-length data counts it with one small all-reduce (a sync point)."""
+    if cfg.data.name != "varlen":  # every target counts: seq_len per sample (text), or 1
+        per_sample = cfg.data.seq_len if cfg.model.name == "gpt" else 1
+        sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * par.dp_size
+        return sum(sizes) * len(step_batches) * per_sample
+    local = sum(loss_elements(batch[1]) for _, batch in step_batches) if par.counts_data else 0
+    return int(all_reduce_sum(torch.tensor(local, device=info.device), info).item())
+
+
+def optimizer_step(setup: Setup, grad_clip: float, skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:
+    """Clip the true (unscaled) gradients by their global norm and step. Returns the norm and
+    whether the update was applied: amp's scaler skips steps with inf/nan gradients (and lowers
+    its scale); with `skip_nonfinite` so does every precision. The norm is global, so every
+    rank decides the same."""
+    scaler = setup.precision.scaler
+    scaler.unscale_(setup.optimizer)
+    norm = setup.par.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
+    if scaler.is_enabled():
+        scale = scaler.get_scale()
+        scaler.step(setup.optimizer)
+        scaler.update()
+        return norm, scaler.get_scale() >= scale
+    if skip_nonfinite and not torch.isfinite(norm):  # a sync point, under nonfinite=skip only
+        return norm, False
+    setup.optimizer.step()
+    return norm, True
+
+
+def reduce_step_figures(
+    cfg: DictConfig,
+    info: DistInfo,
+    setup: Setup,
+    step_batches: list,
+    step_loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    signalled: bool,
+) -> StepFigures:
+    """One small all-reduce for the step's figures: the loss (summed losses over summed loss terms,
+    one rank per data-parallel group; a pipeline: the mean over the ranks that hold a loss, its
+    last stage), tokens and samples summed over one rank per data-parallel group, and whether any
+    rank got a signal. `.tolist()` is a sync point that ends the step, so the step's time is its
+    true time."""
+    par, data = setup.par, setup.data
+    counting = float(par.counts_data)  # tp and pp peers read the same batch: count it once
+    tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting
+    samples = sum(b[1].size(0) for _, b in step_batches) * counting
+    if par.pipeline is None:
+        terms = sum(loss_elements(b[1]) for _, b in step_batches) * counting
+        local = torch.stack([step_loss.float() * counting, step_loss.new_tensor(terms, dtype=torch.float32)])
+    else:
+        holds = float(par.holds_loss)
+        local = torch.stack([step_loss.float() * holds, step_loss.new_tensor(holds, dtype=torch.float32)])
+    local = torch.cat([local, local.new_tensor([tokens, samples, float(signalled)])])
+    totals = all_reduce_sum(local, info).tolist()
+    sequence_data = cfg.data.name in ("text", "varlen")  # report tokens/s
+    return StepFigures(
+        loss=totals[0] / totals[1],
+        tokens=round(totals[2]) if sequence_data else None,
+        samples=round(totals[3]),
+        grad_norm=float(grad_norm),
+        seconds=0.0,
+        preempt=totals[4] > 0,
+    )
