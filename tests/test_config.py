@@ -116,6 +116,10 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         (["data.path=/no/such/corpus"], "data.path", "/no/such/corpus"),
         (["data.prefetch_factor=4"], "data.prefetch_factor", "num_workers"),
         (["checkpoint.resume=/no/such/ckpt"], "checkpoint.resume", "/no/such/ckpt"),
+        (["checkpoint.keep_last=-1"], "checkpoint.keep_last", ">= 0"),
+        (["checkpoint.preempt_grace_s=0"], "checkpoint.preempt_grace_s", "> 0"),
+        (["backend.step_timeout_s=0"], "backend.step_timeout_s", "null or > 0"),
+        (["nonfinite=ignore"], "nonfinite", "stop, skip"),
         (["optim.lr=0"], "optim.lr", "> 0"),
         (
             ["parallel=tp", "model.n_head=3", "model.n_embd=48", "launch.nproc_per_node=2"],

@@ -1,0 +1,238 @@
+"""What clusters do to runs: preemption, resumes across epochs and layouts, hung ranks,
+non-finite losses. Faults are injected with HYDRADIST_FAULT="RANK:STEP[:KIND]"
+(framework/resilience.py); everything else is a real run of train.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import losses, read_metrics, read_summary, train_cli
+from tests.test_images import make_image_folder
+
+SMOKE = ["experiment=smoke", "logger=none"]
+
+
+@pytest.fixture
+def marked(monkeypatch):
+    """Every process of the runs started in this test carries a marker in its environment, so
+    the test can tell whether any is left behind."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("HYDRADIST_TEST_MARK", mark)
+    return mark
+
+
+def processes_with(mark: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if f"HYDRADIST_TEST_MARK={mark}".encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def assert_clean_exit(proc, mark: str) -> None:
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-3000:]
+    time.sleep(0.5)
+    assert processes_with(mark) == [], "processes of the run are left behind"
+
+
+def checkpoint_meta(path: Path) -> dict:
+    return json.loads((path / "trainer.json").read_text())
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+@pytest.mark.parametrize("parallel", ["none", "ddp", "fsdp"])
+def test_sigterm_saves_exits_143_and_resume_auto_continues_bitwise(tmp_path, monkeypatch, marked, parallel):
+    """SIGTERM reaches train.py at step 5 (sent by rank 0 to its launcher, as a scheduler would):
+    every rank stops after the same step, saves, and the run exits 143 with one line saying how
+    to resume. `checkpoint.resume=auto` into the same run directory then gives the losses of an
+    uninterrupted run, bit for bit."""
+    args = [*SMOKE, f"parallel={parallel}", "steps=30", "optim.warmup_steps=4"]
+    clean = tmp_path / "clean"
+    assert train_cli(args, clean).returncode == 0
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("HYDRADIST_FAULT", "0:5:sigterm")
+    proc = train_cli(args, run)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("preempted")]
+    assert len(lines) == 1 and f"hydra.run.dir={run} checkpoint.resume=auto" in lines[0], proc.stderr[-3000:]
+    assert_clean_exit(proc, marked)
+    summary = read_summary(run)
+    assert summary["status"] == "preempted" and summary["signal"] == "SIGTERM"
+    stopped = summary["step"]
+    assert 5 <= stopped < 30 and Path(summary["checkpoint"]).name == f"step-{stopped:06d}"
+
+    monkeypatch.delenv("HYDRADIST_FAULT")
+    proc = train_cli([*args, "checkpoint.resume=auto"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 31))
+    assert losses(run) == losses(clean)  # bitwise, fp32
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
+    proc = train_cli([*SMOKE, "parallel=none", "steps=2", "checkpoint.resume=auto"], tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_summary(tmp_path / "run")["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------- complete state
+
+TINY_GPT = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "progress=false", "logger=none"]
+EPOCH_CASES = {
+    # data small enough that an epoch ends within the first 6 steps
+    "distributed": [*SMOKE, "data.max_bytes=1200"],
+    "rank_batch_sizes": [*SMOKE, "data.max_bytes=1200", "data.rank_batch_sizes=[3,5]"],
+    "length_grouped": ["experiment=gpt_varlen", *TINY_GPT, "data.sampler=length_grouped",
+                       "data.num_samples=40", "data.batch_size=4"],
+    "token_budget": ["experiment=lstm_token_budget", "logger=none", "progress=false", "data.num_samples=64",
+                     "data.max_tokens=256"],
+    "amp_device_augment": ["experiment=resnet_ddp_amp", "logger=none", "progress=false", "data.source=folder",
+                           "data.batch_size=2", "data.num_workers=0"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(EPOCH_CASES))
+def test_resume_across_an_epoch_boundary_is_bitwise(tmp_path, case):
+    """A checkpoint taken after the first epoch ended resumes to the uninterrupted run's losses
+    exactly: the data position (epoch, offset), LR schedule, loss scaler and every rank's
+    random generators (device-side augmentation's included) are all in the checkpoint."""
+    args = [*EPOCH_CASES[case], "steps=10", "checkpoint.every=6", "optim.warmup_steps=3"]
+    if case == "amp_device_augment":
+        args.append(f"data.root={make_image_folder(tmp_path / 'images')}")
+    full = tmp_path / "full"
+    proc = train_cli(args, full)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = full / "checkpoints" / "step-000006"
+    assert checkpoint_meta(ckpt)["data"]["epoch"] >= 1, "the checkpoint should be past an epoch boundary"
+
+    resumed = tmp_path / "resumed"
+    proc = train_cli([*args, f"checkpoint.resume={ckpt}"], resumed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = {m["step"]: m for m in read_metrics(full)}
+    got = read_metrics(resumed)
+    assert [m["step"] for m in got] == [7, 8, 9, 10]
+    for m in got:
+        assert (m["loss"], m["lr"], m["loss_scale"]) == (want[m["step"]]["loss"], want[m["step"]]["lr"],
+                                                         want[m["step"]]["loss_scale"])  # fmt: skip
+
+
+def test_async_save_with_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
+    args = [*SMOKE, "steps=6", "checkpoint.every=1", "checkpoint.keep_last=2", "checkpoint.async_save=true"]
+    run = tmp_path / "run"
+    proc = train_cli(args, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == ["step-000005", "step-000006"]
+    for name in kept:
+        assert (run / "checkpoints" / name / ".metadata").exists()
+    resumed = tmp_path / "resumed"
+    proc = train_cli([*SMOKE, "steps=6", f"checkpoint.resume={run / 'checkpoints' / 'step-000005'}"], resumed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(resumed) == losses(run)[5:]
+
+
+# ----------------------------------------------------------------------------- resharding
+
+
+def _reshard(tmp_path: Path, saved: list[str], resumed: list[str]) -> tuple[list[float], list[float]]:
+    """Train 8 steps under `saved`, checkpointing at 4; resume step 4 under `resumed`."""
+    base = [*SMOKE, "steps=8", "optim.warmup_steps=2"]
+    first = tmp_path / "first"
+    proc = train_cli([*base, *saved, "checkpoint.every=4"], first)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = tmp_path / "second"
+    proc = train_cli([*base, *resumed, f"checkpoint.resume={first / 'checkpoints' / 'step-000004'}"], second)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(first)[4:], losses(second)
+
+
+DDP2 = ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"]
+FSDP4 = ["parallel=fsdp", "launch.nproc_per_node=4", "data.batch_size=2"]
+
+
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [
+        (DDP2, FSDP4),
+        (FSDP4, DDP2),
+        # FSDP over 2 x tensor parallel over 2
+        (DDP2, ["parallel=hybrid", "parallel.pp=1", "parallel.tp=2", "launch.nproc_per_node=4", "data.batch_size=4"]),
+    ],
+    ids=["ddp2-to-fsdp4", "fsdp4-to-ddp2", "ddp2-to-fsdp2xtp2"],
+)
+def test_a_checkpoint_resumes_under_another_strategy_and_world_size(tmp_path, saved, resumed):
+    """Same global batch (8 samples): the model, optimizer and data position map exactly, so the
+    trajectory continues as the uninterrupted run's."""
+    want, got = _reshard(tmp_path, saved, resumed)
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_a_global_batch_that_changes_on_resume_is_a_clear_error(tmp_path):
+    base = [*SMOKE, "steps=2"]
+    first = tmp_path / "first"
+    assert train_cli([*base, *DDP2, "checkpoint.every=2"], first).returncode == 0
+    ckpt = first / "checkpoints" / "step-000002"
+    proc = train_cli([*base, "parallel=fsdp", "launch.nproc_per_node=4", f"checkpoint.resume={ckpt}"], tmp_path / "x")
+    assert proc.returncode != 0
+    assert "distributed: 8 samples" in proc.stderr and "distributed: 16 samples" in proc.stderr
+    assert "cannot map" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- hangs
+
+
+def test_a_hung_rank_ends_every_process_with_the_collective_named(tmp_path, monkeypatch, marked):
+    """Rank 1 stops participating before step 4. Rank 0's collective times out after
+    backend.step_timeout_s; it names the collective and rank 1 as missing, and every process of
+    the run is gone well within the timeout plus 30 s."""
+    monkeypatch.setenv("HYDRADIST_FAULT", "1:3:hang")
+    start = time.monotonic()
+    proc = train_cli([*SMOKE, "steps=20", "backend.step_timeout_s=5"], tmp_path / "run", timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert elapsed < 5 + 30 + 15  # the timeout, the margin, and the run's start-up
+    assert "gloo:all_reduce" in proc.stderr and "ranks that never joined it: [1]" in proc.stderr, proc.stderr[-3000:]
+    assert "step 4" in read_summary(tmp_path / "run")["error"]
+    assert_clean_exit(proc, marked)
+
+
+# ----------------------------------------------------------------------------- non-finite losses
+
+
+def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRADIST_FAULT", "1:4:nan")  # rank 1's loss of step 5 is NaN
+    run = tmp_path / "run"
+    proc = train_cli([*SMOKE, "steps=8", "checkpoint.every=2"], run)
+    assert proc.returncode == 1
+    assert "NonFiniteLoss: step 5: loss nan" in proc.stderr, proc.stderr[-3000:]
+    assert "step-000004" in proc.stderr  # the last good checkpoint, named
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert checkpoint_meta(run / "checkpoints" / "step-000004")["step"] == 4
+
+
+def test_nonfinite_skip_leaves_the_step_out_and_counts_it(tmp_path, monkeypatch):
+    clean = tmp_path / "clean"
+    assert train_cli([*SMOKE, "steps=6"], clean).returncode == 0
+    monkeypatch.setenv("HYDRADIST_FAULT", "1:3:nan")
+    run = tmp_path / "run"
+    proc = train_cli([*SMOKE, "steps=6", "nonfinite=skip"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(run)
+    assert [m["skipped"] for m in metrics] == [False, False, False, True, False, False]
+    assert metrics[3]["loss"] != metrics[3]["loss"]  # NaN: the step's loss, reported as it was
+    assert read_summary(run)["nonfinite_skipped"] == 1
+    # the skipped update left the weights alone: step 5 sees the weights of step 4's end, so its
+    # loss is finite and close to the clean run's (which applied one more update)
+    assert metrics[4]["loss"] == pytest.approx(losses(clean)[4], rel=0.05)
