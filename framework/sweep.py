@@ -26,6 +26,7 @@ def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: st
 
 def _train_each(configs: dict[str, dict[str, Any]], out_dir: str) -> dict[str, dict[str, Any]]:
     from framework.dist import destroy_distributed, init_distributed
+    from framework.resilience import Guard
     from framework.run_files import RunFiles
     from framework.trainer import train
 
@@ -35,12 +36,9 @@ def _train_each(configs: dict[str, dict[str, Any]], out_dir: str) -> dict[str, d
         for name, config in configs.items():
             cfg = OmegaConf.create(config)
             torch.manual_seed(cfg.seed)
-            summaries[name] = train(
-                cfg,
-                info,
-                RunFiles(os.path.join(out_dir, name), info),
-                {"parallel": cfg.parallel.name},
-            )
+            with Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
+                files = RunFiles(os.path.join(out_dir, name), info)
+                summaries[name] = train(cfg, info, files, {"parallel": cfg.parallel.name}, guard)
     finally:
         destroy_distributed()
     return summaries

@@ -225,6 +225,10 @@ def loop(
             progress.update(1)
             profiler.step()
             end_of_step(cfg, info, setup, stats, figures, step + 1, saver, guard)
+        if saver.pending is not None:  # the last async save: training has ended, but the run waits for it
+            t0 = time.perf_counter()
+            saver.wait()
+            stats.checkpoint_s.append(time.perf_counter() - t0)
     progress.close()
     if cfg.checkpoint.export:
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
@@ -292,7 +296,9 @@ def end_of_step(
             layout=layout(cfg, info, setup.par),
             counters={"nonfinite_skipped": stats.skipped_steps},
         )
+        t0 = time.perf_counter()
         path = saver.save(done, setup.par.module, setup.optimizer, state, generators(setup))
+        stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
     if figures.preempt:
         saver.wait()  # on disk before the process exits
         raise Preempted(guard.signum or signal.SIGTERM, done, path)

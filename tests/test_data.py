@@ -158,7 +158,8 @@ def _token_budget_step(rank: int, world: int):
     from framework.dist import DistInfo, all_gather_object
     from framework.loss import IGNORE_INDEX, cross_entropy
     from framework.metrics import ForwardTimer
-    from framework.trainer import build, forward_backward
+    from framework.step import forward_backward
+    from framework.trainer import build
 
     cfg = OmegaConf.create(config(["model=gpt", "data=varlen", "data.sampler=token_budget", "data.max_tokens=512"], 2))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
