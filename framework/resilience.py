@@ -12,7 +12,8 @@
   exits too, instead of waiting for its launcher to kill it.
 - **Fault injection for tests.** `HYDRADIST_FAULT="RANK:STEP[:KIND]"`, on the first attempt only:
   kind `exit` (default; dies abruptly), `hang` (stops participating), `nan` (its loss becomes
-  NaN), `sigterm` (sends SIGTERM to the process that launched it, as a scheduler would).
+  NaN), `sigterm`/`sigint` (sends the signal to the process that launched it, as a scheduler or
+  Ctrl-C would; with no launcher, to itself).
 """
 
 from __future__ import annotations
@@ -215,9 +216,10 @@ def inject_fault(step: int, info: DistInfo) -> bool:
     if kind == "hang":
         while True:  # stops participating (only a signal or the watchdog ends it)
             time.sleep(1)
-    if kind == "sigterm":  # as a scheduler does: to the launching process (or this one, if none)
-        os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
+    if kind in ("sigterm", "sigint"):  # as a scheduler (or Ctrl-C) does: to the launching process, or this one
+        sig = signal.SIGTERM if kind == "sigterm" else signal.SIGINT
+        os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
         return False
     if kind == "nan":
         return True
-    raise ValueError(f"HYDRADIST_FAULT: unknown kind {kind!r} (exit | hang | nan | sigterm)")
+    raise ValueError(f"HYDRADIST_FAULT: unknown kind {kind!r} (exit | hang | nan | sigterm | sigint)")

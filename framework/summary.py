@@ -32,7 +32,8 @@ class RunStats:
     state_bytes: dict[str, int] = field(default_factory=dict)  # parameters, gradients, optimizer
     first_step_s: float | None = None  # the first step's time (compilation included)
     startup_s: float | None = None  # process start to the end of the first optimizer step
-    checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for each save
+    checkpoint_saves: int = 0
+    checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
     skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
 
 
@@ -82,7 +83,7 @@ def summarize(
         "per_step": per_step,
         "steps": cfg.steps,
         "nonfinite_skipped": stats.skipped_steps,
-        "checkpoint": {"saves": len(stats.checkpoint_s), "blocking_s": sum(stats.checkpoint_s)},
+        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s)},
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
         "throughput": throughput,

@@ -299,6 +299,7 @@ def end_of_step(
         t0 = time.perf_counter()
         path = saver.save(done, setup.par.module, setup.optimizer, state, generators(setup))
         stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
+        stats.checkpoint_saves += 1
     if figures.preempt:
         saver.wait()  # on disk before the process exits
         raise Preempted(guard.signum or signal.SIGTERM, done, path)

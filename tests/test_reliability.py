@@ -52,25 +52,25 @@ def checkpoint_meta(path: Path) -> dict:
 # ----------------------------------------------------------------------------- preemption
 
 
-@pytest.mark.parametrize("parallel", ["none", "ddp", "fsdp"])
-def test_sigterm_saves_exits_143_and_resume_auto_continues_bitwise(tmp_path, monkeypatch, marked, parallel):
-    """SIGTERM reaches train.py at step 5 (sent by rank 0 to its launcher, as a scheduler would):
-    every rank stops after the same step, saves, and the run exits 143 with one line saying how
-    to resume. `checkpoint.resume=auto` into the same run directory then gives the losses of an
-    uninterrupted run, bit for bit."""
+@pytest.mark.parametrize("parallel,sig", [("none", "SIGINT"), ("ddp", "SIGTERM"), ("fsdp", "SIGTERM")])
+def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkeypatch, marked, parallel, sig):
+    """SIGTERM (SIGINT: Ctrl-C) reaches train.py at step 5 (sent by rank 0 to its launcher, as a
+    scheduler would): every rank stops after the same step, saves, and the run exits 143 (130)
+    with one line saying how to resume. `checkpoint.resume=auto` into the same run directory then
+    gives the losses of an uninterrupted run, bit for bit."""
     args = [*SMOKE, f"parallel={parallel}", "steps=30", "optim.warmup_steps=4"]
     clean = tmp_path / "clean"
     assert train_cli(args, clean).returncode == 0
 
     run = tmp_path / "run"
-    monkeypatch.setenv("HYDRADIST_FAULT", "0:5:sigterm")
+    monkeypatch.setenv("HYDRADIST_FAULT", f"0:5:{sig.lower()}")
     proc = train_cli(args, run)
-    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert proc.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("preempted")]
     assert len(lines) == 1 and f"hydra.run.dir={run} checkpoint.resume=auto" in lines[0], proc.stderr[-3000:]
     assert_clean_exit(proc, marked)
     summary = read_summary(run)
-    assert summary["status"] == "preempted" and summary["signal"] == "SIGTERM"
+    assert summary["status"] == "preempted" and summary["signal"] == sig
     stopped = summary["step"]
     assert 5 <= stopped < 30 and Path(summary["checkpoint"]).name == f"step-{stopped:06d}"
 
@@ -79,6 +79,56 @@ def test_sigterm_saves_exits_143_and_resume_auto_continues_bitwise(tmp_path, mon
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 31))
     assert losses(run) == losses(clean)  # bitwise, fp32
+
+
+def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
+    """As SLURM does before a time limit: SIGTERM to every task of `srun python train.py` (no
+    torchrun in between). Both ranks stop after the same step and exit 143; the requeued job
+    (same job id, same run directory) resumes with `checkpoint.resume=auto` and continues as an
+    uninterrupted run does."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    from tests.test_sweeps import _free_port
+
+    def tasks(steps: int) -> list[subprocess.Popen]:
+        args = [str(ROOT / "train.py"), *SMOKE, f"steps={steps}", "optim.schedule=constant", "optim.warmup_steps=2",
+                f"launch.master_port={_free_port()}", "checkpoint.resume=auto"]  # fmt: skip
+        slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "localhost",
+                 "SLURM_TASKS_PER_NODE": "2"}  # fmt: skip
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+        return [subprocess.Popen([sys.executable, *args], cwd=tmp_path, env={**base, **slurm, "SLURM_PROCID": str(r),
+                                 "SLURM_LOCALID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for r in range(2)]  # fmt: skip
+
+    run = tmp_path / "outputs" / "jobs" / "slurm-77-0"
+    procs = tasks(5000)
+    deadline = time.monotonic() + 120
+    while not ((run / "metrics.jsonl").exists() and len(read_metrics_lines(run)) >= 3):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [143, 143], [o[1][-2000:] for o in outs]
+    assert sum(line.startswith("preempted") for o in outs for line in o[1].splitlines()) == 1  # rank 0's line
+    stopped = read_summary(run)["step"]
+    time.sleep(0.5)
+    assert processes_with(marked) == []
+
+    procs = tasks(stopped + 4)  # the requeued job
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    local = tmp_path / "local"
+    proc = train_cli([*SMOKE, f"steps={stopped + 4}", "optim.schedule=constant", "optim.warmup_steps=2"], local)
+    assert proc.returncode == 0
+    assert losses(run) == pytest.approx(losses(local), rel=1e-6)
+
+
+def read_metrics_lines(run: Path) -> list[str]:
+    return (run / "metrics.jsonl").read_text().splitlines()
 
 
 def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
