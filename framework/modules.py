@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
+
+from models.init import Rule, fill_
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -27,3 +32,28 @@ def map_blocks(model: nn.Module, fn: Callable[[nn.Module], nn.Module], every: in
     for key in keys[::every]:
         blocks[key] = fn(blocks[key])
     return len(keys[::every])
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model (wrappers' prefixes removed)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device, rule: Callable[[str, int], Rule], seed: int) -> None:
+    """Allocate this rank's part of every parameter of a module built on the meta device, on
+    `device`, and initialise it as the whole model would be (models/init.py): a shard (FSDP,
+    tensor parallel) or a pipeline stage is filled on its own, with no full-size tensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    module.to_empty(device=device)
+    for name, p in module.named_parameters():
+        name = canonical_name(name)
+        if isinstance(p, DTensor):
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            fill_(p.to_local(), rule(name, p.dim()), seed, name, p.shape, offset)
+        else:
+            fill_(p, rule(name, p.dim()), seed, name)

@@ -37,6 +37,7 @@ from framework.metrics import (
     mfu,
     peak_flops,
 )
+from framework.modules import materialize
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
 from framework.precision import build_precision
@@ -54,7 +55,7 @@ from framework.run_files import RunFiles, checkpoint_root
 from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
 from framework.summary import RunStats, report, summarize
 from framework.tracking import Tracker, build_tracker
-from models import build_model
+from models import MODELS, build_model
 
 
 def is_sampled(step: int, start: int, total: int, every: int) -> bool:
@@ -116,9 +117,23 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     # data-parallel ranks the strategy defines) -> precision.
     seed_everything(cfg.seed)
     model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"}
-    model = build_model(cfg.model.name, **model_kwargs).to(info.device)
+    # Models with an init rule (gpt) are built on the meta device: no memory at all. Strategies
+    # that shard or split them (FSDP2, tensor parallel, pipeline) allocate and initialise only
+    # this rank's part after parallelizing; the others (none, dp, ddp, FSDP1) the whole model
+    # before. Either way the values are the single-process model's (row-seeded: models/init.py).
+    on_meta = hasattr(MODELS[cfg.model.name], "init_rule")
+    late = on_meta and cfg.parallel.name in ("fsdp", "tp", "pp", "hybrid") and cfg.parallel.version == 2
+    with torch.device("meta") if on_meta else nullcontext():
+        model = build_model(cfg.model.name, **model_kwargs)
+    if on_meta and not late:
+        materialize(model, info.device, model.init_rule, cfg.seed)
+    elif not on_meta:
+        model.to(info.device)
     flops = count_flops(model, cfg, info.world_size)  # before sharding: every strategy counts the same work
     par = parallelize(model, cfg, info)
+    if late:
+        materialize(par.module, info.device, model.init_rule, cfg.seed)
+    del model  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     task = "lm" if cfg.model.name == "gpt" else "classify"

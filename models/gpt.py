@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.init import Rule, fill_
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
@@ -88,14 +90,19 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.reset_parameters()
 
+    def init_rule(self, name: str, dim: int) -> Rule:
+        """How parameter `name` (of `dim` dimensions) starts: norms' weights 1, biases 0, matrices
+        normal(0, 0.02), residual projections scaled down by depth (GPT-2)."""
+        if dim == 1:
+            return ("ones", 0.0) if name.endswith("weight") else ("zeros", 0.0)
+        return "normal", 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj.weight") else 0.02
+
     def reset_parameters(self) -> None:
+        """Row-seeded from torch's seed (models/init.py): a shard filled on its own rank gets these
+        values too. Built on the meta device, there is nothing to fill (the framework does it)."""
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            else:
-                # GPT-2: residual projections scaled down by depth
-                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+            if not p.is_meta:
+                fill_(p, self.init_rule(name, p.dim()), torch.initial_seed(), name)
 
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids -> logits (B, T, vocab).

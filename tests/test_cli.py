@@ -115,7 +115,11 @@ def test_backend_knobs_reach_the_workers_and_init_methods_work(tmp_path, init):
     proc = train_cli(args, run)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # set knobs exported into the workers' environment; unset ones stay unset
-    assert read_summary(run)["backend_env"] == {"NCCL_ALGO": "Tree", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert read_summary(run)["backend_env"] == {
+        "NCCL_ALGO": "Tree",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "TORCH_FR_BUFFER_SIZE": "2000",  # the flight recorder, on by default (backend.trace_buffer)
+    }
     assert "algo: Tree" in (run / ".hydra" / "config.yaml").read_text()
 
 
