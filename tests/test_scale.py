@@ -82,3 +82,36 @@ def test_fsdp_never_allocates_a_full_size_parameter():
     for largest, full, local in results.values():
         assert full == 2048 * 512 and local == full // 4
         assert largest < full // 2, f"a tensor of {largest} elements was allocated (full parameter: {full})"
+
+
+def test_two_torchrun_agents_form_one_run_as_two_nodes(tmp_path):
+    """`torchrun --nnodes=2` twice on this machine, as on two nodes (c10d rendezvous, one worker
+    each): one 2-rank run in one directory named from the rendezvous id, with the losses of
+    `python train.py` on 2 local workers."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, losses, read_summary, train_cli
+    from tests.test_sweeps import _free_port
+
+    args = ["experiment=smoke", "logger=none", "steps=4"]
+    port = _free_port()
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=twonodes"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "SLURM_"))}
+    env["WANDB_MODE"] = "offline"
+    nodes = [
+        subprocess.Popen([*agent, f"--node_rank={n}", str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    runs = list((tmp_path / "outputs" / "jobs").iterdir())
+    assert [r.name for r in runs] == ["torchrun-twonodes"]
+    assert read_summary(runs[0])["world_size"] == 2
+
+    local = tmp_path / "local"
+    assert train_cli(args, local).returncode == 0
+    assert losses(runs[0]) == losses(local)
