@@ -8,13 +8,20 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.modules import canonical_name
 
-def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD. Weight decay applies to matrices only (not to biases, norms, or 1-d params)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+
+def build_optimizer(model: nn.Module, cfg: DictConfig, decay: set[str] | None = None) -> torch.optim.Optimizer:
+    """AdamW or SGD. Weight decay applies to matrices only (not to biases, norms, or 1-d params):
+    those named in `decay` (the plain model's matrices, by name: FSDP1 flattens every parameter
+    to 1-d, so a wrapped model's shapes cannot tell), else those with 2 or more dims."""
+    if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+        model = model.module  # the same parameters, under the plain model's names
+    named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    decays = (lambda n, p: n in decay) if decay is not None else (lambda n, p: p.dim() >= 2)
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for n, p in named if decays(n, p)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
     if cfg.name == "adamw":

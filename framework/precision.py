@@ -29,8 +29,14 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.name != "fp32")
 
 
-def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
-    scaler = torch.amp.GradScaler(
+def build_precision(cfg: DictConfig, device: torch.device, sharded: bool = False) -> Precision:
+    """`sharded`: FSDP1, whose ranks hold different gradient shards: its scaler agrees across
+    ranks on whether any shard overflowed, so every rank skips the same steps."""
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
+    else:
+        Scaler = torch.amp.GradScaler
+    scaler = Scaler(
         device.type,
         init_scale=cfg.init_scale,
         growth_interval=cfg.growth_interval,

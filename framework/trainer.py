@@ -130,15 +130,16 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     elif not on_meta:
         model.to(info.device)
     flops = count_flops(model, cfg, info.world_size)  # before sharding: every strategy counts the same work
+    decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
     par = parallelize(model, cfg, info)
     if late:
         materialize(par.module, info.device, model.init_rule, cfg.seed)
     del model  # the plain model object keeps nothing alive beyond what `par` holds
-    optimizer = build_optimizer(par.module, cfg.optim)
+    optimizer = build_optimizer(par.module, cfg.optim, decay)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     task = "lm" if cfg.model.name == "gpt" else "classify"
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, task)
-    precision = build_precision(cfg.precision, info.device)
+    precision = build_precision(cfg.precision, info.device, sharded=fsdp_v1(cfg))
     setup = Setup(flops, par, optimizer, scheduler, data, precision)
     resume = resume_path(cfg, run_dir)
     if restart_count() > 0 and info.is_main:
@@ -147,6 +148,10 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     if resume:
         resume_from(resume, setup, info)
     return setup
+
+
+def fsdp_v1(cfg: DictConfig) -> bool:
+    return cfg.parallel.name in ("fsdp", "tp", "pp", "hybrid") and cfg.parallel.version == 1
 
 
 def generators(setup: Setup) -> dict[str, torch.Generator]:

@@ -153,7 +153,12 @@ EPOCH_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(EPOCH_CASES))
+SLOW = pytest.mark.slow  # covered by `make test-all`; the default run keeps one case of each kind
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=SLOW) if c in ("rank_batch_sizes", "length_grouped") else c for c in EPOCH_CASES]
+)
 def test_resume_across_an_epoch_boundary_is_bitwise(tmp_path, case):
     """A checkpoint taken after the first epoch ended resumes to the uninterrupted run's losses
     exactly: the data position (epoch, offset), LR schedule, loss scaler and every rank's
@@ -216,7 +221,7 @@ FSDP4 = ["parallel=fsdp", "launch.nproc_per_node=4", "data.batch_size=2"]
     "saved,resumed",
     [
         (DDP2, FSDP4),
-        (FSDP4, DDP2),
+        pytest.param(FSDP4, DDP2, marks=SLOW),
         # FSDP over 2 x tensor parallel over 2
         (DDP2, ["parallel=hybrid", "parallel.pp=1", "parallel.tp=2", "launch.nproc_per_node=4", "data.batch_size=4"]),
     ],

@@ -33,8 +33,10 @@ def _built_equals_single_process(rank: int, world: int, overrides: list[str]) ->
         (["parallel=fsdp"], 2),
         (["parallel=tp"], 2),
         (["parallel=pp"], 2),
-        (["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4),
-        (["parallel=ddp"], 2),
+        pytest.param(
+            ["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4, marks=pytest.mark.slow
+        ),
+        pytest.param(["parallel=ddp"], 2, marks=pytest.mark.slow),
     ],
     ids=["fsdp", "tp", "pp", "pp2-fsdp-tp2", "ddp"],
 )
@@ -115,3 +117,39 @@ def test_two_torchrun_agents_form_one_run_as_two_nodes(tmp_path):
     local = tmp_path / "local"
     assert train_cli(args, local).returncode == 0
     assert losses(runs[0]) == losses(local)
+
+
+def _optimizer_groups(rank: int, world: int, overrides: list[str]) -> tuple[int, int, str]:
+    from framework.dist import DistInfo
+    from framework.trainer import build
+
+    cfg = OmegaConf.create(world_config(overrides, world))
+    setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
+    decay, no_decay = setup.optimizer.param_groups
+    assert decay["weight_decay"] == cfg.optim.weight_decay > 0 and no_decay["weight_decay"] == 0
+    return len(decay["params"]), len(no_decay["params"]), type(setup.precision.scaler).__name__
+
+
+@pytest.mark.parametrize("overrides", [["parallel=fsdp", "parallel.version=1"], ["parallel=fsdp"], ["parallel=ddp"]],
+                         ids=["fsdp1", "fsdp2", "ddp"])  # fmt: skip
+def test_weight_decay_groups_are_the_plain_models_under_every_wrapper(overrides):
+    """FSDP1 flattens every parameter to 1-d; grouping by shape would turn weight decay off.
+    Grouped by the plain model's names, the matrices decay under every wrapper. FSDP1 with amp
+    gets the sharded loss scaler, so every rank skips the same steps."""
+    from models import build_model
+
+    plain = build_model("gpt", n_layer=4, n_head=4, n_embd=64, dropout=0.0)
+    matrices = sum(p.dim() >= 2 for p in plain.parameters())
+    groups = run_workers(_optimizer_groups, 2, [*BASE, "precision=amp", "optim.weight_decay=0.1", *overrides])
+    scaler = "ShardedGradScaler" if "parallel.version=1" in overrides else "GradScaler"
+    for n_decay, n_other, scaler_type in groups.values():
+        assert (n_decay, n_other) == (matrices, len(list(plain.parameters())) - matrices)
+        assert scaler_type == scaler
+
+
+def test_nccl_with_cpu_offload_also_gets_a_cpu_backend():
+    from framework.config import resolve_backend
+    from tests.helpers import compose_config
+
+    assert resolve_backend(compose_config(["backend=nccl", "parallel=fsdp", "memory=offload"])) == "cpu:gloo,cuda:nccl"
+    assert resolve_backend(compose_config(["backend=nccl", "parallel=fsdp"])) == "nccl"
