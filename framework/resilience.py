@@ -119,8 +119,10 @@ class Guard:
         try:
             if self.store.check([ABORT_KEY]):
                 return self.store.get(ABORT_KEY).decode()
-        except Exception:  # the store is gone: the launcher is tearing the job down
-            return "the rendezvous store is gone"
+        except Exception:
+            # the store is gone: its host (the launcher, or rank 0 under srun) has exited, which
+            # a finished rank 0 may do first; stop watching rather than call it a failure
+            self.store = None
         return None
 
     def _exit(self, message: str, code: int) -> None:

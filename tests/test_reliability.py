@@ -58,7 +58,7 @@ def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkey
     scheduler would): every rank stops after the same step, saves, and the run exits 143 (130)
     with one line saying how to resume. `checkpoint.resume=auto` into the same run directory then
     gives the losses of an uninterrupted run, bit for bit."""
-    args = [*SMOKE, f"parallel={parallel}", "steps=30", "optim.warmup_steps=4"]
+    args = [*SMOKE, f"parallel={parallel}", "steps=60", "optim.warmup_steps=4"]
     clean = tmp_path / "clean"
     assert train_cli(args, clean).returncode == 0
 
@@ -72,12 +72,12 @@ def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkey
     summary = read_summary(run)
     assert summary["status"] == "preempted" and summary["signal"] == sig
     stopped = summary["step"]
-    assert 5 <= stopped < 30 and Path(summary["checkpoint"]).name == f"step-{stopped:06d}"
+    assert 5 <= stopped < 60 and Path(summary["checkpoint"]).name == f"step-{stopped:06d}"
 
     monkeypatch.delenv("HYDRADIST_FAULT")
     proc = train_cli([*args, "checkpoint.resume=auto"], run)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(run)] == list(range(1, 31))
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 61))
     assert losses(run) == losses(clean)  # bitwise, fp32
 
 
