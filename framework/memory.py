@@ -6,6 +6,7 @@ sharded tensors), never from a formula.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from contextlib import contextmanager
@@ -100,6 +101,15 @@ def device_peak_bytes(device: torch.device) -> int | None:
 def device_reserved_bytes(device: torch.device) -> int | None:
     """Peak bytes the CUDA caching allocator held (allocated + cached)."""
     return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux: /proc; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
 
 
 def peak_rss_bytes() -> int:

@@ -31,6 +31,7 @@ class Setup:
     start_step: int = 0  # optimizer steps done (a resumed run: the checkpoint's)
     data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed) to start from
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
+    rss_baseline_bytes: int | None = None  # this process before the model was built
 
 
 @dataclass

@@ -34,7 +34,10 @@ class RunStats:
     startup_s: float | None = None  # process start to the end of the first optimizer step
     checkpoint_saves: int = 0
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
-    skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
+    skipped_steps: int = 0
+    rss_baseline_bytes: int | None = (
+        None  # after imports and process-group set-up, before the model  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
+    )
 
 
 def summarize(
@@ -54,6 +57,7 @@ def summarize(
         "device_peak_bytes": device_peak_bytes(info.device),
         "device_reserved_bytes": device_reserved_bytes(info.device),
         "rss_peak_bytes": peak_rss_bytes(),
+        "rss_baseline_bytes": stats.rss_baseline_bytes,
         "comm": mean_totals(stats.comm),
         "work": stats.work,
         "slots": stats.slots,
@@ -111,6 +115,7 @@ MEMORY_KEYS = (
     "device_peak_bytes",
     "device_reserved_bytes",
     "rss_peak_bytes",
+    "rss_baseline_bytes",
 )
 
 

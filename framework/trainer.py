@@ -28,6 +28,7 @@ from framework.dist import (
 )
 from framework.memory import (
     SavedActivationMeter,
+    current_rss_bytes,
     model_state_bytes,
     release_cached_memory,
 )
@@ -189,12 +190,14 @@ def resume_from(path: str, setup: Setup, info: DistInfo) -> None:
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str], guard: Guard) -> dict[str, Any]:
+    baseline = current_rss_bytes()  # imports and the process group, before the model and W&B
     # The tracker first: W&B's service starts in the background while the model is built, not
     # while the first steps run (on a small machine it competes with them for the cores).
     tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main)
     try:
         setup = build(cfg, info, files.run_dir)
         files.truncate_metrics(setup.start_step)  # a restarted run rewrites the steps after its checkpoint
+        setup.rss_baseline_bytes = baseline
         summary = loop(cfg, info, setup, files, tracker, choices, guard)
     except BaseException:
         tracker.finish(ok=False)
@@ -210,7 +213,8 @@ def loop(
     cfg: DictConfig, info: DistInfo, setup: Setup, files: RunFiles, tracker: Tracker, choices: dict, guard: Guard
 ) -> dict:
     par, data, accum = setup.par, setup.data, cfg.accumulation_steps
-    stats = RunStats(losses=list(files.prior_losses), skipped_steps=setup.skipped_steps)
+    stats = RunStats(losses=list(files.prior_losses), skipped_steps=setup.skipped_steps,
+                     rss_baseline_bytes=setup.rss_baseline_bytes)  # fmt: skip
     meter = SavedActivationMeter(par.module)
     # this rank's forward time per step: compute with no gradient communication in it (DDP and
     # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
