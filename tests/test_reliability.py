@@ -81,6 +81,7 @@ def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkey
     assert losses(run) == losses(clean)  # bitwise, fp32
 
 
+@pytest.mark.slow
 def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
     """As SLURM does before a time limit: SIGTERM to every task of `srun python train.py` (no
     torchrun in between). Both ranks stop after the same step and exit 143; the requeued job

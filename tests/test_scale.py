@@ -130,8 +130,15 @@ def _optimizer_groups(rank: int, world: int, overrides: list[str]) -> tuple[int,
     return len(decay["params"]), len(no_decay["params"]), type(setup.precision.scaler).__name__
 
 
-@pytest.mark.parametrize("overrides", [["parallel=fsdp", "parallel.version=1"], ["parallel=fsdp"], ["parallel=ddp"]],
-                         ids=["fsdp1", "fsdp2", "ddp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel=fsdp", "parallel.version=1"],
+        pytest.param(["parallel=fsdp"], marks=pytest.mark.slow),
+        ["parallel=ddp"],
+    ],
+    ids=["fsdp1", "fsdp2", "ddp"],
+)
 def test_weight_decay_groups_are_the_plain_models_under_every_wrapper(overrides):
     """FSDP1 flattens every parameter to 1-d; grouping by shape would turn weight decay off.
     Grouped by the plain model's names, the matrices decay under every wrapper. FSDP1 with amp
