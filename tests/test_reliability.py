@@ -38,11 +38,19 @@ def processes_with(mark: str) -> list[int]:
     return found
 
 
+def assert_no_process_left(mark: str, wait_s: float = 5.0) -> None:
+    """No process of the run remains (helpers such as multiprocessing's resource tracker get a
+    moment to see their parent gone)."""
+    deadline = time.monotonic() + wait_s
+    while processes_with(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(mark) == [], "processes of the run are left behind"
+
+
 def assert_clean_exit(proc, mark: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "leaked semaphore" not in proc.stderr, proc.stderr[-3000:]
-    time.sleep(0.5)
-    assert processes_with(mark) == [], "processes of the run are left behind"
+    assert_no_process_left(mark)
 
 
 def checkpoint_meta(path: Path) -> dict:
@@ -116,8 +124,7 @@ def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
     assert [p.returncode for p in procs] == [143, 143], [o[1][-2000:] for o in outs]
     assert sum(line.startswith("preempted") for o in outs for line in o[1].splitlines()) == 1  # rank 0's line
     stopped = read_summary(run)["step"]
-    time.sleep(0.5)
-    assert processes_with(marked) == []
+    assert_no_process_left(marked)
 
     procs = tasks(stopped + 4)  # the requeued job
     outs = [p.communicate(timeout=300) for p in procs]
