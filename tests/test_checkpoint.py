@@ -7,6 +7,7 @@ import pytest
 from tests.helpers import read_metrics, read_summary, train_cli
 
 
+@pytest.mark.slow  # the default run resumes bitwise in tests/test_reliability.py (epoch boundary, preemption)
 @pytest.mark.parametrize("parallel", ["none", "ddp"])
 def test_resume_continues_the_same_trajectory(tmp_path, parallel):
     args = [
