@@ -247,7 +247,7 @@ def test_a_global_batch_that_changes_on_resume_is_a_clear_error(tmp_path):
     first = tmp_path / "first"
     assert train_cli([*base, *DDP2, "checkpoint.every=2"], first).returncode == 0
     ckpt = first / "checkpoints" / "step-000002"
-    proc = train_cli([*base, "parallel=fsdp", "launch.nproc_per_node=4", f"checkpoint.resume={ckpt}"], tmp_path / "x")
+    proc = train_cli([*base, "parallel=fsdp", "data.batch_size=8", f"checkpoint.resume={ckpt}"], tmp_path / "x")
     assert proc.returncode != 0
     assert "distributed: 8 samples" in proc.stderr and "distributed: 16 samples" in proc.stderr
     assert "cannot map" in proc.stderr
