@@ -123,7 +123,7 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     # this rank's part after parallelizing; the others (none, dp, ddp, FSDP1) the whole model
     # before. Either way the values are the single-process model's (row-seeded: models/init.py).
     on_meta = hasattr(MODELS[cfg.model.name], "init_rule")
-    late = on_meta and cfg.parallel.name in ("fsdp", "tp", "pp", "hybrid") and cfg.parallel.version == 2
+    late = on_meta and on_mesh(cfg) and not fsdp_v1(cfg)
     with torch.device("meta") if on_meta else nullcontext():
         model = build_model(cfg.model.name, **model_kwargs)
     if on_meta and not late:
@@ -151,8 +151,13 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     return setup
 
 
+def on_mesh(cfg: DictConfig) -> bool:
+    """fsdp, tp, pp and hybrid: laid out on a device mesh (framework.parallel)."""
+    return cfg.parallel.name not in ("none", "dp", "ddp")
+
+
 def fsdp_v1(cfg: DictConfig) -> bool:
-    return cfg.parallel.name in ("fsdp", "tp", "pp", "hybrid") and cfg.parallel.version == 1
+    return on_mesh(cfg) and cfg.parallel.version == 1
 
 
 def generators(setup: Setup) -> dict[str, torch.Generator]:
@@ -182,8 +187,8 @@ def resume_from(path: str, setup: Setup, info: DistInfo) -> None:
         setup.precision.scaler.load_state_dict(state.scaler)
     setup.start_step, setup.data_position = state.step, (state.data["epoch"], state.data["offset"])
     setup.skipped_steps = state.counters.get("nonfinite_skipped", 0)
-    same_layout = state.layout == {**state.layout, "world_size": info.world_size, "dp_size": setup.par.dp_size}
-    if rng is not None and same_layout:
+    same_ranks = (state.layout["world_size"], state.layout["dp_size"]) == (info.world_size, setup.par.dp_size)
+    if rng is not None and same_ranks:
         checkpoint.set_rng_state(rng, generators(setup))
     else:  # another layout: per-rank random streams cannot map; start fresh ones, deterministically
         seed_everything(hash((state.step, info.rank)) % 2**31)
