@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
+    CheckpointWrapper,
     checkpoint_wrapper,
 )
 
@@ -56,35 +57,87 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
 
 
 class SavedActivationMeter:
-    """Bytes that autograd saves for backward, counted in `saved_tensors_hooks` (works on CPU).
+    """Bytes that autograd keeps for backward, live, counted in `saved_tensors_hooks` (works on CPU).
 
-    Storages are counted once (views of one storage share it) and parameters are left out: they
-    are model state, not activations. ``peak`` is the most bytes held at once in one `measure`.
+    A saved tensor counts from the forward op that saves it until autograd releases it in
+    backward; ``peak`` is the most bytes live at once in one `measure` (one micro-batch's forward
+    and backward; a pipeline's whole schedule, so its in-flight micro-batches). Storages count
+    once (views share them), a sharded tensor (DTensor under tensor or sequence parallel) by its
+    local storage, and parameters (and views of them, such as
+    the transposed weight a linear saves, FSDP's gathered ones included) not at all: they are model state. A checkpointed block saves
+    nothing through these hooks (checkpointing installs its own): its input, which it keeps for
+    the recomputation, counts from the block's forward to the end of the step; the recomputed
+    tensors, one block's worth at a time in backward, are not counted.
     """
 
     def __init__(self, model: nn.Module):
+        self._model = model
         self._param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.peak = 0
 
     @contextmanager
     def measure(self):
-        seen: set[int] = set()
-        total = 0
+        live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        now = [0, 0]  # live bytes, their peak
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            if isinstance(t, nn.Parameter) or hasattr(t, "to_local"):  # model state, not activations
+        def hold(ptr: int, nbytes: int) -> None:
+            entry = live.setdefault(ptr, [0, nbytes])
+            if entry[0] == 0:
+                now[0] += nbytes
+                now[1] = max(now[1], now[0])
+            entry[0] += 1
+
+        def release(ptr: int) -> None:
+            entry = live[ptr]
+            entry[0] -= 1
+            if entry[0] == 0:
+                now[0] -= entry[1]
+
+        def pack(t: torch.Tensor):
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight, or its .t() view
                 return t
-            storage = t.untyped_storage()
+            storage = _local(t).untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in seen and ptr not in self._param_ptrs and storage.device.type != "meta":
-                seen.add(ptr)
-                total += storage.nbytes()
-            return t
+            if ptr in self._param_ptrs or storage.device.type == "meta" or storage.nbytes() == 0:
+                return t
+            hold(ptr, storage.nbytes())
+            return _Saved(t, ptr, release)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.peak = max(self.peak, total)
+        def checkpointed_input(module, args):
+            for t in args:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    storage = _local(t).untyped_storage()
+                    hold(storage.data_ptr(), storage.nbytes())
+                    kept.append(storage.data_ptr())
+
+        kept: list[int] = []
+        hooks = [m.register_forward_pre_hook(checkpointed_input) for m in self._model.modules()
+                 if isinstance(m, CheckpointWrapper)]  # fmt: skip
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                yield
+        finally:
+            for h in hooks:
+                h.remove()
+            for ptr in kept:
+                release(ptr)
+        self.peak = max(self.peak, now[1])
+
+
+class _Saved:
+    """A tensor autograd saved, as packed: releases its bytes when autograd lets it go."""
+
+    __slots__ = ("tensor", "ptr", "release")
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, release):
+        self.tensor, self.ptr, self.release = tensor, ptr, release
+
+    def __del__(self):
+        self.release(self.ptr)
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.comm import mean_totals
 from framework.config import backend_env
@@ -76,7 +76,7 @@ def summarize(
         balance["boundary_waste"] = balance.pop("padding_waste")
     tokens_per_s = rates["tokens_per_s"]
     achieved = flops.model * tokens_per_s / flops.devices / 1e12 if flops.model and tokens_per_s else None
-    return {
+    summary = {
         "status": "ok",
         "choices": choices,
         "world_size": info.world_size,
@@ -105,6 +105,25 @@ def summarize(
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "load_balance": balance,
     }
+    summary["plan"] = plan_check(cfg, info.world_size, summary)
+    return summary
+
+
+def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """The planner's prediction for this run's own layout against what the run measured (and,
+    under parallel=auto, what it chose and why). A planner fault never fails a finished run: it
+    is reported in the block instead."""
+    from framework.plan import check, predict
+    from framework.plan.profile import machine_profile
+
+    try:
+        block = check(predict(cfg, world, machine_profile(cfg, world, probe=False)), summary)
+    except Exception as err:  # noqa: BLE001 - reported, not raised: the run itself succeeded
+        print(f"warning: the planner could not predict this run: {type(err).__name__}: {err}", flush=True)
+        block = {"error": f"{type(err).__name__}: {err}"}
+    if cfg.plan.auto is not None:
+        block["auto"] = OmegaConf.to_container(cfg.plan.auto)
+    return block
 
 
 MEMORY_KEYS = (

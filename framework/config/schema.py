@@ -262,6 +262,23 @@ class ProfilerConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The planner (framework/plan): `python -m framework.plan`, `parallel=auto`, and every run's
+    check of its prediction. Null figures are probed once and cached (CPU: a matmul and a gloo
+    all-reduce), or nominal under a launcher."""
+
+    world_size: int | None = None  # python -m framework.plan: plan for this many ranks (null: the run's)
+    memory_budget_mb: float | None = None  # per rank; null: the device's memory (CPU: RAM / local ranks)
+    peak_tflops: float | None = None  # per device; null: metrics.peak_tflops, a known GPU, or the CPU probe
+    intra_node_gbps: float | None = None  # collective bandwidth within a node, GB/s; null: probed
+    inter_node_gbps: float | None = None  # across nodes; null: as within
+    latency_us: float | None = None  # per collective call; null: probed
+    overlap: float | None = None  # share of compute that hides data-parallel traffic; null: 0 CPU, 0.8 CUDA
+    nodes: int = 1  # nodes the world spans (groups wider than a node use inter_node_gbps)
+    auto: Any = None  # set by parallel=auto: the layout it chose and why (read by the run)
+
+
+@dataclass
 class SweepConfig:
     skip_done: bool = False  # a rerun of a multirun skips the jobs whose summary says ok
 
@@ -285,6 +302,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     compile: bool = False  # torch.compile each transformer block (small models: the whole model)
     profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

@@ -1,0 +1,307 @@
+"""The planner's analytical model: what one rank of a layout holds, saves for backward and sends
+per optimizer step, from the model's parameter shapes and the config alone (nothing runs).
+
+- State: every parameter's local shape under the layout (its pipeline stage; tensor parallel's
+  column/row split; FSDP's dim-0 chunk, padded as FSDP2 pads, or FSDP1's flat shard), times 4
+  bytes (parameters, gradients and optimizer states stay fp32; autocast casts on the fly).
+- Saved activations (gpt): per block, the tensors autograd keeps, in units of one micro-batch's
+  residual stream (b x T x D): 16 in fp32 (the block input, the norms' outputs, q/k/v, attention's
+  output, the MLP's 4x-wide hidden before and after GELU), split 1/tp where tensor parallel splits
+  them; under autocast the 16-bit copies each linear makes of its input and weight instead; a
+  checkpointed block keeps its input only. The embeddings' indices and the head's log-softmax
+  (b x T x vocab, fp32) come on top. A pipeline rank holds several micro-batches at its peak:
+  how many is the schedule's (GPipe all, 1F1B one per stage still ahead).
+- Collectives: payloads by op and group (DDP's bucketed all-reduce, FSDP's all-gathers and
+  reduce-scatters per unit, tensor parallel's per-block gathers and scatters, a pipeline's
+  sends), counted like `framework.comm` counts measured ones, with its ring factors for wire bytes.
+
+What it ignores: allocator caching and fragmentation, communication buffers, the transient
+recomputation of a checkpointed block, padding under variable-length data (it takes the
+configured micro-batch as full), and (for step time) overlap beyond `plan.overlap`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from framework.comm import RING_FACTOR
+
+COLWISE = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc.")  # split by output features (dim 0)
+ROWWISE = ("attn.proj.", "mlp.proj.")  # split by input features (dim 1; bias replicated)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the formulas need of a strategy (any `parallel` group, resolved at a world size)."""
+
+    name: str
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    fsdp: int = 0  # 0: not sharded; 1 or 2: FSDP version
+    reshard: bool = True  # FSDP: gather again for backward (FULL_SHARD / reshard_after_forward)
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    schedule: str = "1F1B"
+    n_microbatches: int = 1
+    stages_per_rank: int = 1
+    comm_hook: str = "none"
+    sync_every_microbatch: bool = False
+    bucket_cap_mb: float = 25.0
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+
+def layout_of(parallel: DictConfig, world: int, n_layer: int | None = None, n_head: int | None = None) -> Layout:
+    """The Layout a `parallel` config group runs at `world` ranks."""
+    from framework.parallel.dims import ParallelDims
+    from framework.parallel.pipeline import stages_per_rank
+
+    p = parallel
+    if p.name in ("none", "dp"):
+        return Layout(p.name)
+    if p.name == "ddp":
+        return Layout("ddp", dp_replicate=world, comm_hook=p.comm_hook, bucket_cap_mb=p.bucket_cap_mb)
+    dims = ParallelDims.from_config(p, world, n_layer, n_head)
+    fsdp = p.version if (dims.dp > 1 or p.name == "fsdp") else 0
+    reshard = p.reshard_after_forward
+    if fsdp == 1:
+        reshard = p.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        if p.sharding_strategy == "NO_SHARD":
+            return Layout("ddp", dp_replicate=world, bucket_cap_mb=p.bucket_cap_mb)
+    return Layout(
+        p.name, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, fsdp, reshard,
+        sequence_parallel=dims.tp > 1 and p.sequence_parallel, loss_parallel=dims.tp > 1 and p.loss_parallel,
+        schedule=p.schedule, n_microbatches=p.n_microbatches if dims.pp > 1 else 1,
+        stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
+        sync_every_microbatch=p.sync_every_microbatch,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    stage: int  # pipeline stage that holds it (0 without a pipeline)
+    unit: str  # FSDP unit: "blocks.<i>" or "root"
+    tp_dim: int | None  # the dim tensor parallel splits (None: replicated)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The model as the planner sees it: its parameters, and for gpt its dimensions."""
+
+    params: list[Param]
+    gpt: dict[str, int] | None  # n_layer, n_head, n_embd, vocab_size
+    flops_per_token: float | None  # model FLOPs (matmuls), forward + backward
+    hardware_flops_per_token: float | None  # with checkpointing's recomputation
+    stage_layers: list[list[int]] = field(default_factory=list)
+
+
+def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
+    """Parameter shapes from the model built on the meta device (no memory)."""
+    from framework.parallel.pipeline import split_layers
+    from models import build_model
+
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    with torch.device("meta"):
+        model = build_model(cfg.model.name, **kwargs)
+    gpt = cfg.model.name == "gpt"
+    layers = split_layers(cfg.model.n_layer, layout.stages) if gpt else [[]]
+    stage_of = {i: s for s, ids in enumerate(layers) for i in ids}
+    params = []
+    for name, p in model.named_parameters():
+        block = name.startswith("blocks.")
+        layer = int(name.split(".")[1]) if block else None
+        if not gpt:
+            stage = 0
+        elif block:
+            stage = stage_of[layer]
+        else:
+            stage = 0 if name.startswith(("tok_emb", "pos_emb")) else layout.stages - 1
+        params.append(Param(name, tuple(p.shape), stage, f"blocks.{layer}" if block else "root", _tp_dim(name, layout)))
+    seq = cfg.data.get("seq_len")
+    recomputed = -(-cfg.model.get("n_layer", 0) // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
+    fpt = model.flops_per_token(seq) if gpt else None
+    hfpt = model.flops_per_token(seq, recomputed) if gpt and recomputed else fpt
+    dims = {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size")} if gpt else None
+    return Shapes(params, dims, fpt, hfpt, layers)
+
+
+def _tp_dim(name: str, layout: Layout) -> int | None:
+    if layout.tp == 1:
+        return None
+    if any(k in name for k in COLWISE) or name.startswith("lm_head."):
+        return 0
+    if any(k in name for k in ROWWISE):
+        return 1 if name.endswith("weight") else None
+    if layout.sequence_parallel and name.startswith(("tok_emb.", "pos_emb.")):
+        return 0
+    return None
+
+
+def stage_rank(stage: int, layout: Layout) -> int:
+    """The pipeline rank that runs `stage` (looped, or V-shaped for the ZBV schedule)."""
+    if layout.stages_per_rank == 1:
+        return stage
+    if layout.schedule.startswith("ZBV"):
+        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
+    return stage % layout.pp
+
+
+def _tp_local(p: Param, tp: int) -> tuple[int, ...]:
+    if p.tp_dim is None:
+        return p.shape
+    shape = list(p.shape)
+    shape[p.tp_dim] = -(-shape[p.tp_dim] // tp)
+    return tuple(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def fsdp_rows(rows: int, n: int) -> tuple[int, int]:
+    """(rank 0's rows, padded rows gathered) of a dim-0 chunk over n ranks (FSDP2)."""
+    chunk = -(-rows // n)
+    return chunk, chunk * n
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes on the rank holding most (fp32 throughout)."""
+    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # pp rank -> [elements, tensors]
+    units: dict[tuple[int, str], int] = defaultdict(int)
+    for p in shapes.params:
+        local = _tp_local(p, layout.tp)
+        rank = stage_rank(p.stage, layout)
+        per_rank[rank][1] += 1
+        if layout.fsdp == 2:
+            rows, _ = fsdp_rows(local[0], layout.dp_shard)
+            per_rank[rank][0] += rows * _numel(local[1:])
+        elif layout.fsdp == 1:
+            units[(rank, p.unit)] += _numel(local)
+        else:
+            per_rank[rank][0] += _numel(local)
+    for (rank, _), numel in units.items():  # FSDP1: one flat parameter per unit, split evenly
+        per_rank[rank][0] += -(-numel // layout.dp_shard)
+    elements, tensors = max(per_rank.values())
+    optim = cfg.optim
+    if optim.name == "adamw":
+        optim_bytes = 2 * 4 * elements + 4 * tensors  # exp_avg, exp_avg_sq, a 0-d step per tensor
+    else:
+        optim_bytes = 4 * elements if optim.momentum > 0 else 0
+    return {"param_bytes": 4 * elements, "grad_bytes": 4 * elements, "optim_bytes": optim_bytes}
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def micro_batch(cfg: DictConfig, layout: Layout) -> int:
+    """Samples per micro-batch on one rank (a pipeline cuts the local batch into micro-batches)."""
+    batch = max(cfg.data.rank_batch_sizes or [cfg.data.batch_size])
+    if layout.pp > 1:
+        return batch * cfg.accumulation_steps // layout.n_microbatches
+    return batch
+
+
+def _casts(cfg: DictConfig, layout: Layout) -> bool:
+    """Autocast over fp32 parameters: each linear casts its input and weight to 16 bits (and saves
+    the copies). Under FSDP's mixed precision the gathered parameters, and so the whole forward,
+    are 16-bit already: nothing to cast."""
+    return cfg.precision.name != "fp32" and not layout.fsdp
+
+
+def block_activation_bytes(b: int, cfg: DictConfig, layout: Layout, checkpointed: bool) -> float:
+    """Bytes one gpt block saves for backward for a micro-batch of `b` samples."""
+    g, T = cfg.model, cfg.data.seq_len
+    u = b * T * g.n_embd  # elements of the residual stream
+    tp, seq_split = layout.tp, (layout.tp if layout.sequence_parallel else 1)
+    e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
+    if checkpointed:
+        return e * u / seq_split  # the block's input, kept for the recomputation
+    small = e * 4 * b * T / seq_split + 4 * b * g.n_head * T / tp  # two norms' mean and rstd; logsumexp
+    if not _casts(cfg, layout):
+        # split 1/tp: q, k, v, attention's output, the MLP's hidden before and after GELU (12);
+        # the norms' outputs are whole (gathered); the block input and the mid-residual follow
+        # the residual stream's layout
+        return e * u * (2 + 12 / tp + 2 / seq_split) + small
+    # autocast: each linear saves its own 16-bit copy of input and weight; the residual stays fp32
+    casts = 2 * u * (3 + 1) + 2 * 12 * g.n_embd**2 / tp
+    return 4 * u * 2 / seq_split + 2 * u * 12 / tp + casts + small
+
+
+def head_activation_bytes(b: int, cfg: DictConfig, layout: Layout) -> float:
+    """The final norm, the output head and the fp32 log-softmax, for `b` samples."""
+    g, T = cfg.model, cfg.data.seq_len
+    u, seq_split = b * T * g.n_embd, (layout.tp if layout.sequence_parallel else 1)
+    vocab_split = layout.tp if layout.loss_parallel else 1
+    e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2
+    norm = (e * u + 2 * e * b * T) / seq_split
+    head_input = 2 * u + 2 * g.vocab_size * g.n_embd / layout.tp if _casts(cfg, layout) else e * u
+    return norm + head_input + 4 * b * T * g.vocab_size / vocab_split + 8 * b * T + 4
+
+
+def in_flight(stage: int, layout: Layout) -> int:
+    """Micro-batches whose activations a pipeline stage holds at its peak."""
+    m, p = layout.n_microbatches, layout.stages
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "GPipe":
+        return m
+    if layout.schedule == "1F1B":
+        return min(m, layout.pp - stage)
+    if layout.schedule == "Interleaved1F1B":
+        return _interleaved_in_flight(stage, layout)
+    return min(m, p - stage)  # zero-bubble: one per stage ahead (weight-gradient inputs kept longer: low)
+
+
+def _interleaved_in_flight(stage: int, layout: Layout) -> int:
+    """Interleaved 1F1B: rank r runs (v-1)·p + 2(p-1-r) warm-up forwards and one more before its
+    first backward, in rounds of p micro-batches through its stages in turn."""
+    m, p, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
+    rank, local = stage_rank(stage, layout), stage // layout.pp
+    forwards = min(v * m, (v - 1) * p + 2 * (p - 1 - rank) + 1)
+    held = 0
+    for k in range(forwards):  # the k-th forward runs local stage (k // p) % v
+        held += (k // p) % v == local
+    return held
+
+
+def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | None:
+    """Peak bytes saved for backward on the rank holding most (gpt; None for other models)."""
+    if shapes.gpt is None:
+        return None
+    b = micro_batch(cfg, layout)
+    every = cfg.memory.checkpoint_every if cfg.memory.name == "checkpoint" else 0
+    per_rank: dict[int, float] = defaultdict(float)
+    for stage, layers in enumerate(shapes.stage_layers):
+        checkpointed = set(layers[::every]) if every else set()
+        saved = sum(block_activation_bytes(b, cfg, layout, i in checkpointed) for i in layers)
+        if stage == 0:
+            saved += 8 * b * cfg.data.seq_len + 8 * cfg.data.seq_len  # token and position indices
+        if stage == layout.stages - 1:
+            saved += head_activation_bytes(b, cfg, layout)
+        per_rank[stage_rank(stage, layout)] += saved * in_flight(stage, layout)
+    return round(max(per_rank.values()))

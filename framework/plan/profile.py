@@ -1,0 +1,153 @@
+"""The machine profile the planner times layouts with: per-rank peak FLOP/s, collective latency and
+link bandwidth within and across nodes.
+
+Measured once by a short probe and cached in ~/.cache/hydradist/links.json: the peak is the
+matmul probe MFU uses (framework.metrics), shared among the local ranks as training shares the
+cores; the link is an all-reduce of a few sizes between `world` local workers on the backend,
+fitted as seconds = latency + wire bytes / bandwidth. `plan.*` overrides any figure (a GPU
+cluster: peak TFLOP/s, GB/s within and across nodes); ranks started by a launcher (torchrun,
+srun) never probe, so that every rank decides from the same figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+NOMINAL = {"gbps": 10.0, "latency_us": 50.0}  # a launcher's ranks without plan.* figures or a cache
+
+
+@dataclass(frozen=True)
+class Profile:
+    peak_flops: float  # per rank
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    latency_s: float
+    overlap: float  # share of compute that hides data-parallel communication
+    source: str  # where the figures came from
+
+
+def _cache_path() -> str:
+    root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    return os.path.join(root, "hydradist", "links.json")
+
+
+def _read_cache() -> dict:
+    try:
+        with open(_cache_path()) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_cache(key: str, value: dict) -> None:
+    cache = _read_cache() | {key: value}
+    path = _cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cache, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _link_key(device: str, backend: str, world: int) -> str:
+    from framework.metrics import _cpu_name
+
+    name = torch.cuda.get_device_name(0) if device == "cuda" else _cpu_name()
+    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}"
+
+
+def machine_profile(cfg: DictConfig, world: int, probe: bool = True) -> Profile:
+    """The profile for `world` ranks: config figures first, then the cache, then (when `probe`)
+    a fresh measurement; without either, nominal figures (said in `source`)."""
+    from framework.config import resolve_device
+
+    device = resolve_device(cfg)
+    local = min(world, cfg.launch.nproc_per_node or world)
+    plan, sources = cfg.plan, []
+    peak = _peak(cfg, device, local, sources)
+    link = None
+    if plan.intra_node_gbps is None or plan.latency_us is None:
+        backend = "nccl" if device == "cuda" else "gloo"
+        key = _link_key(device, backend, local)
+        link = _read_cache().get(key)
+        if link is None and probe and local > 1:
+            link = probe_link(local, device)
+            _write_cache(key, link)
+        sources.append(f"link: {'probe ' + key if link else 'nominal (no probe)'}")
+    link = link or {"bytes_per_s": NOMINAL["gbps"] * 1e9, "latency_s": NOMINAL["latency_us"] * 1e-6}
+    intra = plan.intra_node_gbps * 1e9 if plan.intra_node_gbps is not None else link["bytes_per_s"]
+    inter = plan.inter_node_gbps * 1e9 if plan.inter_node_gbps is not None else intra
+    latency = plan.latency_us * 1e-6 if plan.latency_us is not None else link["latency_s"]
+    overlap = plan.overlap if plan.overlap is not None else (0.8 if device == "cuda" else 0.0)
+    return Profile(peak, intra, inter, latency, overlap, "; ".join(sources))
+
+
+def _peak(cfg: DictConfig, device: str, local: int, sources: list[str]) -> float:
+    from framework.metrics import cpu_peak_flops, gpu_peak_tflops
+    from framework.precision import DTYPES
+
+    tflops = cfg.plan.peak_tflops or cfg.metrics.peak_tflops
+    if tflops is not None:
+        sources.append("peak: config")
+        return tflops * 1e12
+    if device == "cuda":
+        tflops = gpu_peak_tflops(torch.cuda.get_device_name(0)) or 100.0
+        sources.append("peak: datasheet")
+        return tflops * 1e12
+    # CPU ranks share the cores as training does: threads = cores // local ranks each
+    cores = os.cpu_count() or 1
+    threads, before = max(1, cores // local), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flops = cpu_peak_flops(DTYPES[cfg.precision.name])
+    finally:
+        torch.set_num_threads(before)
+    sources.append("peak: cpu probe")
+    return flops * min(1.0, cores / (threads * local))
+
+
+def probe_link(world: int, device: str) -> dict[str, float]:
+    """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    from framework.launch import local_launch_config
+
+    samples = elastic_launch(local_launch_config(world), _probe_worker)(device)[0]
+    (n0, t0), (n1, t1) = samples[0], samples[-1]
+    per_byte = max((t1 - t0) / (n1 - n0), 1e-12)
+    return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6)}
+
+
+def _probe_worker(device: str) -> list[tuple[float, float]]:
+    """(wire bytes, seconds) of a small and a large all-reduce, the median of a few each."""
+    import statistics
+
+    import torch.distributed as dist
+
+    from framework.comm import RING_FACTOR
+    from framework.dist import destroy_distributed, init_distributed
+
+    init_distributed(device, "nccl" if device == "cuda" else "gloo", timeout_s=60)
+    try:
+        world, out = dist.get_world_size(), []
+        dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        for numel in (1024, 4 * 1024**2):
+            x = torch.ones(numel, device=dev)
+            times = []
+            for _ in range(5):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            out.append((4 * numel * RING_FACTOR["all_reduce"](world), statistics.median(times[1:])))
+        return out
+    finally:
+        destroy_distributed()

@@ -1,0 +1,159 @@
+"""The planner's collectives per optimizer step on one rank, by op: calls, payload bytes and ring
+wire bytes, in the shape `framework.comm` measures them (so the two compare figure by figure).
+
+- ddp: one all-reduce of every gradient per step (accumulation skips the others), in buckets:
+  1 MiB first, then `bucket_cap_mb`; compression hooks halve the payload.
+- fsdp: per unit (each block, and the root holding the rest) an all-gather in forward, another
+  in backward when it reshards after forward (blocks; never the root), a reduce-scatter of its
+  gradients, and under HSDP an all-reduce of the shard across replicas; payloads padded as the
+  shards are. Accumulation communicates once per step unless `sync_every_microbatch`.
+- tp: per block and micro-batch, with sequence parallel two all-gathers and two reduce-scatters of
+  the residual stream each way, without it two all-reduces forward and four backward; the head gathers its input
+  and (without loss parallel) the logits; norms' partial gradients are all-reduced at clipping.
+- pp: per micro-batch each stage sends its output forward and its input's gradient back.
+- clipping: one 4-byte all-reduce of the squared norm (mesh strategies and FSDP1).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from omegaconf import DictConfig
+
+from framework.comm import RING_FACTOR
+from framework.plan.model import Layout, Shapes, _numel, _tp_local, fsdp_rows, micro_batch, stage_rank
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "amp": 2}
+
+
+class Traffic:
+    """Collectives of one rank, accumulated by op."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.wire: dict[str, float] = defaultdict(float)
+        # (op, calls, wire bytes, group size, kind): "dp" traffic can overlap compute, "model" cannot
+        self.seconds_terms: list[tuple[str, float, float, int, str]] = []
+
+    def add(self, op: str, payload: float, group: int, calls: float = 1, kind: str = "model") -> None:
+        if group <= 1 or calls == 0:
+            return
+        wire = payload * RING_FACTOR[op](group)
+        self.calls[op] += calls
+        self.bytes[op] += payload
+        self.wire[op] += wire
+        self.seconds_terms.append((op, calls, wire, group, kind))
+        if op == "send":  # the peer's matching receive is a call too (no bytes of its own)
+            self.calls["recv"] += calls
+            self.bytes["recv"] += payload
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "calls": round(sum(self.calls.values())),
+            "bytes": round(sum(self.bytes.values())),
+            "wire_bytes": round(sum(self.wire.values())),
+            "by_op": {
+                op: {"calls": round(self.calls[op]), "bytes": round(self.bytes[op])} for op in sorted(self.calls)
+            },
+        }
+
+
+def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | None:
+    """Each pipeline rank's traffic (one entry without a pipeline); None where not modelled."""
+    if layout.name in ("none", "dp"):
+        return [Traffic()]
+    if layout.comm_hook == "powersgd":
+        return None  # low-rank compression: its payload depends on the rank and the warm-up
+    ranks = [Traffic() for _ in range(layout.pp)]
+    if layout.name == "ddp":
+        _ddp(ranks[0], shapes, layout)
+        return ranks
+    if layout.fsdp:
+        _fsdp(ranks, shapes, cfg, layout)
+    if layout.tp > 1:
+        _tensor_parallel(ranks, shapes, cfg, layout)
+    if layout.pp > 1:
+        _pipeline(ranks, shapes, cfg, layout)
+    for t in ranks:  # clipping's global norm
+        t.add("all_reduce", 4, layout.world)
+    return ranks
+
+
+def _ddp(t: Traffic, shapes: Shapes, layout: Layout) -> None:
+    grad = 4 * sum(_numel(p.shape) for p in shapes.params)
+    payload = grad // 2 if layout.comm_hook in ("fp16", "bf16") else grad
+    first, cap = 1024**2, layout.bucket_cap_mb * 1024**2
+    buckets = 1 + max(0, -(-(grad - first) // cap))
+    t.add("all_reduce", payload, layout.world, calls=min(buckets, len(shapes.params)), kind="dp")
+
+
+def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
+    from framework.parallel.fsdp import mixed_precision_dtypes
+
+    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.reduce_dtype)
+    gather_bytes = 4 if param_dtype is None else param_dtype.itemsize
+    reduce_bytes = reduce_dtype.itemsize
+    units: dict[tuple[int, str], int] = defaultdict(int)  # (pp rank, unit) -> padded elements
+    flat: dict[tuple[int, str], int] = defaultdict(int)
+    for p in shapes.params:
+        local = _tp_local(p, layout.tp)
+        key = (stage_rank(p.stage, layout), p.unit if p.unit != "root" else f"root{p.stage}")
+        units[key] += fsdp_rows(local[0], layout.dp_shard)[1] * _numel(local[1:])
+        flat[key] += _numel(local)
+    if layout.fsdp == 1:  # one flat parameter per unit, padded to divide evenly
+        units = {k: -(-n // layout.dp_shard) * layout.dp_shard for k, n in flat.items()}
+    rounds = cfg.accumulation_steps if layout.sync_every_microbatch else 1
+    for (rank, unit), elements in units.items():
+        t = ranks[rank]
+        gathers = 1 + (layout.reshard and not unit.startswith("root"))
+        t.add("all_gather", gathers * rounds * elements * gather_bytes, layout.dp_shard, gathers * rounds, "dp")
+        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.dp_shard, rounds, "dp")
+        shard = elements // layout.dp_shard * reduce_bytes
+        t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp")
+
+
+def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
+    g, T, tp = cfg.model, cfg.data.seq_len, layout.tp
+    mb = micro_batch(cfg, layout)
+    n_micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
+    out_bytes = 4 if cfg.precision.name == "fp32" else 2  # a linear's output under autocast
+    stream = mb * T * g.n_embd  # residual-stream elements of one micro-batch
+    for stage, layers in enumerate(shapes.stage_layers):
+        t = ranks[stage_rank(stage, layout)]
+        blocks = len(layers) * n_micro
+        if layout.sequence_parallel:
+            # forward: gather before attention and MLP, scatter their outputs; backward: the reverse
+            t.add("all_gather", blocks * 2 * stream * (4 + out_bytes), tp, calls=4 * blocks)
+            t.add("reduce_scatter", blocks * 2 * stream * (out_bytes + 4), tp, calls=4 * blocks)
+            norms = 2 * len(layers)
+        else:
+            # forward: all-reduce the two row-wise outputs; backward: the input gradients of q, k, v
+            # and the MLP's first linear, each reduced on its own
+            t.add("all_reduce", blocks * stream * (2 * out_bytes + 4 * 4), tp, calls=6 * blocks)
+            norms = 0
+        if stage == 0 and layout.sequence_parallel:  # embeddings leave split along the sequence
+            t.add("reduce_scatter", n_micro * 4 * (stream + T * g.n_embd), tp, calls=2 * n_micro)
+        if stage == layout.stages - 1:
+            if layout.sequence_parallel:
+                t.add("all_gather", n_micro * 4 * stream, tp, calls=n_micro)
+                t.add("reduce_scatter", n_micro * 4 * stream, tp, calls=n_micro)
+                norms += 1
+            else:
+                t.add("all_reduce", n_micro * 4 * stream, tp, calls=n_micro)
+            if not layout.loss_parallel:
+                t.add("all_gather", n_micro * out_bytes * mb * T * g.vocab_size, tp, calls=n_micro)
+        t.add("all_reduce", norms * 4 * g.n_embd, tp, calls=norms)  # partial norm-weight gradients
+
+
+def _pipeline(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
+    seq_split = layout.tp if layout.sequence_parallel else 1
+    activation = 4 * micro_batch(cfg, layout) * cfg.data.seq_len * cfg.model.n_embd // seq_split
+    m = layout.n_microbatches
+    for stage in range(layout.stages):
+        rank = stage_rank(stage, layout)
+        if stage < layout.stages - 1 and stage_rank(stage + 1, layout) != rank:
+            ranks[rank].add("send", m * activation, 2, calls=m)  # outputs forward
+        if stage > 0 and stage_rank(stage - 1, layout) != rank:
+            ranks[rank].add("send", m * activation, 2, calls=m)  # input gradients back
