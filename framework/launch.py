@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import ConfigError, backend_env, resolve_nproc, validate
+from framework.config import ConfigError, backend_env, resolve_nproc, validate, world_size_of
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 from framework.resilience import Preempted, exit_code
 
@@ -116,6 +116,14 @@ def main(cfg: DictConfig) -> float | None:
             print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
             return objective(done, cfg.optimize)
     try:
+        if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
+            from framework.plan import resolve_auto
+
+            resolve_auto(cfg, world_size_of(cfg), probe=not launched_as_worker())
+            choices["parallel"] = cfg.parallel.name
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"parallel=auto: {cfg.plan.auto.layout} ({' '.join(cfg.plan.auto.overrides)}): "
+                      f"{cfg.plan.auto.why}", flush=True)  # fmt: skip
         validate(cfg)
         if launched_as_worker() and cfg.parallel.name == "none" and int(os.environ["WORLD_SIZE"]) != 1:
             raise ConfigError(

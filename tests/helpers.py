@@ -117,3 +117,25 @@ def is_png_with_content(path: Path) -> bool:
         return False
     pixels = matplotlib.image.imread(str(path))
     return pixels.ndim == 3 and min(pixels.shape[:2]) > 50 and float(pixels.std()) > 0.01
+
+
+PLAN_TOLERANCE = {  # the planner's floors (issue 10): relative error of each predicted figure
+    "param_bytes": 0.05,
+    "grad_bytes": 0.05,
+    "optim_bytes": 0.05,
+    "wire_bytes": 0.10,
+    "activation_bytes": 0.25,
+}
+
+
+def assert_plan_holds(summary: dict[str, Any], name: str = "") -> None:
+    """The run's own check of the planner (summary.json `plan`) is within the floors."""
+    plan = summary["plan"]
+    assert "error" in plan and isinstance(plan["error"], dict), f"{name}: {plan}"
+    for figure, tolerance in PLAN_TOLERANCE.items():
+        error = plan["error"][figure]
+        assert error is not None, f"{name}: {figure} not predicted or not measured: {plan}"
+        assert abs(error) <= tolerance, (
+            f"{name}: {figure} predicted {plan['predicted'][figure]}, measured {plan['measured'][figure]} "
+            f"({error:+.1%}; allowed {tolerance:.0%})"
+        )

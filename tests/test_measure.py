@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from framework.config import ConfigError, validate
 from framework.sweep import run_configs
-from tests.helpers import compose_config, run_workers, world_config
+from tests.helpers import assert_plan_holds, compose_config, run_workers, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=4", "model.n_layer=4", "metrics.sample_every=1"]
 
@@ -67,11 +67,27 @@ def test_fsdp_moves_about_one_and_a_half_times_ddp_bytes(world2):
     assert 1.2 <= ratio <= 1.8, ratio
 
 
-def test_fsdp_at_world_4_holds_under_30_percent_of_ddp_model_state(tmp_path):
-    configs = {"ddp": config(["parallel=ddp"], 4), "fsdp": config(["parallel=fsdp"], 4)}
-    got = run_configs(configs, 4, str(tmp_path))
+def test_planner_predicts_every_run_at_world_2(world2):
+    for name, summary in world2.items():
+        assert_plan_holds(summary, name)
+
+
+def test_fsdp_at_world_4_holds_under_30_percent_of_ddp_model_state_as_planned(tmp_path):
+    """At world 4, the planner's prediction of every strategy (and of checkpointing) holds too."""
+    configs = {
+        "ddp": ["parallel=ddp"],
+        "fsdp": ["parallel=fsdp"],
+        "fsdp_grad_op_checkpoint": ["parallel=fsdp", "parallel.reshard_after_forward=false", "memory=checkpoint"],
+        "ddp_checkpoint_bf16": ["parallel=ddp", "memory=checkpoint", "precision=bf16"],
+        "tp": ["parallel=tp", "model.n_head=4"],
+        "pp": ["parallel=pp"],
+    }
+    got = run_configs({k: config(v, 4) for k, v in configs.items()}, 4, str(tmp_path))
     assert state_bytes(got["fsdp"]) <= 0.30 * state_bytes(got["ddp"])
     assert got["fsdp"]["memory"]["param_bytes"] <= 0.30 * got["ddp"]["memory"]["param_bytes"]
+    for name, summary in got.items():
+        assert_plan_holds(summary, name)
+    assert got["fsdp_grad_op_checkpoint"]["plan"]["layout"] == "fsdp(grad_op)"
 
 
 def _count_known(rank: int, world: int):

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.sweep import run_configs
-from tests.helpers import losses, read_metrics, world_config
+from tests.helpers import assert_plan_holds, losses, read_metrics, world_config
 
 STEPS = 5
 BASE = [
@@ -127,6 +127,8 @@ def test_every_strategy_follows_the_single_process_trajectory_world_2(tmp_path, 
     results = train_all(configs, 2, tmp_path)
     assert set(results) == set(WORLD2)
     assert_parity(results, reference, tmp_path)
+    for name, (_, summary) in results.items():  # every run checks the planner's prediction of it
+        assert_plan_holds(summary, name)
 
 
 def test_hybrid_and_hsdp_follow_the_single_process_trajectory_world_4(tmp_path, reference):
@@ -136,6 +138,8 @@ def test_hybrid_and_hsdp_follow_the_single_process_trajectory_world_4(tmp_path, 
     assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     assert results["hybrid_dp2_pp2"][1]["parallel_dims"]["pp"] == 2
     assert_parity(results, reference, tmp_path)
+    for name, (_, summary) in results.items():
+        assert_plan_holds(summary, name)
 
 
 SGD = ["optim=sgd", "optim.lr=0.5", "optim.momentum=0.0", "optim.grad_clip=0.5"]

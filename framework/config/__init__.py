@@ -52,5 +52,9 @@ def compose_run(overrides: list[str] | None = None) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     cfg = compose(overrides)
+    if cfg.parallel.name == "auto":
+        from framework.plan import resolve_auto
+
+        resolve_auto(cfg, world_size_of(cfg))
     validate(cfg)
     return OmegaConf.to_container(cfg, resolve=True)

@@ -85,9 +85,11 @@ def step_time(cfg: DictConfig, layout: Layout, flops_per_token: float, ranks: li
     worst = 0.0
     for t in ranks:
         hidden, exposed = 0.0, 0.0
-        for op, calls, wire, group, kind in t.seconds_terms:
+        for _op, calls, wire, group, kind in t.seconds_terms:
             spans_nodes = cfg.plan.nodes > 1 and group > per_node
-            seconds = calls * profile.latency_s + wire / (profile.inter_bytes_per_s if spans_nodes else profile.intra_bytes_per_s)
+            seconds = calls * profile.latency_s + wire / (
+                profile.inter_bytes_per_s if spans_nodes else profile.intra_bytes_per_s
+            )
             if kind == "dp":
                 hidden += seconds
             else:
@@ -104,7 +106,11 @@ def layout_name(layout: Layout) -> str:
         return kind if layout.dp_replicate == 1 else f"{kind} {layout.dp_replicate}x{layout.dp_shard}"
     if layout.name == "pp":
         return f"pp {layout.schedule} m={layout.n_microbatches}"
-    parts = [f"dp{layout.dp}"] * (layout.dp > 1) + [f"pp{layout.pp}"] * (layout.pp > 1) + [f"tp{layout.tp}"] * (layout.tp > 1)
+    parts = (
+        [f"dp{layout.dp}"] * (layout.dp > 1)
+        + [f"pp{layout.pp}"] * (layout.pp > 1)
+        + [f"tp{layout.tp}"] * (layout.tp > 1)
+    )
     return f"{layout.name} " + "x".join(parts)
 
 
@@ -159,12 +165,15 @@ def parallel_group(name: str, settings: dict[str, Any]) -> DictConfig:
 def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
     """Every layout `world` ranks admit for this model and batch: ddp, fsdp (full and grad-op),
     and for gpt tp, pp with each schedule, and the hybrid degrees dp x pp x tp."""
-    from framework.parallel.dims import DimsError, ParallelDims
+    from framework.parallel.dims import ParallelDims
 
     options: list[tuple[str, dict[str, Any]]] = [("ddp", {}), ("fsdp", {}), ("fsdp", {"reshard_after_forward": False})]
     if cfg.model.name == "gpt":
         options += [("tp", {"sequence_parallel": cfg.data.seq_len % world == 0})]
-        options += [("pp", {"schedule": s}) for s in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")]
+        options += [
+            ("pp", {"schedule": s})
+            for s in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+        ]
         for dp, pp, tp in _factorizations(world):
             options.append(("hybrid", {"dp_shard": dp, "pp": pp, "tp": tp}))
     out = []
@@ -185,7 +194,8 @@ def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
                 dims.check_run(trial)
         except ValueError:
             continue
-        out.append(Candidate((f"parallel={name}", *(f"parallel.{k}={v}" for k, v in settings.items())), trial))
+        flags = (f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+        out.append(Candidate((f"parallel={name}", *flags), trial))
     return out
 
 
@@ -214,3 +224,89 @@ def _microbatches(cfg: DictConfig, parallel: DictConfig, world: int) -> int | No
     if not ok:
         return None
     return parallel.n_microbatches if parallel.n_microbatches in ok else ok[0]
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def memory_budget_bytes(cfg: DictConfig, world: int) -> float:
+    """Per-rank memory to fit in: `plan.memory_budget_mb`, else the device's memory (CPU: the
+    machine's RAM shared by its local ranks)."""
+    from framework.config import resolve_device
+
+    if cfg.plan.memory_budget_mb is not None:
+        return cfg.plan.memory_budget_mb * 2**20
+    if resolve_device(cfg) == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    import os
+
+    local = min(world, cfg.launch.nproc_per_node or world)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+
+
+@dataclass
+class Ranked:
+    candidate: Candidate
+    prediction: dict[str, Any]
+    fits: bool
+
+
+def rank(cfg: DictConfig, world: int, profile: Profile, budget: float) -> list[Ranked]:
+    """Every candidate with its prediction: those that fit the budget first, fastest first."""
+    out = []
+    for c in candidates(cfg, world):
+        p = predict(c.cfg, world, profile)
+        out.append(Ranked(c, p, p["total_bytes"] <= budget))
+    return sorted(out, key=lambda r: (not r.fits, r.prediction["step_time_s"] or math.inf, r.prediction["total_bytes"]))
+
+
+def choose(cfg: DictConfig, world: int, probe: bool = True) -> tuple[Ranked, list[Ranked], float]:
+    """(the layout parallel=auto runs, every candidate ranked, the budget in bytes). Raises
+    ConfigError naming plan.memory_budget_mb when no layout fits."""
+    from framework.config import ConfigError
+
+    profile = machine_profile(cfg, world, probe=probe)
+    budget = memory_budget_bytes(cfg, world)
+    ranked = rank(cfg, world, profile, budget)
+    if not ranked:
+        raise ConfigError("parallel", f"parallel=auto: no layout runs {cfg.model.name} on {world} ranks")
+    if not ranked[0].fits:
+        smallest = min(ranked, key=lambda r: r.prediction["total_bytes"])
+        raise ConfigError(
+            "plan.memory_budget_mb",
+            f"no layout fits {budget / 2**20:.0f} MB per rank at {world} ranks; the smallest predicted "
+            f"footprint is {smallest.prediction['total_bytes'] / 2**20:.0f} MB ({smallest.prediction['layout']}: "
+            f"{' '.join(smallest.candidate.overrides)}). Raise the budget, add ranks, or save memory "
+            "(memory=checkpoint, a smaller data.batch_size)",
+        )
+    return ranked[0], ranked, budget
+
+
+def resolve_auto(cfg: DictConfig, world: int, probe: bool = True) -> None:
+    """parallel=auto: put the chosen layout's `parallel` group into `cfg` (in place) and record
+    the choice and why in `plan.auto`."""
+    best, ranked, budget = choose(cfg, world, probe)
+    fitting = [r for r in ranked if r.fits]
+    runner_up = f"; next: {fitting[1].prediction['layout']}" if len(fitting) > 1 else ""
+    why = (
+        f"fastest predicted step of the {len(fitting)} of {len(ranked)} layouts that fit "
+        f"{budget / 2**20:.0f} MB per rank{runner_up}"
+    )
+    cfg.parallel = best.candidate.cfg.parallel
+    cfg.plan.auto = {
+        "layout": best.prediction["layout"],
+        "overrides": list(best.candidate.overrides),
+        "why": why,
+        "budget_mb": budget / 2**20,
+        "ranked": [
+            {
+                "layout": r.prediction["layout"],
+                "fits": r.fits,
+                "total_mb": r.prediction["total_bytes"] / 2**20,
+                "step_time_s": r.prediction["step_time_s"],
+            }
+            for r in ranked
+        ],  # fmt: skip
+    }

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from framework.comm import RING_FACTOR
-
 COLWISE = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc.")  # split by output features (dim 0)
 ROWWISE = ("attn.proj.", "mlp.proj.")  # split by input features (dim 1; bias replicated)
 
@@ -140,7 +138,9 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
             stage = 0 if name.startswith(("tok_emb", "pos_emb")) else layout.stages - 1
         params.append(Param(name, tuple(p.shape), stage, f"blocks.{layer}" if block else "root", _tp_dim(name, layout)))
     seq = cfg.data.get("seq_len")
-    recomputed = -(-cfg.model.get("n_layer", 0) // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
+    recomputed = (
+        -(-cfg.model.get("n_layer", 0) // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
+    )
     fpt = model.flops_per_token(seq) if gpt else None
     hfpt = model.flops_per_token(seq, recomputed) if gpt and recomputed else fpt
     dims = {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size")} if gpt else None
@@ -191,12 +191,16 @@ def fsdp_rows(rows: int, n: int) -> tuple[int, int]:
 
 def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes on the rank holding most (fp32 throughout)."""
-    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # pp rank -> [elements, tensors]
+    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # pp rank -> [elements, tensors, extra grad]
     units: dict[tuple[int, str], int] = defaultdict(int)
     for p in shapes.params:
         local = _tp_local(p, layout.tp)
         rank = stage_rank(p.stage, layout)
         per_rank[rank][1] += 1
+        if p.tp_dim is not None and p.name.startswith(("tok_emb.", "pos_emb.")) and not layout.fsdp:
+            # a row-wise (vocabulary-split) embedding's gradient comes back whole-size from
+            # DTensor's embedding backward: a tp rank holds all of it
+            per_rank[rank][2] += _numel(p.shape) - _numel(local)
         if layout.fsdp == 2:
             rows, _ = fsdp_rows(local[0], layout.dp_shard)
             per_rank[rank][0] += rows * _numel(local[1:])
@@ -206,13 +210,13 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
             per_rank[rank][0] += _numel(local)
     for (rank, _), numel in units.items():  # FSDP1: one flat parameter per unit, split evenly
         per_rank[rank][0] += -(-numel // layout.dp_shard)
-    elements, tensors = max(per_rank.values())
+    elements, tensors, extra_grad = max(per_rank.values())
     optim = cfg.optim
     if optim.name == "adamw":
         optim_bytes = 2 * 4 * elements + 4 * tensors  # exp_avg, exp_avg_sq, a 0-d step per tensor
     else:
         optim_bytes = 4 * elements if optim.momentum > 0 else 0
-    return {"param_bytes": 4 * elements, "grad_bytes": 4 * elements, "optim_bytes": optim_bytes}
+    return {"param_bytes": 4 * elements, "grad_bytes": 4 * (elements + extra_grad), "optim_bytes": optim_bytes}
 
 
 # ----------------------------------------------------------------------------- activations

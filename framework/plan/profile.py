@@ -140,7 +140,7 @@ def _probe_worker(device: str) -> list[tuple[float, float]]:
         for numel in (1024, 4 * 1024**2):
             x = torch.ones(numel, device=dev)
             times = []
-            for _ in range(5):
+            for _ in range(10):
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.all_reduce(x)
