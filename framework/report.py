@@ -121,6 +121,19 @@ def _comm_wire(s: dict[str, Any]) -> float | None:
     return _mb(comm.get("wire_bytes", comm.get("bytes")))
 
 
+PLAN_FIGURES = {"param_bytes": "params", "grad_bytes": "grads", "optim_bytes": "optim",
+                "activation_bytes": "activations", "wire_bytes": "wire"}  # fmt: skip
+
+
+def _plan_error(s: dict[str, Any]) -> str | None:
+    """The planner's worst relative error on this run, and on which figure (`plan.error`)."""
+    errors = {k: v for k, v in ((s.get("plan") or {}).get("error") or {}).items() if k in PLAN_FIGURES and v is not None}
+    if not errors:
+        return None
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    return f"{errors[worst]:+.1%} ({PLAN_FIGURES[worst]})"
+
+
 COLUMNS = [
     ("tokens/s", lambda s: (s.get("throughput") or {}).get("tokens_per_s"), "max"),
     ("samples/s", lambda s: (s.get("throughput") or {}).get("samples_per_s"), "max"),
@@ -132,6 +145,7 @@ COLUMNS = [
     ("comm wire MB/step", _comm_wire, "min"),
     ("imbalance", lambda s: (s.get("load_balance") or {}).get("imbalance"), "min"),
     ("final loss", lambda s: s.get("final_loss"), "min"),
+    ("plan error", _plan_error, None),
 ]
 
 
@@ -212,8 +226,9 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
     lines += [
         "",
         "Memory is per rank (the largest rank), model state from the tensors each rank holds and "
-        "activations saved for backward in one micro-batch; comm is wire bytes per optimizer step "
-        "under ring algorithms; imbalance is the busiest data-parallel rank's work over the mean.",
+        "activations the live peak saved for backward; comm is wire bytes per optimizer step "
+        "under ring algorithms; imbalance is the busiest data-parallel rank's work over the mean; plan error "
+        "is the planner's worst relative error on the run's memory and wire bytes (summary.json plan).",
     ]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]

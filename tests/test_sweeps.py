@@ -50,6 +50,7 @@ def test_a_strategy_sweep_groups_its_wandb_runs_and_ends_in_a_report(tmp_path):
         "comm/wire_bytes",
         "load_balance/imbalance",
         "final_loss",
+        "plan/error/wire_bytes",
     ):
         assert all(key in r["summary"] for r in jobs), key
     assert len(runs) == 5  # and the report itself, logged as one run of the group
@@ -58,6 +59,14 @@ def test_a_strategy_sweep_groups_its_wandb_runs_and_ends_in_a_report(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| job")]
     assert len(rows) == 4
     assert "**Fastest:**" in report and "parallel=" in report
+    # the planner's worst error on each run: a figure and its share, within the planner's floors
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    header = cells(next(line for line in report.splitlines() if line.startswith("| job")))
+    for row in rows:
+        worst = cells(row)[header.index("plan error")]
+        assert worst.endswith(")") and abs(float(worst.split("%")[0])) <= 25, worst
     pngs = sorted(sweep.glob("*.png"))
     assert {p.name for p in pngs} >= {"loss.png", "throughput.png", "memory.png", "comm.png"}
     assert all(is_png_with_content(p) for p in pngs)

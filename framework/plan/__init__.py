@@ -164,11 +164,12 @@ def parallel_group(name: str, settings: dict[str, Any]) -> DictConfig:
 
 def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
     """Every layout `world` ranks admit for this model and batch: ddp, fsdp (full and grad-op),
-    and for gpt tp, pp with each schedule, and the hybrid degrees dp x pp x tp."""
-    from framework.parallel.dims import ParallelDims
+    and for gpt tp, pp with each schedule, and the hybrid degrees dp x pp x tp.
 
+    Every candidate trains the same job: the global batch stays data.batch_size x world (what
+    ddp reads), so a layout with fewer data-parallel ranks takes a larger batch per rank."""
     options: list[tuple[str, dict[str, Any]]] = [("ddp", {}), ("fsdp", {}), ("fsdp", {"reshard_after_forward": False})]
-    if cfg.model.name == "gpt":
+    if cfg.model.name == "gpt" and not cfg.data.rank_batch_sizes:
         options += [("tp", {"sequence_parallel": cfg.data.seq_len % world == 0})]
         options += [
             ("pp", {"schedule": s})
@@ -178,25 +179,44 @@ def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
             options.append(("hybrid", {"dp_shard": dp, "pp": pp, "tp": tp}))
     out = []
     for name, settings in options:
-        parallel = parallel_group(name, settings)
-        if parallel.pp != 1 or name == "pp":
-            m = _microbatches(cfg, parallel, world)
-            if m is None:
-                continue
-            settings = settings | {"n_microbatches": m}
-            parallel.n_microbatches = m
-        try:
-            dims = ParallelDims.from_config(parallel, world, cfg.model.get("n_layer"), cfg.model.get("n_head"))
-            trial = copy.deepcopy(cfg)
-            OmegaConf.set_struct(trial, False)
-            trial.parallel = parallel
-            if name != "ddp":
-                dims.check_run(trial)
-        except ValueError:
-            continue
-        flags = (f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
-        out.append(Candidate((f"parallel={name}", *flags), trial))
+        candidate = _candidate(cfg, world, name, settings)
+        if candidate is not None:
+            out.append(candidate)
     return out
+
+
+def _candidate(cfg: DictConfig, world: int, name: str, settings: dict[str, Any]) -> Candidate | None:
+    """The run's config with this parallel group (and the batch per rank that keeps the global
+    batch), or None where the layout cannot run this model or batch."""
+    from framework.parallel.dims import ParallelDims
+
+    parallel = parallel_group(name, settings)
+    try:
+        dims = ParallelDims.from_config(parallel, world, cfg.model.get("n_layer"), cfg.model.get("n_head"))
+    except ValueError:
+        return None
+    global_batch = cfg.data.batch_size * world
+    if global_batch % dims.dp:
+        return None
+    trial = copy.deepcopy(cfg)
+    OmegaConf.set_struct(trial, False)
+    trial.data.batch_size = global_batch // dims.dp
+    if dims.pp > 1:
+        m = _microbatches(trial, parallel, dims.pp)
+        if m is None:
+            return None
+        settings = settings | {"n_microbatches": m}
+        parallel.n_microbatches = m
+    trial.parallel = parallel
+    try:
+        if name != "ddp":
+            dims.check_run(trial)
+    except ValueError:
+        return None
+    flags = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+    if trial.data.batch_size != cfg.data.batch_size:
+        flags.append(f"data.batch_size={trial.data.batch_size}")
+    return Candidate((f"parallel={name}", *flags), trial)
 
 
 def _factorizations(world: int) -> list[tuple[int, int, int]]:
@@ -211,15 +231,13 @@ def _factorizations(world: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _microbatches(cfg: DictConfig, parallel: DictConfig, world: int) -> int | None:
+def _microbatches(cfg: DictConfig, parallel: DictConfig, pp: int) -> int | None:
     """Micro-batches for a pipeline candidate: the group's default if the local batch allows it,
     else the fewest that the batch divides into and the schedule accepts."""
     from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
 
     local = cfg.data.batch_size * cfg.accumulation_steps
-    pp = parallel.pp if parallel.pp > 0 else 2
-    stages = (pp if pp != -1 else world) * stages_per_rank(parallel)
-    least = 1 if parallel.schedule in SINGLE_STAGE else stages
+    least = 1 if parallel.schedule in SINGLE_STAGE else pp * stages_per_rank(parallel)
     ok = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
     if not ok:
         return None
@@ -288,13 +306,15 @@ def resolve_auto(cfg: DictConfig, world: int, probe: bool = True) -> None:
     """parallel=auto: put the chosen layout's `parallel` group into `cfg` (in place) and record
     the choice and why in `plan.auto`."""
     best, ranked, budget = choose(cfg, world, probe)
+    global_batch = cfg.data.batch_size * world
     fitting = [r for r in ranked if r.fits]
     runner_up = f"; next: {fitting[1].prediction['layout']}" if len(fitting) > 1 else ""
     why = (
         f"fastest predicted step of the {len(fitting)} of {len(ranked)} layouts that fit "
-        f"{budget / 2**20:.0f} MB per rank{runner_up}"
+        f"{budget / 2**20:.0f} MB per rank, at a global batch of {global_batch} samples{runner_up}"
     )
     cfg.parallel = best.candidate.cfg.parallel
+    cfg.data.batch_size = best.candidate.cfg.data.batch_size  # the same global batch, whatever the layout
     cfg.plan.auto = {
         "layout": best.prediction["layout"],
         "overrides": list(best.candidate.overrides),

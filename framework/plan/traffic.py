@@ -2,7 +2,7 @@
 wire bytes, in the shape `framework.comm` measures them (so the two compare figure by figure).
 
 - ddp: one all-reduce of every gradient per step (accumulation skips the others), in buckets:
-  1 MiB first, then `bucket_cap_mb`; compression hooks halve the payload.
+  of `bucket_cap_mb` (rebuilt so after the first step); compression hooks halve the payload.
 - fsdp: per unit (each block, and the root holding the rest) an all-gather in forward, another
   in backward when it reshards after forward (blocks; never the root), a reduce-scatter of its
   gradients, and under HSDP an all-reduce of the shard across replicas; payloads padded as the
@@ -84,8 +84,8 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
 def _ddp(t: Traffic, shapes: Shapes, layout: Layout) -> None:
     grad = 4 * sum(_numel(p.shape) for p in shapes.params)
     payload = grad // 2 if layout.comm_hook in ("fp16", "bf16") else grad
-    first, cap = 1024**2, layout.bucket_cap_mb * 1024**2
-    buckets = 1 + max(0, -(-(grad - first) // cap))
+    cap = layout.bucket_cap_mb * 1024**2
+    buckets = -(-grad // cap)  # after the first step DDP rebuilds its buckets to the cap
     t.add("all_reduce", payload, layout.world, calls=min(buckets, len(shapes.params)), kind="dp")
 
 
@@ -135,6 +135,7 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
             norms = 0
         if stage == 0 and layout.sequence_parallel:  # embeddings leave split along the sequence
             t.add("reduce_scatter", n_micro * 4 * (stream + T * g.n_embd), tp, calls=2 * n_micro)
+            t.add("all_gather", n_micro * 4 * (stream + T * g.n_embd), tp, calls=2 * n_micro)  # their gradients
         if stage == layout.stages - 1:
             if layout.sequence_parallel:
                 t.add("all_gather", n_micro * 4 * stream, tp, calls=n_micro)
