@@ -23,7 +23,7 @@ test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "slow or not slow" $(ARGS)
 
 bench: $(STAMP)
-	cd benchmarks && for b in memory comm data checkpoint; do ../$(VENV)/bin/python $$b.py; done
+	cd benchmarks && for b in memory comm data checkpoint plan; do ../$(VENV)/bin/python $$b.py; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
