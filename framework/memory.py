@@ -36,6 +36,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _storages(t: torch.Tensor) -> list:
+    """The storages holding `t`'s data on this rank: a wrapper subclass's (a DTensor's local
+    shard, an async collective's result) through its inner tensors, read without running an op
+    (this runs inside saved-tensor hooks). Storages that cannot be read are left out."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, name) for name in names)
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+    try:
+        storage = t.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:  # a storage-less tensor (fake, or freed by its owner)
+        return []
+    return [storage]
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of the part of `t` on this rank (a sharded tensor's local shard)."""
     t = _local(t)
@@ -72,7 +90,7 @@ class SavedActivationMeter:
 
     def __init__(self, model: nn.Module):
         self._model = model
-        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {s.data_ptr() for p in model.parameters() for s in _storages(p)}
         self.peak = 0
 
     @contextmanager
@@ -96,19 +114,20 @@ class SavedActivationMeter:
         def pack(t: torch.Tensor):
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight, or its .t() view
                 return t
-            storage = _local(t).untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in self._param_ptrs or storage.device.type == "meta" or storage.nbytes() == 0:
-                return t
-            hold(ptr, storage.nbytes())
-            return _Saved(t, ptr, release)
+            ptrs = []
+            for storage in _storages(t):
+                ptr = storage.data_ptr()
+                if ptr not in self._param_ptrs and storage.device.type != "meta" and storage.nbytes() > 0:
+                    hold(ptr, storage.nbytes())
+                    ptrs.append(ptr)
+            return _Saved(t, ptrs, release) if ptrs else t
 
         def checkpointed_input(module, args):
             for t in args:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    storage = _local(t).untyped_storage()
-                    hold(storage.data_ptr(), storage.nbytes())
-                    kept.append(storage.data_ptr())
+                    for storage in _storages(t):
+                        hold(storage.data_ptr(), storage.nbytes())
+                        kept.append(storage.data_ptr())
 
         kept: list[int] = []
         hooks = [m.register_forward_pre_hook(checkpointed_input) for m in self._model.modules()
@@ -127,13 +146,14 @@ class SavedActivationMeter:
 class _Saved:
     """A tensor autograd saved, as packed: releases its bytes when autograd lets it go."""
 
-    __slots__ = ("tensor", "ptr", "release")
+    __slots__ = ("tensor", "ptrs", "release")
 
-    def __init__(self, tensor: torch.Tensor, ptr: int, release):
-        self.tensor, self.ptr, self.release = tensor, ptr, release
+    def __init__(self, tensor: torch.Tensor, ptrs: list[int], release):
+        self.tensor, self.ptrs, self.release = tensor, ptrs, release
 
     def __del__(self):
-        self.release(self.ptr)
+        for ptr in self.ptrs:
+            self.release(ptr)
 
 
 def _unpack(packed):

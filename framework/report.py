@@ -127,7 +127,9 @@ PLAN_FIGURES = {"param_bytes": "params", "grad_bytes": "grads", "optim_bytes": "
 
 def _plan_error(s: dict[str, Any]) -> str | None:
     """The planner's worst relative error on this run, and on which figure (`plan.error`)."""
-    errors = {k: v for k, v in ((s.get("plan") or {}).get("error") or {}).items() if k in PLAN_FIGURES and v is not None}
+    errors = {
+        k: v for k, v in ((s.get("plan") or {}).get("error") or {}).items() if k in PLAN_FIGURES and v is not None
+    }
     if not errors:
         return None
     worst = max(errors, key=lambda k: abs(errors[k]))

@@ -59,6 +59,7 @@ def test_a_strategy_sweep_groups_its_wandb_runs_and_ends_in_a_report(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| job")]
     assert len(rows) == 4
     assert "**Fastest:**" in report and "parallel=" in report
+
     # the planner's worst error on each run: a figure and its share, within the planner's floors
     def cells(line: str) -> list[str]:
         return [c.strip() for c in line.strip().strip("|").split("|")]
