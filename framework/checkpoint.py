@@ -26,9 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TRAINER_FILE = "trainer.json"
 
@@ -134,6 +132,9 @@ class Checkpointer:
         if self.rank == 0:
             with open(os.path.join(path, TRAINER_FILE), "w") as f:
                 json.dump(state.__dict__, f, indent=2)
+        import torch.distributed.checkpoint as dcp  # here: a run that never saves never imports it
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_sd, optim_sd = get_state_dict(model, optimizer)
         tensors = {"model": model_sd, "optim": optim_sd}
         if self.async_save:
@@ -171,6 +172,9 @@ def load(
 ) -> tuple[TrainerState, dict[str, torch.Tensor] | None]:
     """Load `path` into model and optimizer in place (resharding as needed). Returns the trainer
     state and this rank's saved random states (None when the checkpoint has none for this rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": optim_sd}
     dcp.load(tensors, checkpoint_id=path)

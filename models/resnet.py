@@ -7,13 +7,14 @@ wrap each stage (activation checkpointing, FSDP units) the same way as a transfo
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
 
 
 class ResNet(nn.Module):
     def __init__(self, arch: str = "resnet18", num_classes: int = 10, small_input: bool = True):
         super().__init__()
+        import torchvision  # here, not at import: a gpt run never pays for it (about 1 s and 100 MB)
+
         builder = getattr(torchvision.models, arch)
         net = builder(weights=None, num_classes=num_classes)
         if small_input:
