@@ -23,7 +23,7 @@ def test_every_group_has_choices_and_a_schema():
         assert choices(group), group
     for name in ("auto", "gloo", "nccl", "mpi"):
         assert name in choices("backend")
-    assert {"none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"} == set(choices("parallel"))
+    assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
     assert {"gpt", "mlp", "resnet", "lstm"} == set(choices("model"))
 
@@ -53,8 +53,15 @@ def test_every_group_choice_composes(group, name):
         overrides.append("launch.nproc_per_node=1")
     if group == "memory" and name == "offload":
         overrides.append("parallel=fsdp")
+    if group == "parallel" and name == "auto":
+        overrides += ["plan.latency_us=50", "plan.intra_node_gbps=1"]  # no link probe
     cfg = compose_config(overrides)
     assert cfg[group].name == name
+    if group == "parallel" and name == "auto":  # the planner puts a real layout in its place before validation
+        from framework.plan import resolve_auto
+
+        resolve_auto(cfg, 2)
+        assert cfg.parallel.name in ("ddp", "fsdp", "tp", "pp") and cfg.plan.auto.layout
     key = _unavailable(group, name)
     if key is not None:
         with pytest.raises(ConfigError) as err:
