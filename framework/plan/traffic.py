@@ -105,10 +105,13 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     if layout.fsdp == 1:  # one flat parameter per unit, padded to divide evenly
         units = {k: -(-n // layout.dp_shard) * layout.dp_shard for k, n in flat.items()}
     rounds = cfg.accumulation_steps if layout.sync_every_microbatch else 1
+    # FSDP1's no_sync skips the reduce-scatter only: every micro-batch gathers again (FSDP2's
+    # accumulation here keeps the parameters gathered between micro-batches)
+    gather_rounds = cfg.accumulation_steps if layout.fsdp == 1 else rounds
     for (rank, unit), elements in units.items():
         t = ranks[rank]
-        gathers = 1 + (layout.reshard and not unit.startswith("root"))
-        t.add("all_gather", gathers * rounds * elements * gather_bytes, layout.dp_shard, gathers * rounds, "dp")
+        gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
+        t.add("all_gather", gathers * elements * gather_bytes, layout.dp_shard, gathers, "dp")
         t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.dp_shard, rounds, "dp")
         shard = elements // layout.dp_shard * reduce_bytes
         t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp")
