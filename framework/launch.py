@@ -119,7 +119,8 @@ def main(cfg: DictConfig) -> float | None:
         if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
             from framework.plan import resolve_auto
 
-            resolve_auto(cfg, world_size_of(cfg), probe=not launched_as_worker())
+            # ranks a launcher started decide from the config alone: every rank picks alike
+            resolve_auto(cfg, world_size_of(cfg), "config" if launched_as_worker() else "probe")
             choices["parallel"] = cfg.parallel.name
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"parallel=auto: {cfg.plan.auto.layout} ({' '.join(cfg.plan.auto.overrides)}): "

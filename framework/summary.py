@@ -117,7 +117,7 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any]) -> dict[str
     from framework.plan.profile import machine_profile
 
     try:
-        block = check(predict(cfg, world, machine_profile(cfg, world, probe=False)), summary)
+        block = check(predict(cfg, world, machine_profile(cfg, world, "cache")), summary)
     except Exception as err:  # noqa: BLE001 - reported, not raised: the run itself succeeded
         print(f"warning: the planner could not predict this run: {type(err).__name__}: {err}", flush=True)
         block = {"error": f"{type(err).__name__}: {err}"}

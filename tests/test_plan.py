@@ -88,3 +88,24 @@ def test_pipeline_bubble_shrinks_with_micro_batches_and_interleaving():
     interleaved = Layout("pp", pp=4, schedule="Interleaved1F1B", n_microbatches=4, stages_per_rank=2)
     assert bubble(interleaved) == pytest.approx(3 / 11)
     assert bubble(Layout("ddp", dp_replicate=4)) == 0.0
+
+
+def test_ranks_under_a_launcher_rank_from_the_config_alone(tmp_path, monkeypatch):
+    """Every rank of a torchrun/srun job must pick the same layout: `config` ignores the cache
+    (nodes may hold different ones) and never probes; a run's own check reads the cache."""
+    import json
+
+    from framework.plan.profile import NOMINAL, _link_key, machine_profile
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = compose_config(["experiment=smoke", "plan.peak_tflops=1"])
+    (tmp_path / "hydradist").mkdir()
+    key = _link_key("cpu", "gloo", 4)
+    (tmp_path / "hydradist" / "links.json").write_text(json.dumps({key: {"bytes_per_s": 123.0, "latency_s": 0.5}}))
+    assert machine_profile(cfg, 4, "cache").intra_bytes_per_s == 123.0
+    alike = machine_profile(cfg, 4, "config")
+    assert alike.intra_bytes_per_s == NOMINAL["gbps"] * 1e9 and alike.latency_s == NOMINAL["latency_us"] * 1e-6
+    configured = machine_profile(
+        compose_config(["experiment=smoke", "plan.intra_node_gbps=2", "plan.latency_us=7"]), 4, "config"
+    )
+    assert configured.intra_bytes_per_s == 2e9 and configured.latency_s == pytest.approx(7e-6)

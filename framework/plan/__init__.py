@@ -280,12 +280,12 @@ def rank(cfg: DictConfig, world: int, profile: Profile, budget: float) -> list[R
     return sorted(out, key=lambda r: (not r.fits, r.prediction["step_time_s"] or math.inf, r.prediction["total_bytes"]))
 
 
-def choose(cfg: DictConfig, world: int, probe: bool = True) -> tuple[Ranked, list[Ranked], float]:
+def choose(cfg: DictConfig, world: int, measure: str = "probe") -> tuple[Ranked, list[Ranked], float]:
     """(the layout parallel=auto runs, every candidate ranked, the budget in bytes). Raises
     ConfigError naming plan.memory_budget_mb when no layout fits."""
     from framework.config import ConfigError
 
-    profile = machine_profile(cfg, world, probe=probe)
+    profile = machine_profile(cfg, world, measure)
     budget = memory_budget_bytes(cfg, world)
     ranked = rank(cfg, world, profile, budget)
     if not ranked:
@@ -302,10 +302,10 @@ def choose(cfg: DictConfig, world: int, probe: bool = True) -> tuple[Ranked, lis
     return ranked[0], ranked, budget
 
 
-def resolve_auto(cfg: DictConfig, world: int, probe: bool = True) -> None:
+def resolve_auto(cfg: DictConfig, world: int, measure: str = "probe") -> None:
     """parallel=auto: put the chosen layout's `parallel` group into `cfg` (in place) and record
     the choice and why in `plan.auto`."""
-    best, ranked, budget = choose(cfg, world, probe)
+    best, ranked, budget = choose(cfg, world, measure)
     global_batch = cfg.data.batch_size * world
     fitting = [r for r in ranked if r.fits]
     runner_up = f"; next: {fitting[1].prediction['layout']}" if len(fitting) > 1 else ""

@@ -5,8 +5,9 @@ Measured once by a short probe and cached in ~/.cache/hydradist/links.json: the 
 matmul probe MFU uses (framework.metrics), shared among the local ranks as training shares the
 cores; the link is an all-reduce of a few sizes between `world` local workers on the backend,
 fitted as seconds = latency + wire bytes / bandwidth. `plan.*` overrides any figure (a GPU
-cluster: peak TFLOP/s, GB/s within and across nodes); ranks started by a launcher (torchrun,
-srun) never probe, so that every rank decides from the same figures.
+cluster: peak TFLOP/s, GB/s within and across nodes). Ranks started by a launcher (torchrun,
+srun) neither probe nor read a cache for `parallel=auto`: they use the config or nominal
+figures, so that every rank, on every node, decides alike.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-NOMINAL = {"gbps": 10.0, "latency_us": 50.0}  # a launcher's ranks without plan.* figures or a cache
+# figures for what is neither configured nor measured (ranks a launcher started: set plan.*)
+NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 100.0}
 
 
 @dataclass(frozen=True)
@@ -62,24 +64,28 @@ def _link_key(device: str, backend: str, world: int) -> str:
     return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}"
 
 
-def machine_profile(cfg: DictConfig, world: int, probe: bool = True) -> Profile:
-    """The profile for `world` ranks: config figures first, then the cache, then (when `probe`)
-    a fresh measurement; without either, nominal figures (said in `source`)."""
+def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Profile:
+    """The profile for `world` ranks. `plan.*` figures always come first; for the rest:
+    - measure="probe": the cache, else a fresh measurement (cached);
+    - measure="cache": the cache, else nominal figures (a run checking its own prediction);
+    - measure="config": nominal figures only, so that every rank a launcher started (on any
+      node, whatever its cache holds) ranks the layouts alike.
+    `source` says which was used."""
     from framework.config import resolve_device
 
     device = resolve_device(cfg)
     local = min(world, cfg.launch.nproc_per_node or world)
     plan, sources = cfg.plan, []
-    peak = _peak(cfg, device, local, sources)
+    peak = _peak(cfg, device, local, sources, measure)
     link = None
     if plan.intra_node_gbps is None or plan.latency_us is None:
         backend = "nccl" if device == "cuda" else "gloo"
         key = _link_key(device, backend, local)
-        link = _read_cache().get(key)
-        if link is None and probe and local > 1:
+        link = _read_cache().get(key) if measure != "config" else None
+        if link is None and measure == "probe" and local > 1:
             link = probe_link(local, device)
             _write_cache(key, link)
-        sources.append(f"link: {'probe ' + key if link else 'nominal (no probe)'}")
+        sources.append(f"link: {key if link else 'nominal'}")
     link = link or {"bytes_per_s": NOMINAL["gbps"] * 1e9, "latency_s": NOMINAL["latency_us"] * 1e-6}
     intra = plan.intra_node_gbps * 1e9 if plan.intra_node_gbps is not None else link["bytes_per_s"]
     inter = plan.inter_node_gbps * 1e9 if plan.inter_node_gbps is not None else intra
@@ -88,7 +94,7 @@ def machine_profile(cfg: DictConfig, world: int, probe: bool = True) -> Profile:
     return Profile(peak, intra, inter, latency, overlap, "; ".join(sources))
 
 
-def _peak(cfg: DictConfig, device: str, local: int, sources: list[str]) -> float:
+def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure: str) -> float:
     from framework.metrics import cpu_peak_flops, gpu_peak_tflops
     from framework.precision import DTYPES
 
@@ -97,9 +103,12 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str]) -> float
         sources.append("peak: config")
         return tflops * 1e12
     if device == "cuda":
-        tflops = gpu_peak_tflops(torch.cuda.get_device_name(0)) or 100.0
+        tflops = gpu_peak_tflops(torch.cuda.get_device_name(0)) or NOMINAL["gpu_tflops"]
         sources.append("peak: datasheet")
         return tflops * 1e12
+    if measure == "config":
+        sources.append("peak: nominal")
+        return NOMINAL["cpu_tflops"] * 1e12
     # CPU ranks share the cores as training does: threads = cores // local ranks each
     cores = os.cpu_count() or 1
     threads, before = max(1, cores // local), torch.get_num_threads()
