@@ -54,9 +54,12 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None) -> dict
         "comm": comm,
         "bubble": bubble(layout),
         "step_time_s": None,
+        "comm_time_s": None,  # the communication part alone (what ranks models without a FLOP count)
     }
-    if profile is not None and shapes.hardware_flops_per_token and ranks is not None:
-        out["step_time_s"] = step_time(cfg, layout, shapes.hardware_flops_per_token, ranks, profile)
+    if profile is not None and ranks is not None:
+        out["comm_time_s"] = step_time(cfg, layout, 0.0, ranks, profile)
+        if shapes.hardware_flops_per_token:
+            out["step_time_s"] = step_time(cfg, layout, shapes.hardware_flops_per_token, ranks, profile)
     return out
 
 
@@ -79,7 +82,7 @@ def step_time(cfg: DictConfig, layout: Layout, flops_per_token: float, ranks: li
     peak, stretched by the bubble) plus collectives (latency per call + wire bytes over the link
     of the group; data-parallel traffic hidden behind up to `overlap` of the compute)."""
     batch = sum(cfg.data.rank_batch_sizes) if cfg.data.rank_batch_sizes else cfg.data.batch_size * layout.dp
-    tokens = batch * cfg.accumulation_steps * cfg.data.seq_len
+    tokens = batch * cfg.accumulation_steps * cfg.data.get("seq_len", 1)
     compute = flops_per_token * tokens / max(layout.world, 1) / profile.peak_flops / (1 - bubble(layout))
     per_node = max(1, layout.world // max(1, cfg.plan.nodes))
     worst = 0.0
@@ -277,7 +280,16 @@ def rank(cfg: DictConfig, world: int, profile: Profile, budget: float) -> list[R
     for c in candidates(cfg, world):
         p = predict(c.cfg, world, profile)
         out.append(Ranked(c, p, p["total_bytes"] <= budget))
-    return sorted(out, key=lambda r: (not r.fits, r.prediction["step_time_s"] or math.inf, r.prediction["total_bytes"]))
+    # models without a FLOP count (their candidates are all data-parallel: the same compute per
+    # rank) rank by their communication time
+    return sorted(out, key=lambda r: (not r.fits, _seconds(r.prediction), r.prediction["total_bytes"]))
+
+
+def _seconds(prediction: dict[str, Any]) -> float:
+    for key in ("step_time_s", "comm_time_s"):
+        if prediction[key] is not None:
+            return prediction[key]
+    return math.inf
 
 
 def choose(cfg: DictConfig, world: int, measure: str = "probe") -> tuple[Ranked, list[Ranked], float]:

@@ -22,10 +22,12 @@ def table(ranked: list[Ranked], budget: float) -> str:
         step = p["step_time_s"]
         rows.append((
             str(i), p["layout"],
-            *(f"{(m[k] or 0) / MB:.1f}" for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "gathered_bytes")),
+            *(f"{m[k] / MB:.1f}" if m[k] is not None else "-"
+              for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "gathered_bytes")),
             f"{p['total_bytes'] / MB:.1f}", "yes" if r.fits else "NO",
             f"{comm.get('calls', 0)}", f"{comm.get('wire_bytes', 0) / MB:.2f}", f"{p['bubble']:.2f}",
-            f"{step * 1000:.1f}" if step is not None else "-", " ".join(r.candidate.overrides),
+            f"{step * 1000:.1f}" if step is not None else f"comm {p['comm_time_s'] * 1000:.1f}",
+            " ".join(r.candidate.overrides),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]

@@ -113,6 +113,7 @@ class Shapes:
     flops_per_token: float | None  # model FLOPs (matmuls), forward + backward
     hardware_flops_per_token: float | None  # with checkpointing's recomputation
     stage_layers: list[list[int]] = field(default_factory=list)
+    buffers: dict[str, int] = field(default_factory=dict)  # bytes of the model's buffers, by dtype
 
 
 def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
@@ -144,7 +145,10 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     fpt = model.flops_per_token(seq) if gpt else None
     hfpt = model.flops_per_token(seq, recomputed) if gpt and recomputed else fpt
     dims = {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size")} if gpt else None
-    return Shapes(params, dims, fpt, hfpt, layers)
+    buffers: dict[str, int] = defaultdict(int)
+    for b in model.buffers():
+        buffers[str(b.dtype)] += b.numel() * b.element_size()
+    return Shapes(params, dims, fpt, hfpt, layers, dict(buffers))
 
 
 def _tp_dim(name: str, layout: Layout) -> int | None:

@@ -2,7 +2,8 @@
 wire bytes, in the shape `framework.comm` measures them (so the two compare figure by figure).
 
 - ddp: one all-reduce of every gradient per step (accumulation skips the others), in buckets:
-  of `bucket_cap_mb` (rebuilt so after the first step); compression hooks halve the payload.
+  of `bucket_cap_mb` (rebuilt so after the first step); compression hooks halve the payload;
+  with `broadcast_buffers`, a broadcast of the buffers (BatchNorm statistics) per forward and dtype.
 - fsdp: per unit (each block, and the root holding the rest) an all-gather in forward, another
   in backward when it reshards after forward (blocks; never the root), a reduce-scatter of its
   gradients, and under HSDP an all-reduce of the shard across replicas; payloads padded as the
@@ -69,6 +70,11 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
     ranks = [Traffic() for _ in range(layout.pp)]
     if layout.name == "ddp":
         _ddp(ranks[0], shapes, layout)
+        if cfg.parallel.name == "ddp" and cfg.parallel.broadcast_buffers and shapes.buffers:
+            # rank 0's buffers (BatchNorm statistics) go to every replica before each forward,
+            # coalesced into one broadcast per dtype
+            n = cfg.accumulation_steps
+            ranks[0].add("broadcast", n * sum(shapes.buffers.values()), layout.world, n * len(shapes.buffers), "dp")
         return ranks
     if layout.fsdp:
         _fsdp(ranks, shapes, cfg, layout)
