@@ -64,8 +64,11 @@ def summarize(
         "forward": stats.forward_s,
         "startup_s": stats.startup_s,
     }
+    local["breakdown"] = breakdown(local)
     everyone = all_gather_object(local, info)
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
+    # the peak of the rank whose peak is largest, taken apart
+    memory["breakdown"] = max((r["breakdown"] for r in everyone), key=lambda b: b["peak_bytes"] or 0)
     counting = [r for r in everyone if r["work"]]  # one rank per data-parallel group
     rates = throughput = stats.throughput.rates()
     per_step = stats.throughput.per_step()
@@ -124,6 +127,21 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any]) -> dict[str
     if cfg.plan.auto is not None:
         block["auto"] = OmegaConf.to_container(cfg.plan.auto)
     return block
+
+
+def breakdown(local: dict[str, Any]) -> dict[str, int | None]:
+    """This rank's peak taken apart: on CUDA the allocator's peak (from zero), on CPU the peak RSS
+    above the baseline (the process before the model). What the measured parts (model state, the
+    live peak of saved activations) do not account for is `unexplained_bytes`: FSDP's gathered
+    parameters and communication buffers, optimizer temporaries, allocator retention."""
+    cuda = local["device_peak_bytes"] is not None
+    peak = local["device_peak_bytes"] if cuda else local["rss_peak_bytes"]
+    baseline = 0 if cuda else local["rss_baseline_bytes"]
+    state = sum(local.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+    activations = local.get("activation_bytes") or 0
+    unexplained = None if baseline is None else peak - baseline - state - activations
+    return {"peak_bytes": peak, "baseline_bytes": baseline, "state_bytes": state,
+            "activation_bytes": activations, "unexplained_bytes": unexplained}  # fmt: skip
 
 
 MEMORY_KEYS = (

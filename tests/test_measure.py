@@ -87,6 +87,12 @@ def test_fsdp_at_world_4_holds_under_30_percent_of_ddp_model_state_as_planned(tm
     assert got["fsdp"]["memory"]["param_bytes"] <= 0.30 * got["ddp"]["memory"]["param_bytes"]
     for name, summary in got.items():
         assert_plan_holds(summary, name)
+        # the largest rank's peak, taken apart: its parts add up, and they are that rank's own
+        parts = summary["memory"]["breakdown"]
+        assert parts["baseline_bytes"] > 0 and parts["peak_bytes"] == summary["memory"]["rss_peak_bytes"]
+        total = sum(parts[k] for k in ("baseline_bytes", "state_bytes", "activation_bytes", "unexplained_bytes"))
+        assert total == parts["peak_bytes"], (name, parts)
+        assert 0 < parts["state_bytes"] <= state_bytes(summary), (name, parts)
     assert got["fsdp_grad_op_checkpoint"]["plan"]["layout"] == "fsdp(grad_op)"
 
 
