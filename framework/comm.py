@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import defaultdict
+import weakref
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
@@ -101,6 +102,10 @@ def _group_size(op: str, args: tuple, kwargs: dict) -> int:
     raise ValueError(f"communication accounting: cannot tell the process group of {op}")
 
 
+def _tensors(args) -> list[torch.Tensor]:
+    return [t for a in args for t in (a if isinstance(a, list | tuple) else [a]) if isinstance(t, torch.Tensor)]
+
+
 def payload_bytes(op: str, args: tuple, kwargs: dict) -> int:
     """The collective's payload: the biggest of its tensor arguments (the gathered output of an
     all-gather, the full input of a reduce-scatter, the tensor of the others)."""
@@ -136,6 +141,7 @@ class CommCounter(TorchDispatchMode):
         self.wire: dict[str, float] = defaultdict(float)
         self._thread = threading.get_ident()
         self._originals: dict[str, Any] = {}
+        self._issued: deque[list] = deque(maxlen=4)  # weak references to recent collectives' tensors
 
     def _record(self, category: str, size: int, group_size: int) -> None:
         self.calls[category] += 1
@@ -149,7 +155,13 @@ class CommCounter(TorchDispatchMode):
             category = OPS.get(rest.split(".")[0])
             if category is not None:
                 self._record(category, payload_bytes(str(func), args, kwargs), _group_size(str(func), args, kwargs))
+                self._issued.append([weakref.ref(t) for t in _tensors(args)])
         return func(*args, **kwargs)
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The tensors of the latest collectives that something (the backend's work, the caller)
+        still holds: a collective's buffers live until its work completes, after the call returns."""
+        return [t for refs in list(self._issued) for ref in refs if (t := ref()) is not None]
 
     def __enter__(self):
         import torch.distributed as dist

@@ -6,6 +6,8 @@ sharded tensors), never from a formula.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import resource
 import sys
@@ -92,24 +94,26 @@ class SavedActivationMeter:
         self._model = model
         self._param_ptrs = {s.data_ptr() for p in model.parameters() for s in _storages(p)}
         self.peak = 0
+        self.live = 0  # bytes held now (inside `measure`)
 
     @contextmanager
     def measure(self):
         live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
-        now = [0, 0]  # live bytes, their peak
+        peak = [0]
 
         def hold(ptr: int, nbytes: int) -> None:
             entry = live.setdefault(ptr, [0, nbytes])
-            if entry[0] == 0:
-                now[0] += nbytes
-                now[1] = max(now[1], now[0])
+            if entry[0] == 0:  # (again: a freed storage's address can come back with another size)
+                entry[1] = nbytes
+                self.live += nbytes
+                peak[0] = max(peak[0], self.live)
             entry[0] += 1
 
         def release(ptr: int) -> None:
             entry = live[ptr]
             entry[0] -= 1
             if entry[0] == 0:
-                now[0] -= entry[1]
+                self.live -= entry[1]
 
         def pack(t: torch.Tensor):
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight, or its .t() view
@@ -140,7 +144,7 @@ class SavedActivationMeter:
                 h.remove()
             for ptr in kept:
                 release(ptr)
-        self.peak = max(self.peak, now[1])
+        self.peak = max(self.peak, peak[0])
 
 
 class _Saved:
@@ -161,10 +165,38 @@ def _unpack(packed):
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Return the caching allocator's unused blocks to the device (CUDA). CPU tensors are freed
-    to the system allocator at once, so on CPU there is nothing to release: a no-op."""
+    """Return unused cached memory: the CUDA caching allocator's free blocks to the device; on CPU
+    (glibc) the malloc heaps' free pages to the system (`malloc_trim`)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    elif _libc() is not None:
+        _libc().malloc_trim(0)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def set_host_mmap_threshold(kib: int) -> bool:
+    """Serve host allocations of at least `kib` KiB with their own mappings, returned to the
+    system when freed (glibc `mallopt(M_MMAP_THRESHOLD)`; 0 keeps glibc's default).
+
+    glibc's default threshold rises to the size of each large block freed, up to 32 MiB, so
+    later tensors of a few MiB come from the heaps and their freed space stays in the process:
+    FSDP's per-unit gathers and reduce-scatters then grow RSS by hundreds of MB. A fixed threshold
+    keeps RSS at what is live. Returns whether the policy was applied (glibc only)."""
+    libc = _libc()
+    return bool(kib > 0 and libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, kib * 1024))
+
+
+@functools.cache
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def device_peak_bytes(device: torch.device) -> int | None:
@@ -186,6 +218,21 @@ def current_rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
+    """Peak resident set size of this process since `reset_peak_rss` (Linux: VmHWM; elsewhere the
+    process's lifetime peak, which macOS reports in bytes and others in KiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start the peak over from the current RSS (Linux), so a process that trains several runs
+    one after another reports each run's own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

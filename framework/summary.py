@@ -16,6 +16,7 @@ from framework.dist import DistInfo, all_gather_object
 from framework.memory import SavedActivationMeter, device_peak_bytes, device_reserved_bytes, peak_rss_bytes
 from framework.metrics import Flops, Throughput, load_balance, mfu
 from framework.parallel import Parallelized
+from framework.peak import PARTS, PeakProbe
 from framework.tracking import Tracker
 
 
@@ -46,11 +47,12 @@ def summarize(
     par: Parallelized,
     choices: dict[str, str],
     stats: RunStats,
-    meter: SavedActivationMeter,
+    meters: tuple[SavedActivationMeter, PeakProbe],
     flops: Flops,
     peak: float | None,
 ) -> dict[str, Any]:
     """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
+    meter, probe = meters
     memory_bytes = {**stats.state_bytes, "activation_bytes": meter.peak if stats.state_bytes else None}
     local = {
         **memory_bytes,
@@ -64,7 +66,7 @@ def summarize(
         "forward": stats.forward_s,
         "startup_s": stats.startup_s,
     }
-    local["breakdown"] = breakdown(local)
+    local["breakdown"] = breakdown(local, probe.parts)
     everyone = all_gather_object(local, info)
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
     # the peak of the rank whose peak is largest, taken apart
@@ -129,19 +131,20 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any]) -> dict[str
     return block
 
 
-def breakdown(local: dict[str, Any]) -> dict[str, int | None]:
+def breakdown(local: dict[str, Any], parts: dict[str, int] | None) -> dict[str, int | None]:
     """This rank's peak taken apart: on CUDA the allocator's peak (from zero), on CPU the peak RSS
-    above the baseline (the process before the model). What the measured parts (model state, the
-    live peak of saved activations) do not account for is `unexplained_bytes`: FSDP's gathered
-    parameters and communication buffers, optimizer temporaries, allocator retention."""
+    above the baseline (the process before the model). `parts` are what was live at the highest
+    reading of the sampled steps (see framework.peak): model state, saved activations, gathered
+    parameters, buffers of the collective in flight. What they do not account for is
+    `unexplained_bytes`: temporaries (the optimizer's, the backend's copies), allocator retention,
+    and any part of the peak reached outside the sampled steps."""
     cuda = local["device_peak_bytes"] is not None
     peak = local["device_peak_bytes"] if cuda else local["rss_peak_bytes"]
     baseline = 0 if cuda else local["rss_baseline_bytes"]
-    state = sum(local.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))
-    activations = local.get("activation_bytes") or 0
-    unexplained = None if baseline is None else peak - baseline - state - activations
-    return {"peak_bytes": peak, "baseline_bytes": baseline, "state_bytes": state,
-            "activation_bytes": activations, "unexplained_bytes": unexplained}  # fmt: skip
+    parts = parts or dict.fromkeys(PARTS)
+    known = None if baseline is None or None in parts.values() else baseline + sum(parts.values())
+    return {"peak_bytes": peak, "baseline_bytes": baseline, **parts,
+            "unexplained_bytes": None if known is None else peak - known}  # fmt: skip
 
 
 MEMORY_KEYS = (

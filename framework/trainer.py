@@ -31,6 +31,8 @@ from framework.memory import (
     current_rss_bytes,
     model_state_bytes,
     release_cached_memory,
+    reset_peak_rss,
+    set_host_mmap_threshold,
 )
 from framework.metrics import (
     ForwardTimer,
@@ -41,6 +43,7 @@ from framework.metrics import (
 from framework.modules import materialize
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
+from framework.peak import PeakProbe
 from framework.precision import build_precision
 from framework.profiling import build_profiler
 from framework.resilience import (
@@ -195,6 +198,10 @@ def resume_from(path: str, setup: Setup, info: DistInfo) -> None:
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str], guard: Guard) -> dict[str, Any]:
+    set_host_mmap_threshold(cfg.memory.host_mmap_threshold_kb)
+    import torch._dynamo  # noqa: F401  (the optimizer's first step imports it anyway: count it in the baseline)
+
+    reset_peak_rss()  # this run's own peak, should the process have trained before
     baseline = current_rss_bytes()  # imports and the process group, before the model and W&B
     # The tracker first: W&B's service starts in the background while the model is built, not
     # while the first steps run (on a small machine it competes with them for the cores).
@@ -221,6 +228,7 @@ def loop(
     stats = RunStats(losses=list(files.prior_losses), skipped_steps=setup.skipped_steps,
                      rss_baseline_bytes=setup.rss_baseline_bytes)  # fmt: skip
     meter = SavedActivationMeter(par.module)
+    probe = PeakProbe(par.module, setup.optimizer, meter, info.device)
     # this rank's forward time per step: compute with no gradient communication in it (DDP and
     # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
     forward_timer = ForwardTimer(info.device)
@@ -239,7 +247,9 @@ def loop(
             t0 = time.perf_counter()
             step_batches = [next(batches) for _ in range(accum)]
             try:
-                figures = train_step(cfg, info, setup, stats, step, step_batches, (meter, forward_timer), poison, guard)
+                figures = train_step(
+                    cfg, info, setup, stats, step, step_batches, (meter, forward_timer, probe), poison, guard
+                )
             except RuntimeError as err:
                 if info.distributed and is_collective_failure(err):
                     raise diagnose(err, guard, step + 1) from None
@@ -262,7 +272,7 @@ def loop(
     if cfg.checkpoint.export:
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
 
-    summary = summarize(cfg, info, par, choices, stats, meter, setup.flops, peak)
+    summary = summarize(cfg, info, par, choices, stats, (meter, probe), setup.flops, peak)
     files.write_summary(summary)  # rank 0 only
     return summary
 
@@ -274,18 +284,18 @@ def train_step(
     stats: RunStats,
     step: int,
     step_batches: list,
-    timers: tuple[SavedActivationMeter, ForwardTimer],
+    timers: tuple[SavedActivationMeter, ForwardTimer, PeakProbe],
     poison: bool,
     guard: Guard,
 ) -> StepFigures:
     """One optimizer step: forward and backward over the micro-batches, the update (skipped for
     non-finite gradients under nonfinite=skip, or by amp's scaler), and the step's figures."""
-    meter, forward_timer = timers
+    meter, forward_timer, probe = timers
     # On a few sampled steps, count every collective (forward, backward, clipping, update)
     # and the bytes saved for backward; both slow the step, so other steps run bare.
     sampled = is_sampled(step, setup.start_step, cfg.steps, cfg.metrics.sample_every)
     counter = CommCounter() if sampled else nullcontext()
-    with counter:
+    with counter, probe.watch(counter.in_flight) if sampled else nullcontext():
         step_loss = forward_backward(cfg, info, setup, step_batches, meter if sampled else None, forward_timer, poison)
         grad_norm, applied = optimizer_step(setup, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")
     if sampled:

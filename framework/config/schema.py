@@ -90,6 +90,9 @@ class MemoryConfig:
     checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
     empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
     cpu_offload: bool = False  # FSDP: keep sharded parameters, gradients and optimizer state in CPU memory
+    host_mmap_threshold_kb: int = (
+        1024  # glibc: host blocks this large are returned to the system when freed (0: glibc's default)
+    )
 
 
 @dataclass

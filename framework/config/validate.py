@@ -107,6 +107,12 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "metrics.sample_every", 0)
     _at_least(cfg, "memory.checkpoint_every", 1)
     _at_least(cfg, "memory.empty_cache_every", 0)
+    mmap_kb = cfg.memory.host_mmap_threshold_kb
+    _require(
+        0 <= mmap_kb <= 32768,
+        "memory.host_mmap_threshold_kb",
+        f"got {mmap_kb}; must be 0 (glibc's default) to 32768 KiB (glibc's largest threshold)",
+    )
     if cfg.profile:
         for key in ("wait", "warmup", "active"):
             _at_least(cfg, f"profiler.{key}", 1 if key == "active" else 0)
