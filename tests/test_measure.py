@@ -95,7 +95,6 @@ def test_fsdp_at_world_4_holds_under_30_percent_of_ddp_model_state_as_planned(tm
         assert total == parts["peak_bytes"], (name, parts)
         assert 0 < parts["state_bytes"] <= state_bytes(summary), (name, parts)
     assert got["fsdp_grad_op_checkpoint"]["plan"]["layout"] == "fsdp(grad_op)"
-    assert got["fsdp"]["memory"]["breakdown"]["gathered_bytes"] > 0  # a unit's gathered weights or gradients
 
 
 def test_the_peak_of_a_100m_gpt_is_explained_to_within_a_quarter_under_ddp_and_fsdp(tmp_path):
