@@ -1,6 +1,7 @@
 """Memory per rank of each strategy and of activation checkpointing, measured (gpt, gloo on CPU).
 
-    python benchmarks/memory.py
+    python benchmarks/memory.py            # every table
+    python benchmarks/memory.py rss        # only the peak RSS table (issue 11's floors)
 
 Model state = parameter + gradient + optimizer-state bytes a rank holds, counted from its tensors
 (local shards under FSDP). Activations = peak bytes saved for backward in one micro-batch,
@@ -10,7 +11,12 @@ side by side in one run (these machines are shared: compare ratios, not seconds)
 
 from __future__ import annotations
 
-from common import run, table
+import json
+import subprocess
+import sys
+import tempfile
+
+from common import ROOT, run, table
 
 COMMON = ["experiment=smoke", "model.n_layer=8", "model.n_embd=128", "model.n_head=4", "data.seq_len=128",
           "data.batch_size=4", "steps=8", "metrics.sample_every=5"]  # fmt: skip
@@ -76,7 +82,58 @@ def measuring_cost_table() -> None:
     print(table(["measuring", "run time (s)", "vs off"], rows))
 
 
+BIG = ["experiment=smoke", "logger=none", "progress=false", "model.n_layer=8", "model.n_embd=1024", "model.n_head=8",
+       "data.seq_len=64", "data.batch_size=4", "steps=2"]  # fmt: skip
+# the process that starts train.py (a fresh one per run) reports its children's largest peak RSS
+_OUTSIDE = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); " \
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"  # fmt: skip
+
+
+def outside_rss(overrides: list[str]) -> tuple[int, dict]:
+    """Peak RSS (bytes) of the largest process of `train.py OVERRIDES`, read from outside, and
+    the run's summary."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-c", _OUTSIDE, sys.executable, str(ROOT / "train.py"), *overrides,
+               f"hydra.run.dir={out}"]  # fmt: skip
+        kib = int(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout.split()[-1])
+        with open(f"{out}/summary.json") as f:
+            return kib * 1024, json.load(f)
+
+
+def rss_table() -> None:
+    """gpt 8 x 1024 (about 100M parameters), T=64, B=4, 2 steps: the largest process's peak RSS
+    of each strategy against `parallel=none`, and the summary's breakdown of that peak."""
+    rows_in = {
+        "none": ["parallel=none"],
+        "ddp, 4 ranks": ["parallel=ddp", "launch.nproc_per_node=4"],
+        "fsdp, 4 ranks": ["parallel=fsdp", "launch.nproc_per_node=4"],
+        "pp, 2 ranks": ["parallel=pp", "launch.nproc_per_node=2"],
+        "none, glibc's default malloc": ["parallel=none", "memory.host_mmap_threshold_kb=0"],
+        "fsdp, 4 ranks, glibc's default malloc": ["parallel=fsdp", "launch.nproc_per_node=4",
+                                                  "memory.host_mmap_threshold_kb=0"],  # fmt: skip
+    }
+    floors = {"fsdp, 4 ranks": 0.58, "pp, 2 ranks": 0.62}
+    got = {name: outside_rss([*BIG, *args]) for name, args in rows_in.items()}
+    mib = 2**20
+    rows = []
+    for name, (rss, s) in got.items():
+        base = got["none, glibc's default malloc" if "default" in name else "none"][0]
+        b = s["memory"]["breakdown"]
+        above = b["peak_bytes"] - b["baseline_bytes"]
+        rows.append([name, rss / mib, rss / base, floors.get(name), b["baseline_bytes"] / mib, b["state_bytes"] / mib,
+                     b["activation_bytes"] / mib, b["gathered_bytes"] / mib, b["comm_bytes"] / mib,
+                     b["unexplained_bytes"] / mib, f"{b['unexplained_bytes'] / above:.0%}"])  # fmt: skip
+    print("Peak RSS of the largest process, measured from outside (MiB), and the summary's breakdown of it\n")
+    header = ["run", "peak RSS", "vs none", "floor", "baseline", "state", "activations", "gathered", "comm",
+              "unexplained", "of peak - baseline"]  # fmt: skip
+    print(table(header, rows))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["rss"]:
+        rss_table()
+        sys.exit()
+    rss_table()
     model_state_table()
     activation_table()
     measuring_cost_table()
