@@ -109,9 +109,9 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "memory.empty_cache_every", 0)
     mmap_kb = cfg.memory.host_mmap_threshold_kb
     _require(
-        0 <= mmap_kb <= 32768,
+        mmap_kb is None or 0 <= mmap_kb <= 32768,
         "memory.host_mmap_threshold_kb",
-        f"got {mmap_kb}; must be 0 (glibc's default) to 32768 KiB (glibc's largest threshold)",
+        f"got {mmap_kb}; must be null (by strategy), 0 (glibc's default) or up to 32768 KiB (glibc's largest)",
     )
     if cfg.profile:
         for key in ("wait", "warmup", "active"):
