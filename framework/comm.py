@@ -127,6 +127,10 @@ PY_COLLECTIVES = {
 }
 
 
+_UNSEEN = object()
+_CATEGORY: dict[Any, str | None] = {}  # op -> its collective category (None: not a collective)
+
+
 class CommCounter(TorchDispatchMode):
     """Counts collectives issued while active (use as a context manager).
 
@@ -150,12 +154,14 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        namespace, _, rest = str(func).partition(".")
-        if namespace in ("c10d", "_c10d_functional"):
-            category = OPS.get(rest.split(".")[0])
-            if category is not None:
-                self._record(category, payload_bytes(str(func), args, kwargs), _group_size(str(func), args, kwargs))
-                self._issued.append([weakref.ref(t) for t in _tensors(args)])
+        category = _CATEGORY.get(func, _UNSEEN)
+        if category is _UNSEEN:  # once per op: naming an op costs more than running most small ones
+            namespace, _, rest = str(func).partition(".")
+            collective = namespace in ("c10d", "_c10d_functional")
+            category = _CATEGORY[func] = OPS.get(rest.split(".")[0]) if collective else None
+        if category is not None:
+            self._record(category, payload_bytes(str(func), args, kwargs), _group_size(str(func), args, kwargs))
+            self._issued.append([weakref.ref(t) for t in _tensors(args)])
         return func(*args, **kwargs)
 
     def in_flight(self) -> list[torch.Tensor]:
