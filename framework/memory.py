@@ -20,6 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
     checkpoint_wrapper,
 )
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from framework.modules import map_blocks
 
@@ -42,8 +43,6 @@ def _storages(t: torch.Tensor) -> list:
     """The storages holding `t`'s data on this rank: a wrapper subclass's (a DTensor's local
     shard, an async collective's result) through its inner tensors, read without running an op
     (this runs inside saved-tensor hooks). Storages that cannot be read are left out."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         inner = (getattr(t, name) for name in names)

@@ -23,32 +23,39 @@ PARTS = ("state_bytes", "activation_bytes", "gathered_bytes", "comm_bytes")
 
 class PeakProbe:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, meter: SavedActivationMeter,
-                 device: torch.device, interval_s: float = 0.001):  # fmt: skip
+                 device: torch.device, interval_s: float = 0.002, step_bytes: int = 2**20):  # fmt: skip
         self._params = list(model.parameters())
-        self._optimizer, self._meter, self._device, self._interval = optimizer, meter, device, interval_s
+        self._optimizer, self._meter, self._device = optimizer, meter, device
+        self._interval, self._step_bytes = interval_s, step_bytes
         self._fsdp2 = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if _is_fsdp2(m)]
         self._fsdp2 = [g for g in self._fsdp2 if g is not None]
         self._fsdp1 = [m._handle.flat_param for m in model.modules() if _is_fsdp1(m) and m._handle is not None]
+        self._fixed: tuple[int, set[int], int] | None = (
+            None  # parameters and optimizer state: (bytes, storages, states)
+        )
         self.level = 0  # the highest reading on the sampled steps
-        self.parts: dict[str, int] | None = None  # the parts live at that reading
+        self.parts: dict[str, int] | None = None  # the parts live at that reading (to within `step_bytes`)
 
     def _read(self) -> int:
         return torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else current_rss_bytes()
 
     @contextmanager
     def watch(self, in_flight=lambda: ()):
-        """Sample while the block runs; `in_flight` returns the tensors of collectives not yet done."""
+        """Sample while the block runs; `in_flight` returns the tensors of collectives not yet done.
+        The parts are taken again only when the reading has grown by `step_bytes` since they were
+        last taken: taking them walks every tensor of the model state."""
         stop = threading.Event()
+        taken_at = [self.level]
 
         def sample() -> None:
             while not stop.wait(self._interval):
                 level = self._read()
-                if level > self.level:
+                self.level = max(self.level, level)
+                if level > taken_at[0] + self._step_bytes or self.parts is None:
                     try:
-                        parts = self._take(in_flight())
+                        self.parts, taken_at[0] = self._take(in_flight()), level
                     except RuntimeError:  # a container changed under us: the next reading retries
                         continue
-                    self.level, self.parts = level, parts
 
         thread = threading.Thread(target=sample, name="peak-probe", daemon=True)
         thread.start()
@@ -58,30 +65,41 @@ class PeakProbe:
             stop.set()
             thread.join()
 
+    def _fixed_parts(self) -> tuple[int, set[int]]:
+        """Parameter and optimizer-state bytes and storages, counted again only when the optimizer
+        has created state (its first step)."""
+        states = len(self._optimizer.state)
+        if self._fixed is None or self._fixed[2] != states:
+            seen: set[int] = set()
+            optim = [v for st in list(self._optimizer.state.values()) for v in st.values() if torch.is_tensor(v)]
+            total = _size(self._params, seen) + _size(optim, seen)
+            self._fixed = (total, seen, states)
+        return self._fixed[0], self._fixed[1]
+
     def _take(self, in_flight) -> dict[str, int]:
-        seen: set[int] = set()
-
-        def size(tensors) -> int:
-            total = 0
-            for t in tensors:
-                for s in _storages(t):
-                    if s.data_ptr() not in seen and s.nbytes() > 0:
-                        seen.add(s.data_ptr())
-                        total += s.nbytes()
-            return total
-
-        state = size(self._params)
-        state += size([p.grad for p in self._params if p.grad is not None])
-        state += size([v for st in list(self._optimizer.state.values()) for v in st.values() if torch.is_tensor(v)])
+        fixed, fixed_storages = self._fixed_parts()
+        seen = set(fixed_storages)
+        state = fixed + _size([p.grad for p in self._params if p.grad is not None], seen)
         unsharded = [fp for g in self._fsdp2 for fp in g.fsdp_params]
-        gathered = size([t for fp in unsharded for t in fp.all_gather_outputs])
-        gathered += size([p.grad for fp in unsharded if (p := getattr(fp, "_unsharded_param", None)) is not None
-                          and p.grad is not None])  # fmt: skip
-        gathered += size([f._full_param_padded for f in self._fsdp1 if hasattr(f, "_full_param_padded")])
+        gathered = _size([t for fp in unsharded for t in fp.all_gather_outputs], seen)
+        gathered += _size([p.grad for fp in unsharded if (p := getattr(fp, "_unsharded_param", None)) is not None
+                           and p.grad is not None], seen)  # fmt: skip
+        gathered += _size([f._full_param_padded for f in self._fsdp1 if hasattr(f, "_full_param_padded")], seen)
         pending = [r.all_gather_output for g in self._fsdp2 if (r := g._all_gather_result) is not None]
-        comm = size(pending) + size(in_flight)
+        comm = _size(pending, seen) + _size(in_flight, seen)
         return {"state_bytes": state, "activation_bytes": self._meter.live, "gathered_bytes": gathered,
                 "comm_bytes": comm}  # fmt: skip
+
+
+def _size(tensors, seen: set[int]) -> int:
+    """Bytes of the storages under `tensors` not in `seen` (which it extends)."""
+    total = 0
+    for t in tensors:
+        for s in _storages(t):
+            if s.data_ptr() not in seen and s.nbytes() > 0:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
