@@ -65,7 +65,10 @@ def run_raw(steps: int, precision: str, peer: str | None = None) -> float:
             str(ROOT / "benchmarks" / script[0]), *script[1:], f"--steps={steps}", f"--precision={precision}",
             f"--n-layer={MODEL['n_layer']}", f"--n-embd={MODEL['n_embd']}", f"--n-head={MODEL['n_head']}",
             f"--seq-len={MODEL['seq_len']}", f"--batch-size={MODEL['batch_size']}"]  # fmt: skip
-    proc = subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:  # a standalone rendezvous can lose its port to another process: once more
+        print(f"{script[0]} {' '.join(script[1:])} failed, retrying:\n{proc.stderr[-1500:]}", flush=True)
+        proc = subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return steady_rate(result["seconds"], result["tokens"])
 
