@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -160,3 +165,26 @@ def test_nccl_with_cpu_offload_also_gets_a_cpu_backend():
 
     assert resolve_backend(compose_config(["backend=nccl", "parallel=fsdp", "memory=offload"])) == "cpu:gloo,cuda:nccl"
     assert resolve_backend(compose_config(["backend=nccl", "parallel=fsdp"])) == "nccl"
+
+
+# The process that starts train.py reports its children's largest peak RSS (ru_maxrss, KiB)
+_OUTSIDE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")  # fmt: skip
+
+
+def _peak_rss_from_outside(tmp_path, overrides: list[str]) -> int:
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-c", _OUTSIDE, sys.executable, str(root / "train.py"), *overrides,
+           f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return int(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root, env=env).stdout.split()[-1])
+
+
+def test_fsdp_at_4_ranks_peaks_under_0_58_of_one_process(tmp_path):
+    """gpt 8 x 1024 (about 100M parameters), T=64, B=4, 2 steps: the largest process's peak RSS,
+    measured from outside, is at most 0.58 x `parallel=none`'s (each with its defaults)."""
+    big = ["experiment=smoke", "logger=none", "progress=false", "model.n_layer=8", "model.n_embd=1024",
+           "model.n_head=8", "data.seq_len=64", "data.batch_size=4", "steps=2"]  # fmt: skip
+    none = _peak_rss_from_outside(tmp_path / "none", [*big, "parallel=none"])
+    fsdp = _peak_rss_from_outside(tmp_path / "fsdp", [*big, "parallel=fsdp", "launch.nproc_per_node=4"])
+    assert fsdp <= 0.58 * none, f"fsdp@4 peak {fsdp >> 10} MiB against none's {none >> 10} MiB: {fsdp / none:.3f}"
