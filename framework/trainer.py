@@ -29,11 +29,11 @@ from framework.dist import (
 from framework.memory import (
     SavedActivationMeter,
     current_rss_bytes,
-    host_mmap_threshold_kb,
+    host_allocator,
     model_state_bytes,
     release_cached_memory,
     reset_peak_rss,
-    set_host_mmap_threshold,
+    set_host_allocator,
 )
 from framework.metrics import (
     ForwardTimer,
@@ -199,7 +199,7 @@ def resume_from(path: str, setup: Setup, info: DistInfo) -> None:
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str], guard: Guard) -> dict[str, Any]:
-    set_host_mmap_threshold(host_mmap_threshold_kb(cfg.memory.host_mmap_threshold_kb, cfg.parallel.name))
+    set_host_allocator(host_allocator(cfg.memory.host_allocator, cfg.parallel.name))
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it anyway: count it in the baseline)
 
     reset_peak_rss()  # this run's own peak, should the process have trained before

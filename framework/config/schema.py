@@ -90,9 +90,9 @@ class MemoryConfig:
     checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
     empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
     cpu_offload: bool = False  # FSDP: keep sharded parameters, gradients and optimizer state in CPU memory
-    # glibc: host blocks this large get their own mapping, returned when freed. 0: glibc's default;
-    # null: 1024 where FSDP gathers and frees parameters unit by unit (fsdp, hybrid), else 0
-    host_mmap_threshold_kb: int | None = None
+    # glibc malloc policy (framework.memory.set_host_allocator): lean | steady | glibc | auto (lean
+    # under fsdp and hybrid, steady elsewhere)
+    host_allocator: str = "auto"
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from framework.config.resolve import resolve_device, resolve_nproc, world_size_of
+from framework.memory import HOST_ALLOCATORS
 from framework.parallel.pipeline import SCHEDULES
 
 
@@ -107,11 +108,10 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "metrics.sample_every", 0)
     _at_least(cfg, "memory.checkpoint_every", 1)
     _at_least(cfg, "memory.empty_cache_every", 0)
-    mmap_kb = cfg.memory.host_mmap_threshold_kb
     _require(
-        mmap_kb is None or 0 <= mmap_kb <= 32768,
-        "memory.host_mmap_threshold_kb",
-        f"got {mmap_kb}; must be null (by strategy), 0 (glibc's default) or up to 32768 KiB (glibc's largest)",
+        cfg.memory.host_allocator in HOST_ALLOCATORS,
+        "memory.host_allocator",
+        f"got {cfg.memory.host_allocator!r}; must be one of {', '.join(HOST_ALLOCATORS)}",
     )
     if cfg.profile:
         for key in ("wait", "warmup", "active"):
