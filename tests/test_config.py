@@ -127,6 +127,7 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         (["checkpoint.preempt_grace_s=0"], "checkpoint.preempt_grace_s", "> 0"),
         (["backend.step_timeout_s=0"], "backend.step_timeout_s", "null or > 0"),
         (["nonfinite=ignore"], "nonfinite", "stop, skip"),
+        (["memory.host_allocator=fast"], "memory.host_allocator", "lean, steady, glibc"),
         (["optim.lr=0"], "optim.lr", "> 0"),
         (
             ["parallel=tp", "model.n_head=3", "model.n_embd=48", "launch.nproc_per_node=2"],

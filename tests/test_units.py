@@ -239,3 +239,18 @@ def test_amp_trains_with_a_dynamic_loss_scale(tmp_path):
     assert all(s is not None and s > 0 for s in scales) and scales[0] <= 65536.0
     assert all(b in (a, a / 2) for a, b in zip(scales, scales[1:], strict=False))  # growth_interval 2000
     assert summary["final_loss"] < summary["first_loss"]
+
+
+def test_host_allocator_policy_by_strategy_and_applied_through_glibc():
+    """auto: lean where FSDP gathers unit by unit, steady elsewhere; glibc's mallopt accepts both
+    (on glibc), and `glibc` leaves its defaults alone."""
+    import sys
+
+    from framework.memory import host_allocator, set_host_allocator
+
+    assert [host_allocator("auto", p) for p in ("fsdp", "hybrid", "ddp", "none", "pp")] == \
+        ["lean", "lean", "steady", "steady", "steady"]  # fmt: skip
+    assert host_allocator("glibc", "fsdp") == "glibc"
+    assert set_host_allocator("glibc") is False
+    if sys.platform.startswith("linux"):
+        assert set_host_allocator("lean") and set_host_allocator("steady")
