@@ -18,6 +18,8 @@ import tempfile
 
 from common import ROOT, run, table
 
+from framework.memory import peak_rss_of
+
 COMMON = ["experiment=smoke", "model.n_layer=8", "model.n_embd=128", "model.n_head=4", "data.seq_len=128",
           "data.batch_size=4", "steps=8", "metrics.sample_every=5"]  # fmt: skip
 
@@ -84,20 +86,16 @@ def measuring_cost_table() -> None:
 
 BIG = ["experiment=smoke", "logger=none", "progress=false", "model.n_layer=8", "model.n_embd=1024", "model.n_head=8",
        "data.seq_len=64", "data.batch_size=4", "steps=2"]  # fmt: skip
-# the process that starts train.py (a fresh one per run) reports its children's largest peak RSS
-_OUTSIDE = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); " \
-           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"  # fmt: skip
 
 
 def outside_rss(overrides: list[str]) -> tuple[int, dict]:
     """Peak RSS (bytes) of the largest process of `train.py OVERRIDES`, read from outside, and
     the run's summary."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-c", _OUTSIDE, sys.executable, str(ROOT / "train.py"), *overrides,
-               f"hydra.run.dir={out}"]  # fmt: skip
-        kib = int(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout.split()[-1])
+        cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={out}"]
+        rss = peak_rss_of(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(f"{out}/summary.json") as f:
-            return kib * 1024, json.load(f)
+            return rss, json.load(f)
 
 
 def rss_table() -> None:

@@ -10,8 +10,10 @@ import ctypes
 import functools
 import os
 import resource
+import subprocess
 import sys
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -247,6 +249,18 @@ def peak_rss_bytes() -> int:
     except (OSError, StopIteration):
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss if sys.platform == "darwin" else rss * 1024
+
+
+def peak_rss_of(cmd: list[str], **popen: Any) -> int:
+    """Run `cmd` to its end and return the peak RSS (bytes) of its largest process, the command's
+    own or any of its descendants': read from outside, by the parent that waits for it (POSIX
+    `wait4`). Raises CalledProcessError when the command fails."""
+    proc = subprocess.Popen(cmd, **popen)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
 
 
 def reset_peak_rss() -> None:

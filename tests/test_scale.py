@@ -167,17 +167,12 @@ def test_nccl_with_cpu_offload_also_gets_a_cpu_backend():
     assert resolve_backend(compose_config(["backend=nccl", "parallel=fsdp"])) == "nccl"
 
 
-# The process that starts train.py reports its children's largest peak RSS (ru_maxrss, KiB)
-_OUTSIDE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")  # fmt: skip
-
-
 def _peak_rss_from_outside(tmp_path, overrides: list[str]) -> int:
+    from framework.memory import peak_rss_of
+
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-c", _OUTSIDE, sys.executable, str(root / "train.py"), *overrides,
-           f"hydra.run.dir={tmp_path}"]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    return int(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root, env=env).stdout.split()[-1])
+    cmd = [sys.executable, str(root / "train.py"), *overrides, f"hydra.run.dir={tmp_path}"]
+    return peak_rss_of(cmd, cwd=root, env={**os.environ, "WANDB_MODE": "offline"}, stdout=subprocess.DEVNULL)
 
 
 def test_fsdp_at_4_ranks_peaks_under_0_58_of_one_process(tmp_path):
