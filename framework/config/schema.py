@@ -158,8 +158,21 @@ class VarlenDataConfig(LoaderFields):
 
 
 @dataclass
-class GPTConfig:
-    name: str = "gpt"
+class ModelConfig:
+    """What every model choice has (framework/contract.py); the rest are its factory's arguments."""
+
+    name: str | None = None  # the choice's name (display only)
+    _target_: str = MISSING  # the model's class or factory, e.g. pkg.module.MyModel
+    task: str | None = None  # lm | classify; null: what the model declares (else lm)
+    blocks: str | None = None  # attribute path of the repeated layers; null: declared or found
+    tp_plan: dict[str, str] | None = None  # tensor-parallel plan {submodule pattern: style}; null: declared
+    pretrained: str | None = None  # a folder of *.safetensors to load (model=hf; models with a state-dict adapter)
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    name: str | None = "gpt"
+    _target_: str = "models.gpt.GPT"
     vocab_size: int = 256
     block_size: int = 128  # longest sequence the model accepts
     n_layer: int = 4
@@ -170,8 +183,9 @@ class GPTConfig:
 
 
 @dataclass
-class MLPConfig:
-    name: str = "mlp"
+class MLPConfig(ModelConfig):
+    name: str | None = "mlp"
+    _target_: str = "models.mlp.MLP"
     in_dim: int = 32
     hidden: int = 256
     depth: int = 3
@@ -180,22 +194,35 @@ class MLPConfig:
 
 
 @dataclass
-class ResNetConfig:
-    name: str = "resnet"
+class ResNetConfig(ModelConfig):
+    name: str | None = "resnet"
+    _target_: str = "models.resnet.ResNet"
     arch: str = "resnet18"  # any torchvision.models resnet builder name
     num_classes: int = 10
     small_input: bool = True  # 3x3 stem without max-pool, for 32x32 images
 
 
 @dataclass
-class LSTMConfig:
-    name: str = "lstm"
+class LSTMConfig(ModelConfig):
+    name: str | None = "lstm"
+    _target_: str = "models.lstm.LSTMClassifier"
     vocab_size: int = 32
     embed_dim: int = 64
     hidden: int = 128
     num_layers: int = 1
     num_classes: int = 4
     bidirectional: bool = False
+
+
+@dataclass
+class HFConfig(ModelConfig):
+    """A Hugging Face causal LM: built from a config.json on the meta device (framework/hf.py)."""
+
+    name: str | None = "hf"
+    _target_: str = "framework.hf.from_config"
+    config: str = MISSING  # a folder with config.json
+    trust_remote_code: bool = False  # run the folder's own modelling code (off unless named here)
+    attn_implementation: str = "sdpa"  # sdpa | eager
 
 
 @dataclass
@@ -326,7 +353,14 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "vectors": VectorsDataConfig,
         "varlen": VarlenDataConfig,
     },
-    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "resnet": ResNetConfig, "lstm": LSTMConfig},
+    "model": {
+        "base": ModelConfig,
+        "gpt": GPTConfig,
+        "mlp": MLPConfig,
+        "resnet": ResNetConfig,
+        "lstm": LSTMConfig,
+        "hf": HFConfig,
+    },
     "optim": {"base": OptimConfig},
     "logger": {"base": LoggerConfig},
 }
