@@ -47,10 +47,12 @@ TASKS = ("lm", "classify")
 # vocabulary, gathered unless loss parallel); sequence_parallel: a norm run on sequence shards;
 # gather_input: gather the sequence before this module (an attention or MLP container);
 # embedding / position_embedding: split over their rows, output split along the sequence
-# (sequence parallel only; replicated otherwise)
-TP_STYLES = ("colwise", "rowwise", "output", "sequence_parallel", "gather_input", "embedding", "position_embedding")
+# (sequence parallel only; replicated otherwise); vocab_embedding: a token embedding split over its
+# rows in every setting (its output all-reduced, or reduce-scattered under sequence parallel)
+TP_STYLES = ("colwise", "rowwise", "output", "sequence_parallel", "gather_input", "embedding", "position_embedding",
+             "vocab_embedding")  # fmt: skip
 # Hugging Face's plan strings, in ours
-HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "output", "colwise_gather_output": "output"}
+HF_STYLES = {"colwise_rep": "output", "colwise_gather_output": "output", "embedding_rowwise": "vocab_embedding"}
 # keys of the `model` group that configure the framework, not the model's factory
 RESERVED_KEYS = ("name", "task", "blocks", "tp_plan", "pretrained")
 LM_DATA = ("text", "varlen", "tokens")
@@ -146,7 +148,7 @@ def spec_of(model: nn.Module, model_cfg: Mapping[str, Any]) -> ModelSpec:
 
 def find_blocks(model: nn.Module) -> str | None:
     """The path of the longest ModuleList (or Sequential) whose modules share one class."""
-    best, best_len = None, 1
+    best, best_len = None, 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList | nn.Sequential) and len(module) > best_len:
             if len({type(m) for m in module}) == 1:

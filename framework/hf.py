@@ -48,18 +48,9 @@ def from_config(config: str, trust_remote_code: bool = False, attn_implementatio
     )
     model.task = "lm"
     model.n_heads = getattr(hf_config, "num_attention_heads", None)
-    model.tp_plan = hf_tp_plan(model)
+    # `model.tp_plan` is transformers' own: the config's base_model_tp_plan under the base model's
+    # prefix, and the head's; the contract reads it, with its style names mapped to ours
     return model
-
-
-def hf_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The config's ``base_model_tp_plan`` under the base model's prefix, and the output head."""
-    base = getattr(model.config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    plan = {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
-    if plan and isinstance(getattr(model, "lm_head", None), nn.Linear):
-        plan["lm_head"] = "output"
-    return plan
 
 
 # ----------------------------------------------------------------------------- weights in

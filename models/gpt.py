@@ -69,6 +69,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     task = "lm"
     trains_on = ("text", "varlen", "tokens")
+    blocks_path = "blocks"
     # Tensor parallel (Megatron-style), in the model contract's plain strings (framework/contract.py):
     # q/k/v and the MLP's first linear split by output features (each rank computes whole heads and a
     # slice of the hidden units), the two output projections by input features (partial sums, one
@@ -103,7 +104,8 @@ class GPT(nn.Module):
         bias: bool = False,
     ):
         super().__init__()
-        assert n_embd % n_head == 0, "n_embd must be divisible by n_head"
+        if n_embd % n_head:  # "<argument>: ..." names the config key (framework/config/model.py)
+            raise ValueError(f"n_head: n_embd={n_embd} must divide evenly into n_head={n_head} heads")
         self.vocab_size, self.block_size = vocab_size, block_size
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
         self.tok_emb = nn.Embedding(vocab_size, n_embd)

@@ -40,6 +40,10 @@ def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
         try:
             model = build_model(cfg.model, "meta")
         except Exception as err:
+            err = err.__cause__ or err  # Hydra's InstantiationException wraps the factory's own
+            arg, _, rest = str(err).partition(": ")
+            if arg in cfg.model and rest:  # the factory named its argument
+                raise ConfigError(f"model.{arg}", rest) from None
             raise ConfigError("model", f"{cfg.model._target_} does not build: {type(err).__name__}: {err}") from None
         _BUILT.clear()
         _BUILT[key] = model, _spec(model, cfg, target)
@@ -71,6 +75,9 @@ def check_model(cfg: DictConfig) -> None:
         problem = check_config_folder(cfg.model.get("config"))
         if problem:
             raise ConfigError("model.config", problem)
+    declared = getattr(target, "trains_on", None)  # read before building: its keys may point into data
+    if declared is not None and cfg.data.name not in declared:
+        raise ConfigError("data", f"{cfg.model._target_} trains on data={'|'.join(declared)}, got data={cfg.data.name}")
     _check_arguments(cfg, target)
     if cfg.model.get("pretrained") is not None:
         from framework.hf import check_pretrained_folder
@@ -135,7 +142,7 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
     except ContractError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
     styles = set(spec.tp_plan.values())
-    if cfg.parallel.sequence_parallel and not {"embedding", "sequence_parallel"} <= styles:
+    if cfg.parallel.sequence_parallel and not ({"embedding", "vocab_embedding"} & styles and "sequence_parallel" in styles):
         raise ConfigError(
             "parallel.sequence_parallel",
             f"{type(model).__name__}'s plan has no sequence-parallel entries (embedding, sequence_parallel "

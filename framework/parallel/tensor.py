@@ -55,6 +55,8 @@ def tp_style(style: str, sequence_parallel: bool, loss_parallel: bool):
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    if style == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
     if not sequence_parallel:
         return None  # the rest are sequence parallel's
     if style == "sequence_parallel":

@@ -197,7 +197,7 @@ def _tp_dim(name: str, plan: dict[str, str], layout: Layout) -> int | None:
         return 0
     if style == "rowwise":
         return 1 if kind == "weight" else None
-    if style in ("embedding", "position_embedding") and layout.sequence_parallel:
+    if style == "vocab_embedding" or (style in ("embedding", "position_embedding") and layout.sequence_parallel):
         return 0
     return None
 
@@ -240,7 +240,7 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
         local = _tp_local(p, layout.tp)
         rank = stage_rank(p.stage, layout)
         per_rank[rank][1] += 1
-        if p.tp_dim is not None and p.style in ("embedding", "position_embedding") and not layout.fsdp:
+        if p.tp_dim is not None and p.style in ("embedding", "position_embedding", "vocab_embedding") and not layout.fsdp:
             # a row-wise (vocabulary-split) embedding's gradient comes back whole-size from
             # DTensor's embedding backward: a tp rank holds all of it
             per_rank[rank][2] += _numel(p.shape) - _numel(local)

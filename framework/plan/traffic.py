@@ -145,9 +145,13 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
             norms = tps.block_norm_params * len(layers)
         else:
             t.add("all_reduce", blocks * stream * (rows * out_bytes + cols * 4), tp, calls=(rows + cols) * blocks)
+        vocab_split = tps.top.get("vocab_embedding", 0)
+        if stage == 0 and vocab_split and not layout.sequence_parallel:  # partial lookups summed
+            t.add("all_reduce", n_micro * 4 * stream * vocab_split, tp, calls=n_micro * vocab_split)
         if stage == 0 and layout.sequence_parallel:  # embeddings leave split along the sequence
-            embedded = tps.top.get("embedding", 0) * stream + tps.top.get("position_embedding", 0) * T * tps.hidden
-            calls = (tps.top.get("embedding", 0) + tps.top.get("position_embedding", 0)) * n_micro
+            lookups = tps.top.get("embedding", 0) + vocab_split
+            embedded = lookups * stream + tps.top.get("position_embedding", 0) * T * tps.hidden
+            calls = (lookups + tps.top.get("position_embedding", 0)) * n_micro
             t.add("reduce_scatter", n_micro * 4 * embedded, tp, calls=calls)
             t.add("all_gather", n_micro * 4 * embedded, tp, calls=calls)  # their gradients
         if stage == layout.stages - 1 and tps.top.get("output"):
