@@ -205,6 +205,16 @@ def check_plan(model: nn.Module, spec: ModelSpec) -> None:
     expand_plan(model, spec)  # the styles
 
 
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model (wrappers' prefixes removed)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def logits_of(output: Any) -> torch.Tensor:
     """The logits in a model's output: the tensor itself, a tuple's first item, or ``.logits``."""
     if isinstance(output, torch.Tensor):

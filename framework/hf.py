@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.modules import canonical_name
+from framework.contract import canonical_name
 
 
 def check_config_folder(folder: str | None, key: str = "model.config") -> str | None:

@@ -8,9 +8,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from framework.contract import canonical_name
+from framework.hf import load_pretrained, restore_buffers
 from models.init import Rule, fill_
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+__all__ = ["canonical_name", "map_blocks", "materialize", "materialize_model"]
+
 
 
 def map_blocks(model: nn.Module, path: str | None, fn: Callable[[nn.Module], nn.Module], every: int = 1) -> int:
@@ -23,13 +26,6 @@ def map_blocks(model: nn.Module, path: str | None, fn: Callable[[nn.Module], nn.
     for key in keys[::every]:
         blocks[key] = fn(blocks[key])
     return len(keys[::every])
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name in the plain model (wrappers' prefixes removed)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 @torch.no_grad()
@@ -57,8 +53,6 @@ def materialize_model(module: nn.Module, spec, cfg, device: torch.device) -> Non
         materialize(module, device, spec.init_rule, cfg.seed)
     else:
         module.to_empty(device=device)
-    from framework.hf import load_pretrained, restore_buffers
-
     restore_buffers(module, device)
     for sub in module.modules():
         if hasattr(sub, "init_buffers"):

@@ -95,7 +95,7 @@ def forward_backward(
 def step_elements(cfg: DictConfig, info: DistInfo, setup: Setup, step_batches: list) -> int:
     """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
     config; variable-length data counts it with one small all-reduce (a sync point)."""
-    if cfg.data.name != "varlen":  # every target counts: seq_len per sample (text), or 1
+    if cfg.data.name not in ("varlen", "custom"):  # every target counts: seq_len per sample (text), or 1
         per_sample = cfg.data.seq_len if setup.task == "lm" else 1
         sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * setup.par.dp_size
         return sum(sizes) * len(step_batches) * per_sample
@@ -148,7 +148,7 @@ def reduce_step_figures(
         local = torch.stack([step_loss.float() * holds, step_loss.new_tensor(holds, dtype=torch.float32)])
     local = torch.cat([local, local.new_tensor([tokens, samples, float(signalled)])])
     totals = all_reduce_sum(local, info).tolist()
-    sequence_data = cfg.data.name in ("text", "varlen")  # report tokens/s
+    sequence_data = cfg.data.name in ("text", "varlen") or setup.task == "lm"  # report tokens/s
     return StepFigures(
         loss=totals[0] / totals[1],
         tokens=round(totals[2]) if sequence_data else None,

@@ -13,7 +13,9 @@ from tests.helpers import CONF, compose_config, write_tiny_llama_config
 
 # a data choice each model trains on, and a model for each data choice
 MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors"}
-DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp"}
+DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp"}
+CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
+               "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
 GROUPS = ["backend", "parallel", "precision", "memory", "data", "model", "optim", "logger"]
 
 
@@ -55,6 +57,8 @@ def test_every_group_choice_composes(group, name, tmp_path):
             overrides.append(f"model.config={write_tiny_llama_config(tmp_path)}")
     if group == "data":
         overrides.append(f"model={DATA_MODEL[name]}")
+        if name == "custom":
+            overrides += CUSTOM_DATA
     if group == "parallel" and name in ("none", "dp"):
         overrides.append("launch.nproc_per_node=1")
     if group == "memory" and name == "offload":

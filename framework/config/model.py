@@ -76,7 +76,7 @@ def check_model(cfg: DictConfig) -> None:
         if problem:
             raise ConfigError("model.config", problem)
     declared = getattr(target, "trains_on", None)  # read before building: its keys may point into data
-    if declared is not None and cfg.data.name not in declared:
+    if declared is not None and cfg.data.name not in (*declared, "custom"):
         raise ConfigError("data", f"{cfg.model._target_} trains on data={'|'.join(declared)}, got data={cfg.data.name}")
     _check_arguments(cfg, target)
     if cfg.model.get("pretrained") is not None:
@@ -88,9 +88,9 @@ def check_model(cfg: DictConfig) -> None:
     model, spec = _meta(cfg)
     data = cfg.data.name
     trains_on = spec.trains_on or (LM_DATA if spec.task == "lm" else None)
-    if trains_on is not None and data not in trains_on:
+    if trains_on is not None and data not in (*trains_on, "custom"):
         raise ConfigError("data", f"{cfg.model._target_} trains on data={'|'.join(trains_on)}, got data={data}")
-    if spec.task == "lm" and data in LM_DATA:
+    if spec.task == "lm" and data in LM_DATA and cfg.data.get("seq_len") is not None:
         _check_sequence(cfg, model)
     if cfg.memory.name == "checkpoint" and not blocks_of(model, spec):
         raise ConfigError(

@@ -170,6 +170,15 @@ class ModelConfig:
 
 
 @dataclass
+class CustomDataConfig(LoaderFields):
+    """data=custom: your own map-style Dataset by `_target_`; the keys beside it are its arguments."""
+
+    name: str = "custom"
+    _target_: str = MISSING  # a Dataset class or factory, e.g. pkg.module.MyDataset
+    seq_len: int | None = None  # lm data: tokens per sample, where the model checks its block size
+
+
+@dataclass
 class GPTConfig(ModelConfig):
     name: str | None = "gpt"
     _target_: str = "models.gpt.GPT"
@@ -352,6 +361,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "images": ImagesDataConfig,
         "vectors": VectorsDataConfig,
         "varlen": VarlenDataConfig,
+        "custom": CustomDataConfig,
     },
     "model": {
         "base": ModelConfig,
