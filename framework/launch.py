@@ -31,7 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_nproc, validate, world_size_of
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
+from framework.integrity import CheckpointError
 from framework.resilience import Preempted, exit_code
+from framework.runlock import FolderInUse, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,13 @@ def main(cfg: DictConfig) -> float | None:
         config["logger"]["group"] = config["logger"]["group"] or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
         config["logger"]["run_name"] = hydra_cfg.job.override_dirname or None
 
+    try:  # one writer per run folder, before any worker starts (framework/runlock.py)
+        lock = hold_run_folder(run_dir)
+    except FolderInUse as err:
+        print(f"error: {err}", file=sys.stderr)
+        if not sweeping:
+            sys.exit(2)
+        return failed_job(hydra_cfg, err)  # nothing is written into the other run's folder
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
     export_backend_env(backend_env(cfg.backend))
@@ -162,12 +171,44 @@ def main(cfg: DictConfig) -> float | None:
         if not sweeping:
             sys.exit(1)
         return failed_job(hydra_cfg, err)  # the worker's error is printed and in its summary
+    except CheckpointError as err:  # in this process (parallel=none, torchrun, srun): one line, every rank alike
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        if not sweeping:
+            sys.exit(1)
+        return failed_job(hydra_cfg, err)
     except Exception as err:
         if not sweeping:
             raise
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)  # parallel=none runs in-process
         return failed_job(hydra_cfg, err)
+    finally:
+        lock.release()
     return None if summary is None else objective(summary, cfg.optimize)
+
+
+def job_id() -> str:
+    """What the processes of one job share (one job is one writer of its run folder): the SLURM
+    job step or torchrun run of a job an outside launcher started, else this process."""
+    env = os.environ
+    if launched_as_worker() and "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
+        return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
+    if launched_as_worker():
+        return f"torchrun-{env.get('TORCHELASTIC_RUN_ID', 'none')}-{env.get('MASTER_ADDR')}-{env.get('MASTER_PORT')}"
+    return f"local-{os.getpid()}"
+
+
+def hold_run_folder(run_dir: str) -> RunLock:
+    """Take the run folder's lock (this process starts the workers, or is rank 0 of an outside
+    launcher's job), or, as another rank of such a job, check that the job holds it."""
+    lock = RunLock(run_dir, job_id())
+    if int(os.environ.get("RANK", 0)) > 0:
+        lock.share()
+    else:
+        line = lock.acquire()
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    return lock
 
 
 def resume_hint(stop: Preempted, run_dir: str, sweeping: bool, overrides: list[str]) -> str:
@@ -263,6 +304,9 @@ def launch_local_workers(
         errors = [f"worker rank {rank} failed (exit code {failure.exitcode}): {_failure_message(failure)}"
                   for rank, failure in sorted(err.failures.items())]  # fmt: skip
         cause = _summary(run_dir).get("error")  # the first failing rank's own error (others may exit first)
+        if cause and cause.startswith(f"{CheckpointError.__name__}: "):  # one line says it all
+            print(f"error: {cause.split(': ', 1)[1]}", file=sys.stderr)
+            raise RunFailed(cause) from None
         for line in errors:
             print(f"error: {line}", file=sys.stderr)
         if cause and not any(cause in line for line in errors):
@@ -304,6 +348,8 @@ def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]
         return worker_main(config, run_dir, choices)
     except Preempted as stop:
         sys.exit(exit_code(stop.signum))
+    except CheckpointError:
+        sys.exit(1)  # the launcher prints its one line
 
 
 def worker_main(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:

@@ -43,6 +43,8 @@ ALLOWED = {
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
     "launch.start_method": ("spawn", "fork", "forkserver"),
     "nonfinite": ("stop", "skip"),
+    "checkpoint.verify": ("full", "size", "off"),
+    "checkpoint.on_error": ("stop", "warn"),
 }
 
 # Which data each model can train on: (model, data) pairs that make a task.
