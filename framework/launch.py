@@ -117,6 +117,13 @@ def main(cfg: DictConfig) -> float | None:
         if done is not None:
             print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
             return objective(done, cfg.optimize)
+    try:  # one writer per run folder, first: before planning, validation, any worker (framework/runlock.py)
+        lock = hold_run_folder(run_dir)
+    except FolderInUse as err:
+        print(f"error: {err}", file=sys.stderr)
+        if not sweeping:
+            sys.exit(2)
+        return failed_job(hydra_cfg, err)  # nothing is written into the other run's folder
     try:
         if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
             from framework.plan import resolve_auto
@@ -134,6 +141,7 @@ def main(cfg: DictConfig) -> float | None:
                 f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
             )
     except ConfigError as err:
+        lock.release()
         print(f"error: {err}", file=sys.stderr)
         if not sweeping:
             sys.exit(2)
@@ -148,13 +156,6 @@ def main(cfg: DictConfig) -> float | None:
         config["logger"]["group"] = config["logger"]["group"] or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
         config["logger"]["run_name"] = hydra_cfg.job.override_dirname or None
 
-    try:  # one writer per run folder, before any worker starts (framework/runlock.py)
-        lock = hold_run_folder(run_dir)
-    except FolderInUse as err:
-        print(f"error: {err}", file=sys.stderr)
-        if not sweeping:
-            sys.exit(2)
-        return failed_job(hydra_cfg, err)  # nothing is written into the other run's folder
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
     export_backend_env(backend_env(cfg.backend))
