@@ -117,14 +117,8 @@ def main(cfg: DictConfig) -> float | None:
         if done is not None:
             print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
             return objective(done, cfg.optimize)
-    try:  # one writer per run folder, first: before planning, validation, any worker (framework/runlock.py)
-        lock = hold_run_folder(run_dir)
-    except FolderInUse as err:
-        print(f"error: {err}", file=sys.stderr)
-        if not sweeping:
-            sys.exit(2)
-        return failed_job(hydra_cfg, err)  # nothing is written into the other run's folder
     try:
+        lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/runlock.py)
         if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
             from framework.plan import resolve_auto
 
@@ -140,13 +134,13 @@ def main(cfg: DictConfig) -> float | None:
                 "parallel",
                 f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
             )
-    except ConfigError as err:
-        lock.release()
+    except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
         if not sweeping:
             sys.exit(2)
-        # one bad job of a sweep: recorded as failed, the others still run
-        write_failed_summary(run_dir, f"ConfigError: {err}", choices)
+        if isinstance(err, ConfigError):  # one bad job of a sweep: recorded as failed, the others still run
+            lock.release()
+            write_failed_summary(run_dir, f"ConfigError: {err}", choices)
         return failed_job(hydra_cfg, err)
 
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -161,7 +155,7 @@ def main(cfg: DictConfig) -> float | None:
     export_backend_env(backend_env(cfg.backend))
     try:
         if launched_as_worker() or cfg.parallel.name == "none":
-            summary = worker_main(config, run_dir, choices)
+            summary = train_here(config, run_dir, choices)
         else:
             summary = launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
     except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
@@ -172,12 +166,6 @@ def main(cfg: DictConfig) -> float | None:
         if not sweeping:
             sys.exit(1)
         return failed_job(hydra_cfg, err)  # the worker's error is printed and in its summary
-    except CheckpointError as err:  # in this process (parallel=none, torchrun, srun): one line, every rank alike
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        if not sweeping:
-            sys.exit(1)
-        return failed_job(hydra_cfg, err)
     except Exception as err:
         if not sweeping:
             raise
@@ -194,8 +182,10 @@ def job_id() -> str:
     env = os.environ
     if launched_as_worker() and "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
         return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
+    if launched_as_worker() and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"  # the same through torchrun's restarts
     if launched_as_worker():
-        return f"torchrun-{env.get('TORCHELASTIC_RUN_ID', 'none')}-{env.get('MASTER_ADDR')}-{env.get('MASTER_PORT')}"
+        return f"torchrun-{env.get('MASTER_ADDR')}-{env.get('MASTER_PORT')}"
     return f"local-{os.getpid()}"
 
 
@@ -340,6 +330,17 @@ def _failure_message(failure: Any) -> str:
     if isinstance(data, dict) and isinstance(data.get("message"), dict):
         return data["message"].get("message", "").strip() or failure.message
     return str(failure.message or "no error file; see the worker's output above")
+
+
+def train_here(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+    """Train in this process (parallel=none; one rank of torchrun or srun). A checkpoint that
+    does not verify, or a failed save, is one line (rank 0's; every rank has the same)."""
+    try:
+        return worker_main(config, run_dir, choices)
+    except CheckpointError as err:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        raise RunFailed(str(err)) from None
 
 
 def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ reach across hosts on a network file system; the lease does).
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -123,6 +124,7 @@ class RunLock:
         os.fsync(fd)
         self.fd = fd
         threading.Thread(target=self._renew, name="hydradist-run-lock", daemon=True).start()
+        atexit.register(self.release)  # also when the process exits early (sys.exit)
         return line
 
     def share(self, wait_s: float = 10.0) -> None:
