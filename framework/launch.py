@@ -31,7 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_nproc, validate, world_size_of
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
+from framework.integrity import CheckpointError
 from framework.resilience import Preempted, exit_code
+from framework.runlock import FolderInUse, RunLock
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,7 @@ def main(cfg: DictConfig) -> float | None:
             print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
             return objective(done, cfg.optimize)
     try:
+        lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/runlock.py)
         if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
             from framework.plan import resolve_auto
 
@@ -131,12 +134,13 @@ def main(cfg: DictConfig) -> float | None:
                 "parallel",
                 f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
             )
-    except ConfigError as err:
+    except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
         if not sweeping:
             sys.exit(2)
-        # one bad job of a sweep: recorded as failed, the others still run
-        write_failed_summary(run_dir, f"ConfigError: {err}", choices)
+        if isinstance(err, ConfigError):  # one bad job of a sweep: recorded as failed, the others still run
+            lock.release()
+            write_failed_summary(run_dir, f"ConfigError: {err}", choices)
         return failed_job(hydra_cfg, err)
 
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -151,7 +155,7 @@ def main(cfg: DictConfig) -> float | None:
     export_backend_env(backend_env(cfg.backend))
     try:
         if launched_as_worker() or cfg.parallel.name == "none":
-            summary = worker_main(config, run_dir, choices)
+            summary = train_here(config, run_dir, choices)
         else:
             summary = launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
     except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
@@ -167,7 +171,35 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)  # parallel=none runs in-process
         return failed_job(hydra_cfg, err)
+    finally:
+        lock.release()
     return None if summary is None else objective(summary, cfg.optimize)
+
+
+def job_id() -> str:
+    """What the processes of one job share (one job is one writer of its run folder): the SLURM
+    job step or torchrun run of a job an outside launcher started, else this process."""
+    env = os.environ
+    if launched_as_worker() and "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
+        return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
+    if launched_as_worker() and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"  # the same through torchrun's restarts
+    if launched_as_worker():
+        return f"torchrun-{env.get('MASTER_ADDR')}-{env.get('MASTER_PORT')}"
+    return f"local-{os.getpid()}"
+
+
+def hold_run_folder(run_dir: str) -> RunLock:
+    """Take the run folder's lock (this process starts the workers, or is rank 0 of an outside
+    launcher's job), or, as another rank of such a job, check that the job holds it."""
+    lock = RunLock(run_dir, job_id())
+    if int(os.environ.get("RANK", 0)) > 0:
+        lock.share()
+    else:
+        line = lock.acquire()
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    return lock
 
 
 def resume_hint(stop: Preempted, run_dir: str, sweeping: bool, overrides: list[str]) -> str:
@@ -263,6 +295,9 @@ def launch_local_workers(
         errors = [f"worker rank {rank} failed (exit code {failure.exitcode}): {_failure_message(failure)}"
                   for rank, failure in sorted(err.failures.items())]  # fmt: skip
         cause = _summary(run_dir).get("error")  # the first failing rank's own error (others may exit first)
+        if cause and cause.startswith(f"{CheckpointError.__name__}: "):  # one line says it all
+            print(f"error: {cause.split(': ', 1)[1]}", file=sys.stderr)
+            raise RunFailed(cause) from None
         for line in errors:
             print(f"error: {line}", file=sys.stderr)
         if cause and not any(cause in line for line in errors):
@@ -297,6 +332,17 @@ def _failure_message(failure: Any) -> str:
     return str(failure.message or "no error file; see the worker's output above")
 
 
+def train_here(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+    """Train in this process (parallel=none; one rank of torchrun or srun). A checkpoint that
+    does not verify, or a failed save, is one line (rank 0's; every rank has the same)."""
+    try:
+        return worker_main(config, run_dir, choices)
+    except CheckpointError as err:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        raise RunFailed(str(err)) from None
+
+
 def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
     """The entrypoint of a worker the local launcher starts: a preempted worker exits with the
     signal's code (no traceback); the launcher reads the rest from summary.json."""
@@ -304,6 +350,8 @@ def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]
         return worker_main(config, run_dir, choices)
     except Preempted as stop:
         sys.exit(exit_code(stop.signum))
+    except CheckpointError:
+        sys.exit(1)  # the launcher prints its one line
 
 
 def worker_main(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:

@@ -34,6 +34,8 @@ class Setup:
     data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed) to start from
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
     rss_baseline_bytes: int | None = None  # this process before the model was built
+    verify_s: float = 0.0  # seconds spent verifying checkpoints before resuming
+    load_s: float = 0.0  # seconds to resume: verifying and loading
 
 
 @dataclass

@@ -26,6 +26,7 @@ from framework.dist import (
     init_distributed,
     restart_count,
 )
+from framework.integrity import CheckpointError
 from framework.memory import (
     SavedActivationMeter,
     current_rss_bytes,
@@ -57,6 +58,7 @@ from framework.resilience import (
     inject_fault,
     is_collective_failure,
 )
+from framework.resume import choose as choose_resume
 from framework.run_files import RunFiles, checkpoint_root
 from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
 from framework.summary import RunStats, report, summarize
@@ -87,6 +89,9 @@ def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any
                 raise
             except Aborted:
                 raise  # the failing rank wrote the summary
+            except CheckpointError as err:  # every rank has it (a collective verdict): no abort
+                files.write_summary({"status": "failed", "error": f"CheckpointError: {err}", "choices": choices})
+                raise
             except BaseException as err:
                 # any failing rank writes it (rank 0 may be the one left waiting), then tells the others
                 files.write_summary({"status": "failed", "error": f"{type(err).__name__}: {err}", "choices": choices},
@@ -101,17 +106,6 @@ def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def resume_path(cfg: DictConfig, run_dir: str) -> str | None:
-    """The checkpoint to start from: `checkpoint.resume` (a folder), or with `auto` the run's
-    newest complete checkpoint (none yet: a fresh start). After the elastic agent restarts the
-    workers (a worker died; launch.max_restarts), also the newest, if the run saved one."""
-    if cfg.checkpoint.resume not in (None, "auto"):
-        return cfg.checkpoint.resume
-    if cfg.checkpoint.resume == "auto" or restart_count() > 0:
-        return checkpoint.latest(checkpoint_root(cfg, run_dir))
-    return None
 
 
 def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
@@ -148,12 +142,16 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, spec.task)
     precision = build_precision(cfg.precision, info.device, sharded=fsdp_v1(cfg))
     setup = Setup(flops, par, optimizer, scheduler, data, precision, spec.task)
-    resume = resume_path(cfg, run_dir)
+    # the checkpoint to continue from (checkpoint.resume, or the newest after an elastic restart),
+    # verified first: framework/resume.py
+    resume, setup.verify_s = choose_resume(cfg, checkpoint_root(cfg, run_dir), info)
     if restart_count() > 0 and info.is_main:
         print(f"restart {restart_count()} of launch.max_restarts={cfg.launch.max_restarts} after a worker failed: "
               f"continuing from {resume or 'the start (no checkpoint yet)'}", flush=True)  # fmt: skip
     if resume:
+        t0 = time.perf_counter()
         resume_from(resume, setup, info)
+        setup.load_s = setup.verify_s + time.perf_counter() - t0
     return setup
 
 
@@ -237,8 +235,7 @@ def loop(
     forward_timer = ForwardTimer(info.device)
     peak = peak_flops(info.device, cfg.metrics.peak_tflops, setup.precision.dtype) if setup.flops.model else None
     profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
-    saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint.keep_last,
-                         cfg.checkpoint.async_save)  # fmt: skip
+    saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint)
     batches = data.batches(*setup.data_position)
     progress = tqdm(  # rank 0 only
         total=cfg.steps, initial=setup.start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
@@ -271,6 +268,7 @@ def loop(
             t0 = time.perf_counter()
             saver.wait()
             stats.checkpoint_s.append(time.perf_counter() - t0)
+    stats.checkpoint_io = {"verify_s": setup.verify_s, "load_s": setup.load_s, "failed_saves": saver.failed}
     progress.close()
     if cfg.checkpoint.export:
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
@@ -343,7 +341,8 @@ def end_of_step(
         stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
         stats.checkpoint_saves += 1
     if figures.preempt:
-        saver.wait()  # on disk before the process exits
+        if not saver.wait() or path is None:  # on disk before the process exits
+            raise CheckpointError(f"preempted after step {done}; its checkpoint could not be saved (see above)")
         raise Preempted(guard.signum or signal.SIGTERM, done, path)
 
 

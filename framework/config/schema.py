@@ -279,6 +279,8 @@ class CheckpointConfig:
     async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
     preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
     export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
+    verify: str = "full"  # full | size | off: what a resume checks against the manifest (framework/integrity.py)
+    on_error: str = "stop"  # stop | warn: a failed save (a full disk) stops the run, or warns and retries next time
 
 
 @dataclass

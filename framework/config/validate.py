@@ -36,6 +36,8 @@ ALLOWED = {
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
     "launch.start_method": ("spawn", "fork", "forkserver"),
     "nonfinite": ("stop", "skip"),
+    "checkpoint.verify": ("full", "size", "off"),
+    "checkpoint.on_error": ("stop", "warn"),
 }
 
 def _get(cfg: DictConfig, key: str) -> Any:
