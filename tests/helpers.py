@@ -22,7 +22,7 @@ def compose_config(overrides: list[str] | None = None):
 
 def world_config(overrides: list[str], world: int) -> dict[str, Any]:
     """Composed, validated and resolved for `world` local workers: what run_configs takes."""
-    from framework.config import compose_run
+    from framework.compose import compose_run
 
     return compose_run([*overrides, f"launch.nproc_per_node={world}"])
 
@@ -54,7 +54,7 @@ def run_workers(fn, world_size: int, *args) -> dict[int, Any]:
     (through torch's elastic launcher, as train.py does); returns each rank's result."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from framework.launch import local_launch_config
+    from framework.dist import local_launch_config
 
     return elastic_launch(local_launch_config(world_size), _worker)(fn, args)
 
