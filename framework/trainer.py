@@ -152,6 +152,8 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
               f"continuing from {resume or 'the start (no checkpoint yet)'}", flush=True)  # fmt: skip
     if resume:
         resume_from(resume, setup, info)
+        if info.is_main:  # a resumed run says so, and from where
+            print(f"resumed from step {setup.start_step} (checkpoint {resume})", flush=True)
     return setup
 
 

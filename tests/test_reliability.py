@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import losses, read_metrics, read_summary, train_cli
 from tests.test_images import make_image_folder
@@ -82,11 +83,40 @@ def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkey
     stopped = summary["step"]
     assert 5 <= stopped < 60 and Path(summary["checkpoint"]).name == f"step-{stopped:06d}"
 
+    before = read_metrics_lines(run)
+    assert len(before) == stopped
+
     monkeypatch.delenv("HYDRADIST_FAULT")
     proc = train_cli([*args, "checkpoint.resume=auto"], run)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_resumed(proc, run, before, stopped)
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 61))
     assert losses(run) == losses(clean)  # bitwise, fp32
+
+
+def assert_resumed(proc, run: Path, before: list[str], step: int) -> None:
+    """The run loaded step-N and says so, and kept the metric lines of steps 1..N as written
+    (a fresh start would rewrite them: their step times differ)."""
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("resumed from step")]
+    assert said == [f"resumed from step {step} (checkpoint {run / 'checkpoints' / f'step-{step:06d}'})"], said
+    assert read_metrics_lines(run)[:step] == before[:step]
+
+
+def test_resume_auto_continues_from_the_newest_checkpoint_and_says_so(tmp_path):
+    """The lean default-run check of `checkpoint.resume=auto`: one process, 6 steps with a
+    checkpoint at 3 (the one at 6 removed), resumed into the same run directory."""
+    args = [*SMOKE, "parallel=none", "steps=6", "checkpoint.every=3"]
+    run = tmp_path / "run"
+    assert train_cli(args, run).returncode == 0
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / "step-000006")
+    before, first = read_metrics_lines(run), losses(run)
+    proc = train_cli([*args, "checkpoint.resume=auto"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_resumed(proc, run, before, 3)
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 7))
+    assert losses(run) == first  # bitwise, fp32
 
 
 @pytest.mark.slow
@@ -290,7 +320,7 @@ def test_nonfinite_skip_leaves_the_step_out_and_counts_it(tmp_path, monkeypatch)
     assert train_cli([*SMOKE, "steps=6"], clean).returncode == 0
     monkeypatch.setenv("HYDRADIST_FAULT", "1:3:nan")
     run = tmp_path / "run"
-    proc = train_cli([*SMOKE, "steps=6", "nonfinite=skip"], run)
+    proc = train_cli([*SMOKE, "steps=6", "nonfinite=skip", "checkpoint.every=1"], run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(run)
     assert [m["skipped"] for m in metrics] == [False, False, False, True, False, False]
@@ -299,3 +329,25 @@ def test_nonfinite_skip_leaves_the_step_out_and_counts_it(tmp_path, monkeypatch)
     # the skipped update left the weights alone: step 5 sees the weights of step 4's end, so its
     # loss is finite and close to the clean run's (which applied one more update)
     assert metrics[4]["loss"] == pytest.approx(losses(clean)[4], rel=0.05)
+    # bitwise: the parameters and the optimizer state after the skipped step 4 are those after step 3
+    # (an update with zeroed gradients would still move Adam's moments and step count)
+    # (the LR schedule in optim.param_groups moves on regardless)
+    before, after = (checkpoint_tensors(run / "checkpoints" / f"step-00000{k}", tmp_path / f"{k}.pt") for k in (3, 4))
+    kept = [k for k in before if k.startswith(("model.", "optim.state."))]
+    assert before.keys() == after.keys() and any(k.endswith(".exp_avg") for k in kept), list(before)[:20]
+    for key in kept:
+        assert torch.equal(before[key], after[key]), key
+
+
+def checkpoint_tensors(path: Path, out: Path) -> dict:
+    """A saved checkpoint's model and optimizer state, flattened to {dotted key: value}."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, out)
+
+    def flat(tree, prefix=""):
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): tree}
+
+    return flat(torch.load(out, weights_only=True))
