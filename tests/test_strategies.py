@@ -172,39 +172,51 @@ def test_sequence_and_loss_parallel_show_in_the_collectives(tmp_path):
         "sp_lp": config([*tp, "parallel.loss_parallel=true"], 2),
     }
     ops = {name: s["comm"]["by_op"] for name, s in run_configs(configs, 2, str(tmp_path)).items()}
-    print(ops)
-    assert ops == {}
+    logits = {"calls": 1, "bytes": 8 * 32 * 256 * 4}  # the head's (B, T, vocab) fp32 output, gathered once
+    # per rank per step, 2 blocks: with sequence parallel, 19 reduce-scatters and as many all-gathers
+    # of the residual stream (shards of (B, T, C)) replace the plain layout's activation all-reduces
+    assert ops["plain"] == {"all_gather": logits, "all_reduce": {"calls": 26, "bytes": 819204}}, ops["plain"]
+    stream = {"calls": 19, "bytes": 593920}
+    assert ops["sp"] == {"all_gather": {"calls": 19 + 1, "bytes": 593920 + logits["bytes"]}, "reduce_scatter": stream,
+                         "all_reduce": {"calls": 10, "bytes": 1156}}, ops["sp"]  # fmt: skip
+    # loss parallel: the same, less the logits' gather
+    assert ops["sp_lp"] == {"all_gather": stream, "reduce_scatter": stream, "all_reduce": {"calls": 10, "bytes": 1156}}
 
 
-def _pipeline_actions(rank: int, world: int, schedule: str) -> list[str]:
-    """This rank's stage forwards (F) and backwards (B) of one pipeline step, in the order run."""
+def _pipeline_actions(rank: int, world: int, schedules: list[str]) -> dict[str, list[str]]:
+    """This rank's stage forwards (F) and backwards (B) of a pipeline step, in the order run, per
+    schedule (the second step: the first also infers the stages' shapes)."""
     from framework.dist import DistInfo
     from framework.trainer import build
 
-    args = ["experiment=smoke", "logger=none", "parallel=pp", f"parallel.schedule={schedule}", "data.batch_size=8"]
-    cfg = OmegaConf.create(world_config(args, world))
-    setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
-    actions: list[str] = []
+    got = {}
+    for schedule in schedules:
+        args = ["experiment=smoke", "logger=none", "parallel=pp", f"parallel.schedule={schedule}", "data.batch_size=8"]
+        cfg = OmegaConf.create(world_config(args, world))
+        setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
+        actions: list[str] = []
 
-    def record(module, args, output):
-        if output.device.type != "meta":  # the stage's shape inference runs on meta tensors
-            actions.append("F")
-            output.register_hook(lambda grad: actions.append("B"))
+        def record(module, args, output, actions=actions):
+            if output.device.type != "meta":
+                actions.append("F")
+                output.register_hook(lambda grad: actions.append("B"))
 
-    first_block = next(iter(setup.par.module.blocks.values()))  # one block per stage run: one F per micro-batch
-    first_block.register_forward_hook(record)
-    tokens = torch.randint(0, 256, (8, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    setup.par.pipeline.step(tokens[:, :-1], tokens[:, 1:])
-    return actions
+        next(iter(setup.par.module.blocks.values())).register_forward_hook(record)  # one F per micro-batch
+        tokens = torch.randint(0, 256, (8, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            actions.clear()
+            setup.par.pipeline.step(tokens[:, :-1], tokens[:, 1:])
+        got[schedule] = "".join(actions)
+    return got
 
 
 def test_pipeline_schedules_run_their_own_action_order():
-    """The same arithmetic in another order: GPipe runs every micro-batch's forward before any
-    backward; 1F1B starts backwards as soon as the last stage has a micro-batch (4 micro-batches, 2 stages)."""
-    gpipe = run_workers(_pipeline_actions, 2, "GPipe")
-    one_f_one_b = run_workers(_pipeline_actions, 2, "1F1B")
-    print(gpipe, one_f_one_b)
-    assert gpipe == {}
+    """The same arithmetic in another order (2 stages, 4 micro-batches): GPipe runs every
+    micro-batch's forward before any backward; 1F1B starts backwards as soon as the last stage
+    has a micro-batch, then alternates."""
+    got = run_workers(_pipeline_actions, 2, ["GPipe", "1F1B"])
+    assert got[0] == {"GPipe": "FFFFBBBB", "1F1B": "FFBFBFBB"}, got
+    assert got[1] == {"GPipe": "FFFFBBBB", "1F1B": "FBFBFBFB"}, got
 
 
 def test_grad_clip_scales_the_update_in_a_run_designed_to_clip(tmp_path):
