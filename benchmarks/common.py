@@ -11,7 +11,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from framework.config import compose_run  # noqa: E402
+from framework.compose import compose_run  # noqa: E402
 from framework.sweep import run_configs  # noqa: E402
 
 

@@ -12,7 +12,6 @@ Three ways a process reaches ``main``:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -21,8 +20,6 @@ import shlex
 import signal
 import sys
 import time
-import uuid
-from datetime import datetime
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -30,7 +27,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_nproc, validate, world_size_of
-from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
+from framework.config.run_id import register_resolvers  # noqa: F401  (train.py's import)
+from framework.dist import adopt_slurm_env, launched_as_worker, local_launch_config, slurm_task
 from framework.integrity import CheckpointError
 from framework.resilience import Preempted, exit_code
 from framework.runlock import FolderInUse, RunLock
@@ -38,22 +36,6 @@ from framework.runlock import FolderInUse, RunLock
 log = logging.getLogger(__name__)
 
 GROUPS = ("backend", "parallel", "precision", "memory", "data", "model", "optim", "logger")
-
-
-@functools.cache
-def _run_id() -> str:
-    # One run directory per run, never one per rank: every rank of a job resolves the same name
-    # from what its launcher shares (the SLURM job and step, the rendezvous id, else the master
-    # port), never from the clock, which may differ between nodes. A local run uses the time.
-    env = os.environ
-    if slurm_task():
-        return f"jobs/slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
-    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-    if launched_as_worker() and run_id != "none":
-        return f"jobs/torchrun-{run_id}"
-    if launched_as_worker() and "MASTER_PORT" in env:
-        return f"jobs/torchrun-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}"
-    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
 
 
 _SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob
@@ -71,10 +53,6 @@ def export_backend_env(env: dict[str, str]) -> None:
     for key, value in env.items():
         _SHELL_ENV[key] = os.environ.get(key)
         os.environ[key] = value
-
-
-def register_resolvers() -> None:
-    OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
 
 
 class RunFailed(RuntimeError):
@@ -247,26 +225,6 @@ def write_failed_summary(run_dir: str, error: str, choices: dict[str, str]) -> N
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({"status": "failed", "error": error, "choices": choices}, f, indent=2)
-
-
-def local_launch_config(
-    nproc: int, max_restarts: int = 0, monitor_interval_s: float = 0.1, start_method: str = "spawn"
-):
-    """torch's elastic launcher set up for `nproc` workers on this machine (as `torchrun
-    --standalone` does), used by train.py, the config sweeps of benchmarks and the tests."""
-    from torch.distributed.launcher.api import LaunchConfig
-
-    return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"hydradist-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, so concurrent runs never collide
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval_s,
-        start_method=start_method,
-    )
 
 
 def launch_local_workers(

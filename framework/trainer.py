@@ -152,6 +152,8 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
         t0 = time.perf_counter()
         resume_from(resume, setup, info)
         setup.load_s = setup.verify_s + time.perf_counter() - t0
+        if info.is_main:  # a resumed run says so, and from where
+            print(f"resumed from step {setup.start_step} (checkpoint {resume})", flush=True)
     return setup
 
 

@@ -22,7 +22,7 @@ def compose_config(overrides: list[str] | None = None):
 
 def world_config(overrides: list[str], world: int) -> dict[str, Any]:
     """Composed, validated and resolved for `world` local workers: what run_configs takes."""
-    from framework.config import compose_run
+    from framework.compose import compose_run
 
     return compose_run([*overrides, f"launch.nproc_per_node={world}"])
 
@@ -65,7 +65,7 @@ def run_workers(fn, world_size: int, *args) -> dict[int, Any]:
     (through torch's elastic launcher, as train.py does); returns each rank's result."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from framework.launch import local_launch_config
+    from framework.dist import local_launch_config
 
     return elastic_launch(local_launch_config(world_size), _worker)(fn, args)
 
@@ -130,23 +130,24 @@ def is_png_with_content(path: Path) -> bool:
     return pixels.ndim == 3 and min(pixels.shape[:2]) > 50 and float(pixels.std()) > 0.01
 
 
-PLAN_TOLERANCE = {  # the planner's floors (issue 10): relative error of each predicted figure
-    "param_bytes": 0.05,
-    "grad_bytes": 0.05,
-    "optim_bytes": 0.05,
-    "wire_bytes": 0.10,
-    "activation_bytes": 0.25,
-}
+PLAN_FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls")
+# The planner counts exactly what the run measures (docs: every figure +0.0%), but one: the
+# zero-bubble schedules hold micro-batches longer on the stage with the head than the model takes
+# (one per stage ahead): up to -22% of activations on the tiny smoke gpt.
+ZERO_BUBBLE_ACTIVATIONS = 0.25
 
 
 def assert_plan_holds(summary: dict[str, Any], name: str = "") -> None:
-    """The run's own check of the planner (summary.json `plan`) is within the floors."""
+    """The run's own check of the planner (summary.json `plan`): exact for every figure, the
+    collective calls included; the zero-bubble schedules' activations within their bound."""
     plan = summary["plan"]
     assert "error" in plan and isinstance(plan["error"], dict), f"{name}: {plan}"
-    for figure, tolerance in PLAN_TOLERANCE.items():
+    zero_bubble = "ZeroBubble" in str(plan.get("layout"))  # "pp ZBVZeroBubble m=4"
+    for figure in PLAN_FIGURES:
         error = plan["error"][figure]
         assert error is not None, f"{name}: {figure} not predicted or not measured: {plan}"
+        tolerance = ZERO_BUBBLE_ACTIVATIONS if figure == "activation_bytes" and zero_bubble else 0.0
         assert abs(error) <= tolerance, (
             f"{name}: {figure} predicted {plan['predicted'][figure]}, measured {plan['measured'][figure]} "
-            f"({error:+.1%}; allowed {tolerance:.0%})"
+            f"({error:+.2%}; allowed {tolerance:.0%})"
         )

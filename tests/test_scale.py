@@ -37,11 +37,9 @@ def _built_equals_single_process(rank: int, world: int, overrides: list[str]) ->
     [
         (["parallel=fsdp"], 2),
         (["parallel=tp"], 2),
-        pytest.param(["parallel=pp"], 2, marks=pytest.mark.slow),
-        pytest.param(
-            ["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4, marks=pytest.mark.slow
-        ),
-        pytest.param(["parallel=ddp"], 2, marks=pytest.mark.slow),
+        (["parallel=pp"], 2),
+        (["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4),
+        (["parallel=ddp"], 2),
     ],
     ids=["fsdp", "tp", "pp", "pp2-fsdp-tp2", "ddp"],
 )
