@@ -40,7 +40,8 @@ def steady_rate(seconds: list[float], tokens: list[int]) -> float:
 
 
 def run_framework(steps: int, precision: str, out: Path) -> float:
-    args = [sys.executable, str(ROOT / "train.py"), f"steps={steps}", f"precision={precision}",
+    # device=cpu: the raw loop it is compared with is a CPU/gloo loop, also on a machine with GPUs
+    args = [sys.executable, str(ROOT / "train.py"), "device=cpu", f"steps={steps}", f"precision={precision}",
             "parallel=ddp", f"launch.nproc_per_node={WORLD}", f"hydra.run.dir={out}",
             f"model.n_layer={MODEL['n_layer']}", f"model.n_embd={MODEL['n_embd']}", f"model.n_head={MODEL['n_head']}",
             f"data.seq_len={MODEL['seq_len']}", f"data.batch_size={MODEL['batch_size']}"]  # fmt: skip

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import losses, read_metrics, read_summary, train_cli
 from tests.test_images import make_image_folder
 
-SMOKE = ["experiment=smoke", "logger=none"]
+SMOKE = ["experiment=smoke", "logger=none", "device=cpu"]  # CPU runs, on a GPU machine too
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from framework.config.resolve import resolve_device, resolve_nproc, world_size_of
+from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 from framework.memory import HOST_ALLOCATORS
 from framework.parallel.pipeline import SCHEDULES
 
@@ -142,19 +142,18 @@ def _check_values(cfg: DictConfig) -> None:
 
 def _check_device_and_backend(cfg: DictConfig) -> None:
     """A device and a process-group backend this machine has."""
-    import torch
     import torch.distributed as dist
 
     if cfg.device == "cuda":
         _require(
-            torch.cuda.is_available(),
+            cuda_device_count() > 0,
             "device",
             "cuda requested but no CUDA device is visible; use device=cpu or device=auto",
         )
     backend = cfg.backend.name
     if backend == "nccl":
         _require(
-            torch.cuda.is_available() and dist.is_nccl_available(),
+            cuda_device_count() > 0 and dist.is_nccl_available(),
             "backend",
             "nccl needs CUDA GPUs and a CUDA build of torch; none here. Use backend=gloo (or backend=auto)",
         )
@@ -186,8 +185,6 @@ def _check_device_and_backend(cfg: DictConfig) -> None:
 
 def _check_world(cfg: DictConfig) -> None:
     """How many workers, against the strategy and the visible GPUs."""
-    import torch
-
     nproc = resolve_nproc(cfg)
     _require(
         nproc >= 1,
@@ -203,9 +200,9 @@ def _check_world(cfg: DictConfig) -> None:
         )
     if resolve_device(cfg) == "cuda" and cfg.launch.nproc_per_node is not None:
         _require(
-            nproc <= torch.cuda.device_count(),
+            nproc <= cuda_device_count(),
             "launch.nproc_per_node",
-            f"got {nproc} workers but only {torch.cuda.device_count()} GPUs are visible",
+            f"got {nproc} workers but only {cuda_device_count()} GPUs are visible",
         )
 
 
@@ -349,17 +346,15 @@ def _check_paths(cfg: DictConfig) -> None:
 
 def _check_strategy(cfg: DictConfig) -> None:
     """Strategy-specific checks: degrees against the world size and the model's shape."""
-    import torch
-
     from framework.parallel.dims import DimsError, ParallelDims
 
     p, model = cfg.parallel, cfg.model.name
     if p.name == "dp":
         _require(
-            torch.cuda.is_available() and torch.cuda.device_count() > 1,
+            resolve_device(cfg) == "cuda" and cuda_device_count() > 1,
             "parallel",
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
-            "device; none here. Use parallel=ddp, which is faster anyway",
+            f"device; device={cfg.device} with {cuda_device_count()} here. Use parallel=ddp, which is faster anyway",
         )
     if p.name in ("tp", "pp", "hybrid"):
         _require(
