@@ -233,7 +233,10 @@ def loop(
     # this rank's forward time per step: compute with no gradient communication in it (DDP and
     # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
     forward_timer = ForwardTimer(info.device)
-    peak = peak_flops(info.device, cfg.metrics.peak_tflops, setup.precision.dtype) if setup.flops.model else None
+    precision = setup.precision
+    peak = (
+        peak_flops(info.device, cfg.metrics.peak_tflops, precision.dtype, precision.tf32) if setup.flops.model else None
+    )
     profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
     saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint.keep_last,
                          cfg.checkpoint.async_save)  # fmt: skip

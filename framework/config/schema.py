@@ -82,6 +82,9 @@ class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp (float16 autocast + GradScaler) | bf16 (bfloat16 autocast)
     init_scale: float = 65536.0  # GradScaler's starting loss scale (amp only)
     growth_interval: int = 2000
+    # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; the MFU peak and
+    # the planner follow). Under amp/bf16 it applies to the ops autocast leaves in fp32.
+    tf32: bool = True
 
 
 @dataclass

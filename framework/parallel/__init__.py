@@ -64,8 +64,10 @@ def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Paralleliz
         _checkpoint_and_compile(model, cfg)
         return Parallelized(model)
     if name == "dp":
+        from framework.parallel.dp import apply_dp
+
         _checkpoint_and_compile(model, cfg)
-        return Parallelized(nn.DataParallel(model))
+        return Parallelized(apply_dp(model))
     if name == "ddp":
         from framework.parallel.ddp import apply_ddp
 

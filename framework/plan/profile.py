@@ -103,7 +103,9 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
         sources.append("peak: config")
         return tflops * 1e12
     if device == "cuda":
-        tflops = gpu_peak_tflops(torch.cuda.get_device_name(0)) or NOMINAL["gpu_tflops"]
+        # the run's compute dtype: bf16/fp16 tensor cores, or fp32 matmuls on TF32 (precision.tf32) or not
+        dtype = DTYPES[cfg.precision.name]
+        tflops = gpu_peak_tflops(torch.cuda.get_device_name(0), dtype, cfg.precision.tf32) or NOMINAL["gpu_tflops"]
         sources.append("peak: datasheet")
         return tflops * 1e12
     if measure == "config":

@@ -1,0 +1,131 @@
+"""Ready for the first GPU (issue 27): each CUDA-path decision that can be separated from the
+hardware, as a pure function of (device count, local rank, device name, dtype, ...) tested with
+those values on CPU; the rest are `gpu`-marked tests that benchmarks/gpu.sh runs on a GPU."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from framework.config import ConfigError, compose_run
+from framework.config.resolve import assume_cuda_devices, cuda_device_count, resolve_device
+from tests.helpers import compose_config, world_config
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_the_device_index_comes_from_the_visible_devices():
+    from framework.dist import cuda_device_index
+
+    assert [cuda_device_index(r, 8) for r in range(8)] == list(range(8))  # torchrun: every GPU visible
+    assert [cuda_device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1
+    assert [cuda_device_index(r, 2) for r in range(4)] == [0, 1, 0, 1]  # --gpus-per-task=2
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
+        cuda_device_index(0, 0)
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus):
+    """The suite's own composition (tests.helpers pins device=cpu) as on a machine with `gpus`
+    visible GPUs, through the resolver every device decision reads: the experiments, the
+    device-bound groups' choices, and the 2- and 4-worker CPU groups the suite starts."""
+    from tests import test_config
+
+    with assume_cuda_devices(gpus):
+        assert cuda_device_count() == gpus and resolve_device(compose_config([])) == "cpu"
+        for group in ("backend", "parallel", "memory", "precision", "experiment")[: 5 if gpus == 1 else 1]:
+            for name in test_config.choices(group):
+                if group == "experiment":
+                    test_config.test_every_experiment_composes(name)
+                elif name != "auto":  # parallel=auto: the planner's choice, composed by test_config
+                    test_config.test_every_group_choice_composes(group, name)
+        for parallel in ("ddp", "fsdp", "tp", "pp"):
+            assert world_config(["experiment=smoke", f"parallel={parallel}"], 2)["device"] == "cpu"
+        assert world_config(["experiment=smoke", "parallel=hybrid", "parallel.tp=2"], 4)["device"] == "cpu"
+        if gpus == 1:  # unpinned, the same 2-worker config is refused on one GPU: the pin is what lets it run
+            with pytest.raises(ConfigError, match="only 1 GPUs"):
+                compose_run(["experiment=smoke", "logger=none", "launch.nproc_per_node=2"])
+    assert cuda_device_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_run_configs_take_the_configs_device_and_backend():
+    from framework.sweep import device_and_backend
+
+    cpu = world_config(["experiment=smoke"], 2)
+    assert device_and_backend({"a": cpu, "b": cpu}) == ("cpu", "gloo")
+    with assume_cuda_devices(2):  # resolved on a 2-GPU machine, a device=auto config runs on CUDA with NCCL
+        auto = {**cpu, "device": "auto"}
+        assert device_and_backend({"a": auto}) == ("cuda", "nccl")
+        with pytest.raises(ValueError, match="one device and backend"):
+            device_and_backend({"a": auto, "b": cpu})
+
+
+# --------------------------------------------------------------------------- peaks
+
+
+def test_the_peak_is_per_part_and_per_dtype():
+    from framework.datasheet import datasheet_tflops as peak
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    sxm = "NVIDIA H100 80GB HBM3"
+    assert (peak(sxm, bf16), peak(sxm, fp32, tf32=True), peak(sxm, fp32, tf32=False)) == (989.0, 494.7, 66.9)
+    assert peak("NVIDIA H100 PCIe", bf16) == 756.5 and peak("NVIDIA H100 PCIe", fp32, True) == 378.0
+    assert peak("NVIDIA H100 NVL", bf16) == 835.5 and peak("NVIDIA H100 NVL", fp32) == 60.0
+    assert peak("NVIDIA H200", bf16) == 989.0 and peak("NVIDIA H200 NVL", bf16) == 835.5
+    assert peak("NVIDIA H200 NVL", fp32, tf32=True) == 417.5
+    assert peak("NVIDIA GH200 480GB", bf16) == 989.0 and peak("NVIDIA GH200 480GB", fp32) == 66.9
+    assert peak("NVIDIA A100-SXM4-80GB", fp32, True) == 156.0 and peak("NVIDIA A100 80GB PCIe", fp32) == 19.5
+    assert peak("NVIDIA A100-SXM4-40GB", fp16) == 312.0
+    assert peak("NVIDIA L40", bf16) == 181.0 and peak("NVIDIA L4", bf16) == 121.0  # an L40 is not an L4
+    assert peak("Tesla V100-SXM2-16GB", fp32, tf32=True) == 15.7  # no TF32 cores: fp32 either way
+    assert peak("Tesla V100-SXM2-16GB", bf16) is None and peak("Tesla T4", bf16) is None
+
+
+def test_tf32_is_on_for_cuda_fp32_by_default_and_the_planner_takes_its_peak():
+    from framework.config.schema import PrecisionConfig
+    from framework.precision import apply_tf32
+
+    assert compose_config([]).precision.tf32 is True and PrecisionConfig().tf32 is True
+    assert apply_tf32(True, torch.device("cpu")) is False  # no TF32 on a CPU: nothing set, none claimed
+    assert compose_config(["precision.tf32=false"]).precision.tf32 is False
+
+
+# --------------------------------------------------------------------------- parallel=dp
+
+
+def _replica_thread(call, *args):
+    """Run `call` as nn.DataParallel's parallel_apply runs a replica: in a thread of its own that
+    re-enters autocast with the enabled flag only (no dtype)."""
+    out, enabled = {}, torch.is_autocast_enabled("cpu")  # read in the caller, as parallel_apply does
+
+    def worker():
+        with torch.autocast("cpu", enabled=enabled):
+            out["dtype"] = torch.get_autocast_dtype("cpu")
+            out["y"] = call(*args)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    return out
+
+
+def test_dp_replica_threads_compute_in_the_callers_autocast_dtype_and_record_its_saved_tensors():
+    """CPU stands in for CUDA: autocast's default dtype is bf16 on CPU (fp16 on CUDA), so a
+    replica thread that loses the caller's fp16 computes in bf16 here, as dp bf16 computed in fp16."""
+    from framework.memory import SavedActivationMeter
+    from framework.parallel.dp import CallerState, InCallerState
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8, requires_grad=True)
+    meter = SavedActivationMeter(model)
+    with torch.autocast("cpu", dtype=torch.float16), meter.measure():
+        bare = _replica_thread(model, x)  # what nn.DataParallel did
+        assert bare["y"].dtype == torch.bfloat16 and meter.live == 0  # wrong dtype, nothing recorded
+        fixed = _replica_thread(InCallerState(model, CallerState.capture()), x)
+        assert fixed["y"].dtype == torch.float16
+        assert meter.live > 0  # the replica's saved activations reached the caller's meter
+        fixed["y"].float().sum().backward()
+    assert meter.peak > 0 and meter.live == 0
