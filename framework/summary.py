@@ -154,6 +154,7 @@ MEMORY_KEYS = (
     "param_bytes",
     "grad_bytes",
     "optim_bytes",
+    "offloaded_bytes",  # of the three above, the bytes in host memory (FSDP CPU offload), not the device's
     "activation_bytes",
     "device_peak_bytes",
     "device_reserved_bytes",

@@ -32,7 +32,7 @@ from framework.memory import (
     host_allocator,
     model_state_bytes,
     release_cached_memory,
-    reset_peak_rss,
+    reset_peaks,
     set_host_allocator,
 )
 from framework.metrics import (
@@ -202,7 +202,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
     set_host_allocator(host_allocator(cfg.memory.host_allocator, cfg.parallel.name))
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it anyway: count it in the baseline)
 
-    reset_peak_rss()  # this run's own peak, should the process have trained before
+    reset_peaks(info.device)  # this run's own peaks (RSS, CUDA allocator), should the process have trained before
     baseline = current_rss_bytes()  # imports and the process group, before the model and W&B
     # The tracker first: W&B's service starts in the background while the model is built, not
     # while the first steps run (on a small machine it competes with them for the cores).
@@ -303,7 +303,8 @@ def train_step(
         step_loss = forward_backward(cfg, info, setup, step_batches, meter if sampled else None, forward_timer, poison)
         grad_norm, applied = optimizer_step(setup, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")
     if sampled:
-        stats.state_bytes = model_state_bytes(setup.par.module, setup.optimizer)  # before zero_grad frees grads
+        # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
+        stats.state_bytes = model_state_bytes(setup.par.module, setup.optimizer, info.device)
         stats.comm.append(counter.totals())
     setup.optimizer.zero_grad(set_to_none=True)
     setup.scheduler.step()

@@ -129,3 +129,78 @@ def test_dp_replica_threads_compute_in_the_callers_autocast_dtype_and_record_its
         assert meter.live > 0  # the replica's saved activations reached the caller's meter
         fixed["y"].float().sum().backward()
     assert meter.peak > 0 and meter.live == 0
+
+
+# --------------------------------------------------------------------------- memory accounting
+
+
+def test_state_in_host_memory_is_not_counted_in_a_device_reading():
+    """FSDP CPU offload keeps shards and optimizer state in host memory: a CUDA reading holds
+    none of it (the placement decision, with CPU tensors and a CUDA compute device)."""
+    from framework.memory import SavedActivationMeter, model_state_bytes
+    from framework.peak import PeakProbe
+
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    total = sum(p.numel() * 4 for p in model.parameters())  # params; grads and AdamW's two moments alike
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    on_cuda = model_state_bytes(model, optimizer, cuda)
+    held = on_cuda["param_bytes"] + on_cuda["grad_bytes"] + on_cuda["optim_bytes"]
+    assert on_cuda["param_bytes"] == total and on_cuda["offloaded_bytes"] == held > 3 * total  # all on the host
+    assert model_state_bytes(model, optimizer, cpu)["offloaded_bytes"] == 0
+    meter = SavedActivationMeter(model)
+    assert PeakProbe(model, optimizer, meter, cuda)._take(())["state_bytes"] == 0
+    assert PeakProbe(model, optimizer, meter, cpu)._take(())["state_bytes"] >= 4 * total
+
+
+# --------------------------------------------------------------------------- communication accounting
+
+
+def _hook_collectives(rank: int, world: int) -> dict[str, dict]:
+    """One DDP step's collectives as counted with its backward on the main thread, on a thread
+    that carries the counting mode (as autograd's device threads carry the caller's thread-local
+    state into a CUDA backward), and on a thread without it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    from framework.comm import CommCounter
+
+    torch.manual_seed(0)
+    ddp = DDP(nn.Linear(16, 4))
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # a Python-level dist.all_reduce
+    for _ in range(2):  # DDP rebuilds its buckets in the second step (broadcasting their sizes): steady from the third
+        ddp(torch.randn(8, 16)).sum().backward()
+    counts = {}
+    for where in ("main thread", "device thread", "bare thread"):
+        counter = CommCounter()
+        with counter:
+            loss = ddp(torch.randn(8, 16)).sum()
+
+            def backward(carry: bool) -> None:
+                if carry:
+                    _push_mode(counter)
+                try:
+                    loss.backward()
+                finally:
+                    if carry:
+                        _pop_mode()
+
+            if where == "main thread":
+                backward(False)
+            else:
+                thread = threading.Thread(target=backward, args=(where == "device thread",))
+                thread.start()
+                thread.join()
+        counts[where] = counter.totals()["by_op"]
+    return counts
+
+
+def test_hook_issued_collectives_are_counted_once_on_whichever_thread_backward_runs():
+    from tests.helpers import run_workers
+
+    one_bucket = {"all_reduce": {"calls": 1, "bytes": 4 * (16 * 4 + 4)}}  # the step's one gradient bucket
+    for counts in run_workers(_hook_collectives, 2).values():
+        assert counts == dict.fromkeys(("main thread", "device thread", "bare thread"), one_bucket), counts
