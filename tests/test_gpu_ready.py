@@ -164,7 +164,6 @@ def _hook_collectives(rank: int, world: int) -> dict[str, dict]:
     state into a CUDA backward), and on a thread without it."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils._python_dispatch import _pop_mode, _push_mode
 
     from framework.comm import CommCounter
 
@@ -178,24 +177,28 @@ def _hook_collectives(rank: int, world: int) -> dict[str, dict]:
         counter = CommCounter()
         with counter:
             loss = ddp(torch.randn(8, 16)).sum()
-
-            def backward(carry: bool) -> None:
-                if carry:
-                    _push_mode(counter)
-                try:
-                    loss.backward()
-                finally:
-                    if carry:
-                        _pop_mode()
-
             if where == "main thread":
-                backward(False)
+                _backward(loss, counter, False)
             else:
-                thread = threading.Thread(target=backward, args=(where == "device thread",))
+                args = (loss, counter, where == "device thread")
+                thread = threading.Thread(target=_backward, args=args)
                 thread.start()
                 thread.join()
         counts[where] = counter.totals()["by_op"]
     return counts
+
+
+def _backward(loss: torch.Tensor, counter, carry: bool) -> None:
+    """`loss.backward()` on this thread, with `counter` active on it when `carry`."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    if carry:
+        _push_mode(counter)
+    try:
+        loss.backward()
+    finally:
+        if carry:
+            _pop_mode()
 
 
 def test_hook_issued_collectives_are_counted_once_on_whichever_thread_backward_runs():
@@ -204,3 +207,45 @@ def test_hook_issued_collectives_are_counted_once_on_whichever_thread_backward_r
     one_bucket = {"all_reduce": {"calls": 1, "bytes": 4 * (16 * 4 + 4)}}  # the step's one gradient bucket
     for counts in run_workers(_hook_collectives, 2).values():
         assert counts == dict.fromkeys(("main thread", "device thread", "bare thread"), one_bucket), counts
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+def _clip_today(grads: list[tuple[torch.Tensor, int]], max_norm: float) -> torch.Tensor:
+    """The per-parameter loop clip_sharded_grad_norm ran before the fused kernels (world of one)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for g, replicas in grads:
+        total += g.float().pow(2).sum() / replicas
+    norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g, _ in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9, float("inf")])
+def test_fused_clipping_matches_the_per_parameter_loop(max_norm):
+    from framework.parallel import clip_local_grad_norm, local_squared_norm, scale_grads_
+
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 3, 5), (1,)]
+    grads = [(torch.randn(s, dtype=dt) * 3, r) for s, dt, r in
+             zip(shapes, (torch.float32, torch.bfloat16, torch.float32, torch.float32), (1, 2, 1, 4), strict=True)]  # fmt: skip
+    reference = [(g.clone(), r) for g, r in grads]
+    expected = _clip_today(reference, max_norm)
+    norm = local_squared_norm(grads, torch.device("cpu")).sqrt()
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    before = [g.clone() for g, _ in grads]
+    scale_grads_(grads, norm, max_norm)
+    for (g, _), (want, _) in zip(grads, reference, strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
+    if max_norm == float("inf"):  # no clipping configured: the gradients are left alone, bit for bit
+        assert all(torch.equal(g, b) for (g, _), b in zip(grads, before, strict=True))
+    model, twin = nn.Linear(8, 4), nn.Linear(8, 4)
+    twin.load_state_dict(model.state_dict())
+    for m in (model, twin):
+        m(torch.ones(2, 8)).pow(2).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
+    assert torch.equal(clip_local_grad_norm(model, max_norm), want)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
