@@ -144,6 +144,14 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
+def host_values(values: list[float], device: torch.device) -> torch.Tensor:
+    """Python numbers as a float32 tensor on `device`, without a host sync: a plain `tensor(...,
+    device=cuda)` copies from pageable memory and waits for the GPU; from pinned memory the copy
+    is queued on the stream like any kernel."""
+    t = torch.tensor(values, dtype=torch.float32)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def all_gather_object(obj, info: DistInfo) -> list:
     if not info.distributed:
         return [obj]

@@ -180,13 +180,16 @@ class Throughput:
 
 
 class ForwardTimer:
-    """Accumulates forward time over a step's micro-batches (a context manager around each).
-    On CUDA with events, read after the step's own sync point: no extra synchronisation."""
+    """Accumulates forward time over a step's micro-batches (a context manager around each);
+    `end_step` closes a step. On CUDA with events, read (`pop_steps`) after a sync point that
+    follows them: no extra synchronisation. Every rank pops its steps, also those whose times
+    are not reported (tensor-parallel peers): events left pending would pile up."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pending: list = []
         self.seconds = 0.0
+        self.steps: list[tuple[float, list]] = []  # closed steps not yet popped
 
     def __enter__(self):
         if self.cuda:
@@ -203,11 +206,15 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - self.t0
         return False
 
-    def pop_seconds(self) -> float:
-        """This step's forward seconds (and reset)."""
-        seconds = self.seconds + sum(a.elapsed_time(b) / 1000 for a, b in self.pending)
+    def end_step(self) -> None:
+        self.steps.append((self.seconds, self.pending))
         self.seconds, self.pending = 0.0, []
-        return seconds
+
+    def pop_steps(self) -> list[float]:
+        """The forward seconds of each step closed since the last pop (and forget them)."""
+        out = [seconds + sum(a.elapsed_time(b) / 1000 for a, b in events) for seconds, events in self.steps]
+        self.steps = []
+        return out
 
 
 def max_over_mean(values: list[float] | tuple[float, ...]) -> float:

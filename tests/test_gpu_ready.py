@@ -249,3 +249,62 @@ def test_fused_clipping_matches_the_per_parameter_loop(max_norm):
     want = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
     assert torch.equal(clip_local_grad_norm(model, max_norm), want)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+# --------------------------------------------------------------------------- host syncs
+
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu")  # what makes the host wait for a GPU
+HOST_SIDE = ("framework/loss.py", "framework/data/")  # these read the loader's batches: host memory, no GPU
+
+
+def _train_here(overrides: list[str], out) -> dict:
+    """One parallel=none run in this process (as a multirun's in-process job)."""
+    from omegaconf import OmegaConf
+
+    from framework.dist import init_distributed
+    from framework.resilience import Guard
+    from framework.run_files import RunFiles
+    from framework.trainer import train
+
+    cfg = OmegaConf.create(world_config(["parallel=none", "logger=none", "progress=false", *overrides], 1))
+    info = init_distributed("cpu", None, timeout_s=60)
+    torch.manual_seed(cfg.seed)
+    with Guard(info, 5) as guard:
+        return train(cfg, info, RunFiles(str(out), info), {"parallel": "none"}, guard)
+
+
+def _count_syncs(monkeypatch, overrides: list[str], out) -> int:
+    """Reads of tensor values by the framework's code (not the loader's batches) in one run."""
+    import sys
+
+    from tests.helpers import ROOT
+
+    calls = [0]
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(str(ROOT / "framework")) and not any(h in caller for h in HOST_SIDE):
+                calls[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    try:
+        _train_here(overrides, out)
+    finally:
+        monkeypatch.undo()
+    return calls[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp"])
+def test_the_loop_syncs_once_per_logged_step(monkeypatch, tmp_path, precision):
+    """Eight more steps at log_every=4 add two logged steps, and two host syncs: the steps between
+    do not wait (gradient norm, loss, loss scale and the skip decision stay on the device)."""
+    base = ["experiment=smoke", f"precision={precision}", "metrics.log_every=4", "metrics.sample_every=0",
+            "model.n_layer=1", "model.n_embd=32", "data.batch_size=2", "data.seq_len=16"]  # fmt: skip
+    short = _count_syncs(monkeypatch, [*base, "steps=8"], tmp_path / "short")
+    long = _count_syncs(monkeypatch, [*base, "steps=16"], tmp_path / "long")
+    assert long - short == 2, (short, long)
+    metrics = [line for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4  # steps 4, 8, 12, 16
