@@ -84,13 +84,14 @@ def forward_backward(
     if par.pipeline is not None:
         # A pipeline runs the step's micro-batches itself, in its schedule's order: the
         # accumulated batches go in as one batch of accumulation_steps x batch_size.
-        inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
+        cuda = info.device.type == "cuda"  # from pinned memory, the copy does not wait for the GPU
+        inputs, target = data.prepare(concat_batches([b for _, b in step_batches], cuda), info.device, cuda)
         with precision.autocast(), meter.measure() if meter else nullcontext():
             return par.pipeline.step(inputs[0], target)
     scale = par.dp_size / step_elements(cfg, info, par, step_batches)
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
-        inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
+        inputs, target = data.prepare(batch, info.device)  # non-blocking from the loader's pinned memory
         measure = meter.measure() if meter and micro == 0 else nullcontext()
         # Gradients are synchronised on the last micro-batch only: once per step.
         with par.grad_sync(micro == accum - 1), par.loss_context():

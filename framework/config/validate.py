@@ -87,7 +87,10 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "steps", 1)
     _at_least(cfg, "accumulation_steps", 1)
     _at_least(cfg, "data.batch_size", 1)
-    _at_least(cfg, "data.num_workers", 0)
+    workers, pin = cfg.data.num_workers, cfg.data.pin_memory
+    _require(workers == "auto" or (isinstance(workers, int) and workers >= 0), "data.num_workers",
+             f"got {workers!r}; allowed: auto or an integer >= 0")  # fmt: skip
+    _require(pin in ("auto", True, False), "data.pin_memory", f"got {pin!r}; allowed: auto, true, false")
     _at_least(cfg, "backend.timeout_s", 1)
     _at_least(cfg, "launch.max_restarts", 0)
     _at_least(cfg, "checkpoint.every", 0)
@@ -128,13 +131,13 @@ def _check_values(cfg: DictConfig) -> None:
     _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
     if cfg.data.prefetch_factor is not None:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.prefetch_factor",
             "only applies with data.num_workers > 0; set it to null or raise num_workers",
         )
     if cfg.data.persistent_workers:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.persistent_workers",
             "needs data.num_workers > 0",
         )
