@@ -15,7 +15,6 @@ from models.init import Rule, fill_
 __all__ = ["canonical_name", "map_blocks", "materialize", "materialize_model"]
 
 
-
 def map_blocks(model: nn.Module, path: str | None, fn: Callable[[nn.Module], nn.Module], every: int = 1) -> int:
     """Replace every `every`-th block (the 1st, the (1+every)-th, ...) of the container at `path`
     by `fn(block)`; returns how many were replaced. Raises ValueError for a model without blocks."""

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.comm import mean_totals
@@ -105,6 +106,8 @@ def summarize(
         "hfu": mfu(flops.hardware, tokens_per_s, peak, flops.devices),
         "flops_per_token": flops.model,
         "peak_tflops_per_device": peak / 1e12 if peak else None,
+        # fp32 matmuls on TF32 tensor cores (precision.tf32 on CUDA): the peak above is TF32's
+        "tf32": info.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
         "tflops_per_device": achieved,
         "memory": memory,
         # the rank that communicates most (pipeline stages differ), per optimizer step
@@ -152,6 +155,7 @@ MEMORY_KEYS = (
     "param_bytes",
     "grad_bytes",
     "optim_bytes",
+    "offloaded_bytes",  # of the three above, the bytes in host memory (FSDP CPU offload), not the device's
     "activation_bytes",
     "device_peak_bytes",
     "device_reserved_bytes",

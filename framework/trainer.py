@@ -19,7 +19,8 @@ from framework import checkpoint
 from framework.checkpoint import Checkpointer, TrainerState
 from framework.comm import CommCounter
 from framework.config import resolve_backend, resolve_device
-from framework.data import DataPipeline, build_data
+from framework.contract import build_model, spec_of
+from framework.data import build_data
 from framework.dist import (
     DistInfo,
     destroy_distributed,
@@ -27,22 +28,21 @@ from framework.dist import (
     restart_count,
 )
 from framework.integrity import CheckpointError
+from framework.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
 from framework.memory import (
     SavedActivationMeter,
     current_rss_bytes,
     host_allocator,
     model_state_bytes,
     release_cached_memory,
-    reset_peak_rss,
+    reset_peaks,
     set_host_allocator,
 )
 from framework.metrics import (
     ForwardTimer,
     count_flops,
-    mfu,
     peak_flops,
 )
-from framework.contract import build_model, spec_of
 from framework.modules import materialize_model
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
@@ -63,14 +63,6 @@ from framework.run_files import RunFiles, checkpoint_root
 from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
 from framework.summary import RunStats, report, summarize
 from framework.tracking import Tracker, build_tracker
-
-
-def is_sampled(step: int, start: int, total: int, every: int) -> bool:
-    """Steps whose memory and communication are measured (measuring slows a step, so only a few):
-    the third step run (the first steady one: DDP re-buckets during the second; the last of a
-    shorter run), then every `every` steps. every=0: never."""
-    k = step - start
-    return every > 0 and (k == min(2, total - start - 1) or (k > 2 and (k - 2) % every == 0))
 
 
 def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
@@ -204,7 +196,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
     set_host_allocator(host_allocator(cfg.memory.host_allocator, cfg.parallel.name))
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it anyway: count it in the baseline)
 
-    reset_peak_rss()  # this run's own peak, should the process have trained before
+    reset_peaks(info.device)  # this run's own peaks (RSS, CUDA allocator), should the process have trained before
     baseline = current_rss_bytes()  # imports and the process group, before the model and W&B
     # The tracker first: W&B's service starts in the background while the model is built, not
     # while the first steps run (on a small machine it competes with them for the cores).
@@ -235,10 +227,12 @@ def loop(
     # this rank's forward time per step: compute with no gradient communication in it (DDP and
     # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
     forward_timer = ForwardTimer(info.device)
-    peak = peak_flops(info.device, cfg.metrics.peak_tflops, setup.precision.dtype) if setup.flops.model else None
+    dtype, tf32 = setup.precision.dtype, setup.precision.tf32
+    peak = peak_flops(info.device, cfg.metrics.peak_tflops, dtype, tf32) if setup.flops.model else None
     profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
     saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint)
-    batches = data.batches(*setup.data_position)
+    sequence_data = cfg.data.name in ("text", "varlen") or setup.task == "lm"  # report tokens/s
+    batches, ledger = data.batches(*setup.data_position), Ledger(sequence_data)
     progress = tqdm(  # rank 0 only
         total=cfg.steps, initial=setup.start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
     )
@@ -256,16 +250,21 @@ def loop(
                 if info.distributed and is_collective_failure(err):
                     raise diagnose(err, guard, step + 1) from None
                 raise
-            figures.seconds = time.perf_counter() - t0  # after the step's all-reduce, a sync point
+            figures.seconds = time.perf_counter() - t0  # the host's time: on CUDA the GPU may still run it
+            forward_timer.end_step()
+            ledger.add(figures, step, step_batches, data)
             if step == setup.start_step:
                 guard.shorten_timeout(cfg.backend.step_timeout_s)
-            record_step(stats, figures, par.counts_data, data, step_batches, forward_timer)
-            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
-                log_step(step, figures, stats, setup, peak, step_batches[-1][0], files, tracker)
-            progress.set_postfix(loss=f"{figures.loss:.4f}", refresh=False)
             progress.update(1)
             profiler.step()
-            end_of_step(cfg, info, setup, stats, figures, step + 1, saver, guard)
+            if not syncs_after(cfg, step, setup.start_step):
+                continue  # its figures wait on the device (framework.ledger): no host sync
+            settled = ledger.settle()  # the one host sync of these steps
+            record_steps(stats, settled, par.counts_data, forward_timer)
+            if is_logged(cfg, step):
+                log_step(settled[-1], stats, setup, peak, files, tracker)
+            progress.set_postfix(loss=f"{settled[-1].figures.loss:.4f}", refresh=False)
+            end_of_step(cfg, info, setup, stats, [e.figures for e in settled], step + 1, saver, guard)
         if saver.pending is not None:  # the last async save: training has ended, but the run waits for it
             t0 = time.perf_counter()
             saver.wait()
@@ -302,7 +301,8 @@ def train_step(
         step_loss = forward_backward(cfg, info, setup, step_batches, meter if sampled else None, forward_timer, poison)
         grad_norm, applied = optimizer_step(setup, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")
     if sampled:
-        stats.state_bytes = model_state_bytes(setup.par.module, setup.optimizer)  # before zero_grad frees grads
+        # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
+        stats.state_bytes = model_state_bytes(setup.par.module, setup.optimizer, info.device)
         stats.comm.append(counter.totals())
     setup.optimizer.zero_grad(set_to_none=True)
     setup.scheduler.step()
@@ -314,20 +314,23 @@ def train_step(
 
 
 def end_of_step(
-    cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, figures: StepFigures, done: int,
+    cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, settled: list[StepFigures], done: int,
     saver: Checkpointer, guard: Guard,
 ) -> None:  # fmt: skip
-    """After step `done`: stop on a non-finite step (nonfinite=stop), save when due, and stop
-    with a checkpoint when any rank got a signal (every rank sees it after the same step)."""
-    bad = not math.isfinite(figures.loss) or (
-        not math.isfinite(figures.grad_norm) and not setup.precision.scaler.is_enabled()
-    )
-    if bad and cfg.nonfinite == "stop":
-        last = checkpoint.latest(saver.root)
-        raise NonFiniteLoss(
-            f"step {done}: loss {figures.loss}, gradient norm {figures.grad_norm} (nonfinite=stop; nonfinite=skip "
-            f"leaves such steps out). Last good checkpoint: {last or 'none (checkpoint.every=0)'}"
+    """After step `done`, the last of the steps just settled: stop on a non-finite step among them
+    (nonfinite=stop), save when due, and stop with a checkpoint when any rank got a signal (every
+    rank sees it after the same step)."""
+    for k, figures in enumerate(settled):
+        bad = not math.isfinite(figures.loss) or (
+            not math.isfinite(figures.grad_norm) and not setup.precision.scaler.is_enabled()
         )
+        if bad and cfg.nonfinite == "stop":
+            raise NonFiniteLoss(
+                f"step {done - len(settled) + 1 + k}: loss {figures.loss}, gradient norm {figures.grad_norm} "
+                "(nonfinite=stop; nonfinite=skip leaves such steps out). Last good checkpoint: "
+                f"{checkpoint.latest(saver.root) or 'none (checkpoint.every=0)'}"
+            )
+    figures = settled[-1]
     due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
     if due or figures.preempt:
         state = TrainerState(
@@ -346,55 +349,3 @@ def end_of_step(
         if not saver.wait() or path is None:  # on disk before the process exits
             raise CheckpointError(f"preempted after step {done}; its checkpoint could not be saved (see above)")
         raise Preempted(guard.signum or signal.SIGTERM, done, path)
-
-
-def record_step(
-    stats: RunStats,
-    figures: StepFigures,
-    counts_data: bool,
-    data: DataPipeline,
-    step_batches: list,
-    forward_timer: ForwardTimer,
-) -> None:
-    stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
-    stats.losses.append(figures.loss)
-    stats.skipped_steps += not figures.applied
-    if stats.first_step_s is None:
-        stats.first_step_s = figures.seconds
-        stats.startup_s = time.time() - float(os.environ.get("HYDRADIST_START", time.time()))
-    if counts_data:
-        stats.work.append(sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches))
-        stats.slots += sum(data.slots_in(b) or 0 for _, b in step_batches)
-        stats.forward_s.append(forward_timer.pop_seconds())
-
-
-def log_step(
-    step: int,
-    figures: StepFigures,
-    stats: RunStats,
-    setup: Setup,
-    peak: float | None,
-    epoch: int,
-    files: RunFiles,
-    tracker: Tracker,
-) -> None:
-    """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
-    scaler, seconds, sampled = setup.precision.scaler, figures.seconds, figures.sampled
-    tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None
-    record = {
-        "step": step + 1,
-        "loss": figures.loss,
-        "lr": setup.scheduler.get_last_lr()[0],
-        "grad_norm": figures.grad_norm,
-        "step_time_s": seconds,
-        "samples_per_s": figures.samples / seconds,
-        "tokens_per_s": tokens_per_s,
-        "mfu": mfu(setup.flops.model, tokens_per_s, peak, setup.flops.devices),
-        "epoch": epoch,
-        "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
-        "skipped": not figures.applied,  # non-finite gradients: the update was not applied
-        "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
-        "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
-    }
-    files.log_step(record)
-    tracker.log(record, step=step + 1)

@@ -11,25 +11,34 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+# The suite's runs are CPU runs, also on a machine with GPUs (where device=auto would pick CUDA,
+# and its 2-worker configs would be refused on one GPU). Tests meant for CUDA set device=cuda
+# (a later override wins) and carry the `gpu` marker.
+CPU = "device=cpu"
+
+
+def on_cpu(overrides: list[str]) -> list[str]:
+    """`overrides` pinned to the CPU unless they choose a device themselves."""
+    return overrides if any(o.startswith("device=") for o in overrides) else [*overrides, CPU]
 
 
 def compose_config(overrides: list[str] | None = None):
     """The config `python train.py OVERRIDES` composes (not validated)."""
     from framework.config import compose
 
-    return compose(overrides)
+    return compose(on_cpu(list(overrides or [])))
 
 
 def world_config(overrides: list[str], world: int) -> dict[str, Any]:
     """Composed, validated and resolved for `world` local workers: what run_configs takes."""
     from framework.compose import compose_run
 
-    return compose_run([*overrides, f"launch.nproc_per_node={world}"])
+    return compose_run(on_cpu([*overrides, f"launch.nproc_per_node={world}"]))
 
 
 def train_cli(args: list[str], run_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a subprocess, as a user runs it (W&B offline, no network)."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    cmd = [sys.executable, str(ROOT / "train.py"), *on_cpu(args)]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}

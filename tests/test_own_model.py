@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from framework.sweep import run_configs
 from tests.helpers import PLAN_TOLERANCE, losses, read_metrics, run_workers, train_cli, world_config
 
-TINY = '''
+TINY = """
 import torch.nn.functional as F
 from torch import nn
 
@@ -80,7 +80,7 @@ class TinyLM(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))
-'''
+"""
 
 TINY_DATA = '''
 import torch

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from tests.helpers import losses, read_metrics, read_summary, train_cli, world_config
 from tests.test_images import make_image_folder
 
-SMOKE = ["experiment=smoke", "logger=none"]
+SMOKE = ["experiment=smoke", "logger=none", "device=cpu"]  # CPU runs, on a GPU machine too
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from framework.launch import objective
 from framework.report import fastest, find_runs, markdown
 from tests.helpers import CONF, ROOT, is_png_with_content, losses, read_summary, train_cli, wandb_runs
 
-SMOKE = ["experiment=smoke", "steps=3"]
+SMOKE = ["experiment=smoke", "steps=3", "device=cpu"]  # device=cpu: CPU runs, on a GPU machine too
 
 
 def summaries(sweep: Path) -> dict[str, dict]:

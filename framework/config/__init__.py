@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from framework.config.errors import ConfigError
 from framework.config.resolve import backend_env, resolve_backend, resolve_device, resolve_nproc, world_size_of
 from framework.config.run_id import register_resolvers
 from framework.config.schema import register_configs
-from framework.config.errors import ConfigError
 from framework.config.validate import validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"

@@ -82,6 +82,9 @@ class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp (float16 autocast + GradScaler) | bf16 (bfloat16 autocast)
     init_scale: float = 65536.0  # GradScaler's starting loss scale (amp only)
     growth_interval: int = 2000
+    # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; the MFU peak and
+    # the planner follow). Under amp/bf16 it applies to the ops autocast leaves in fp32.
+    tf32: bool = True
 
 
 @dataclass
@@ -99,8 +102,10 @@ class MemoryConfig:
 class LoaderFields:
     name: str = MISSING
     batch_size: int = 8  # micro-batch of ONE data-parallel rank
-    num_workers: int = 0
-    pin_memory: bool = False
+    # auto: on CUDA, a few loader processes (min(4, cores per GPU - 1)) and pinned memory; on a
+    # CPU neither (the ranks share the cores with training): framework.data.loader_settings
+    num_workers: Any = "auto"  # auto | an int >= 0
+    pin_memory: Any = "auto"  # auto | true | false (true: CUDA only)
     persistent_workers: bool = False
     prefetch_factor: int | None = None  # only with num_workers > 0 (torch's default: 2)
     drop_last: bool = True

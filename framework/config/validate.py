@@ -10,10 +10,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from framework.config.errors import ConfigError
-from framework.config.resolve import resolve_device, resolve_nproc, world_size_of
+from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 from framework.memory import HOST_ALLOCATORS
 from framework.parallel.pipeline import SCHEDULES
-
 
 # ----------------------------------------------------------------------------- validation
 
@@ -39,6 +38,7 @@ ALLOWED = {
     "checkpoint.verify": ("full", "size", "off"),
     "checkpoint.on_error": ("stop", "warn"),
 }
+
 
 def _get(cfg: DictConfig, key: str) -> Any:
     node: Any = cfg
@@ -73,7 +73,10 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "steps", 1)
     _at_least(cfg, "accumulation_steps", 1)
     _at_least(cfg, "data.batch_size", 1)
-    _at_least(cfg, "data.num_workers", 0)
+    workers, pin = cfg.data.num_workers, cfg.data.pin_memory
+    _require(workers == "auto" or (isinstance(workers, int) and workers >= 0), "data.num_workers",
+             f"got {workers!r}; allowed: auto or an integer >= 0")  # fmt: skip
+    _require(pin in ("auto", True, False), "data.pin_memory", f"got {pin!r}; allowed: auto, true, false")
     _at_least(cfg, "backend.timeout_s", 1)
     _at_least(cfg, "launch.max_restarts", 0)
     _at_least(cfg, "checkpoint.every", 0)
@@ -114,13 +117,13 @@ def _check_values(cfg: DictConfig) -> None:
     _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
     if cfg.data.prefetch_factor is not None:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.prefetch_factor",
             "only applies with data.num_workers > 0; set it to null or raise num_workers",
         )
     if cfg.data.persistent_workers:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.persistent_workers",
             "needs data.num_workers > 0",
         )
@@ -128,19 +131,18 @@ def _check_values(cfg: DictConfig) -> None:
 
 def _check_device_and_backend(cfg: DictConfig) -> None:
     """A device and a process-group backend this machine has."""
-    import torch
     import torch.distributed as dist
 
     if cfg.device == "cuda":
         _require(
-            torch.cuda.is_available(),
+            cuda_device_count() > 0,
             "device",
             "cuda requested but no CUDA device is visible; use device=cpu or device=auto",
         )
     backend = cfg.backend.name
     if backend == "nccl":
         _require(
-            torch.cuda.is_available() and dist.is_nccl_available(),
+            cuda_device_count() > 0 and dist.is_nccl_available(),
             "backend",
             "nccl needs CUDA GPUs and a CUDA build of torch; none here. Use backend=gloo (or backend=auto)",
         )
@@ -172,8 +174,6 @@ def _check_device_and_backend(cfg: DictConfig) -> None:
 
 def _check_world(cfg: DictConfig) -> None:
     """How many workers, against the strategy and the visible GPUs."""
-    import torch
-
     nproc = resolve_nproc(cfg)
     _require(
         nproc >= 1,
@@ -189,9 +189,9 @@ def _check_world(cfg: DictConfig) -> None:
         )
     if resolve_device(cfg) == "cuda" and cfg.launch.nproc_per_node is not None:
         _require(
-            nproc <= torch.cuda.device_count(),
+            nproc <= cuda_device_count(),
             "launch.nproc_per_node",
-            f"got {nproc} workers but only {torch.cuda.device_count()} GPUs are visible",
+            f"got {nproc} workers but only {cuda_device_count()} GPUs are visible",
         )
 
 
@@ -305,17 +305,15 @@ def _check_paths(cfg: DictConfig) -> None:
 
 def _check_strategy(cfg: DictConfig) -> None:
     """Strategy-specific checks: degrees against the world size and the model's shape."""
-    import torch
-
     from framework.parallel.dims import DimsError, ParallelDims
 
     p = cfg.parallel
     if p.name == "dp":
         _require(
-            torch.cuda.is_available() and torch.cuda.device_count() > 1,
+            resolve_device(cfg) == "cuda" and cuda_device_count() > 1,
             "parallel",
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
-            "device; none here. Use parallel=ddp, which is faster anyway",
+            f"device; device={cfg.device} with {cuda_device_count()} here. Use parallel=ddp, which is faster anyway",
         )
     if p.name not in ("fsdp", "tp", "pp", "hybrid"):
         return

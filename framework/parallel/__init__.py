@@ -18,6 +18,7 @@ which ranks hold the loss and which read distinct data.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -51,7 +52,18 @@ class Parallelized:
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
-            self.clip_grad_norm = lambda max_norm: torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+            self.clip_grad_norm = lambda max_norm: clip_local_grad_norm(self.module, max_norm)
+
+
+@torch.no_grad()
+def clip_local_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (its two halves, fused foreach kernels, no host sync) for gradients whole on
+    every rank (none, dp, ddp), without its multiply by 1 when no clipping is configured (inf)."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if not math.isinf(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | None]:
@@ -66,8 +78,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistIn
         _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(model)
     if name == "dp":
+        from framework.parallel.dp import apply_dp
+
         _checkpoint_and_compile(model, spec, cfg)
-        return Parallelized(nn.DataParallel(model))
+        return Parallelized(apply_dp(model))
     if name == "ddp":
         from framework.parallel.ddp import apply_ddp
 
@@ -178,7 +192,8 @@ def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:
 def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Global gradient norm over parameters sharded or replicated in any way (FSDP, TP, PP), with
     one all-reduce: each rank sums the squares of its local gradient shards, each divided by how
-    many ranks hold that shard, so the world-wide sum counts every element once."""
+    many ranks hold that shard, so the world-wide sum counts every element once. Then the
+    gradients are scaled in place (`max_norm` inf: not at all). No host sync."""
     grads = []
     for p in module.parameters():
         if p.grad is None:
@@ -187,15 +202,36 @@ def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDim
             # e.g. a sequence-parallel norm's weight: each tp rank holds a partial sum of its
             # gradient until someone asks; reduce it now, into the parameter's own layout.
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        grads.append((p.grad, _replicas(p.grad, dims)))
-    device = next(module.parameters()).device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g, replicas in grads:
-        local = g.to_local() if hasattr(g, "to_local") else g
-        total += local.float().pow(2).sum() / replicas
+        grads.append((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, _replicas(p.grad, dims)))
+    total = local_squared_norm(grads, next(module.parameters()).device)
     dist.all_reduce(total)
     norm = total.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g, _ in grads:
-        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.dtype))
+    scale_grads_(grads, norm, max_norm)
     return norm
+
+
+def local_squared_norm(grads: list[tuple[torch.Tensor, int]], device: torch.device) -> torch.Tensor:
+    """Sum over (local gradient, holders) of its squared norm / holders, in fp32: one fused
+    `_foreach_norm` per (holders, device, dtype) group instead of a few kernels per tensor."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, replicas in grads:
+        groups[(replicas, g.device, g.dtype)].append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (replicas, _, _), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        total += torch.stack(norms).to(device).pow(2).sum() / replicas
+    return total
+
+
+def scale_grads_(grads: list[tuple[torch.Tensor, int]], norm: torch.Tensor, max_norm: float) -> None:
+    """Clip the gradients to `max_norm` given their global `norm` (a device tensor: no sync):
+    multiplied by min(1, max_norm / norm) in fused `_foreach_mul_` per (device, dtype); with
+    `max_norm` inf (no clipping configured) no multiply at all."""
+    if math.isinf(max_norm):
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, _ in grads:
+        groups[(g.device, g.dtype)].append(g)
+    for (device, dtype), tensors in groups.items():
+        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))
