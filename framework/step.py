@@ -32,6 +32,7 @@ class Setup:
     data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed) to start from
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
     rss_baseline_bytes: int | None = None  # this process before the model was built
+    task: str = "classify"  # lm | classify: what the model does (trainer.build decides it)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class StepFigures:
     preempt: bool  # some rank got a signal: every rank stops after this step
     sampled: bool = False  # memory and communication were measured
     applied: bool = True  # the update was applied (not skipped for non-finite gradients)
+    val: dict | None = None  # an evaluation after this step: val_loss, ... (framework.evaluation)
 
 
 def forward_backward(

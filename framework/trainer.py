@@ -19,13 +19,14 @@ from framework import checkpoint
 from framework.checkpoint import Checkpointer, TrainerState
 from framework.comm import CommCounter
 from framework.config import resolve_backend, resolve_device
-from framework.data import DataPipeline, build_data
+from framework.data import build_data
 from framework.dist import (
     DistInfo,
     destroy_distributed,
     init_distributed,
     restart_count,
 )
+from framework.evaluation import Evaluator
 from framework.memory import (
     SavedActivationMeter,
     current_rss_bytes,
@@ -38,7 +39,6 @@ from framework.memory import (
 from framework.metrics import (
     ForwardTimer,
     count_flops,
-    mfu,
     peak_flops,
 )
 from framework.modules import materialize
@@ -58,7 +58,7 @@ from framework.resilience import (
 )
 from framework.run_files import RunFiles, checkpoint_root
 from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
-from framework.summary import RunStats, report, summarize
+from framework.summary import RunStats, log_step, record_step, report, summarize
 from framework.tracking import Tracker, build_tracker
 from models import MODELS, build_model
 
@@ -107,6 +107,8 @@ def resume_path(cfg: DictConfig, run_dir: str) -> str | None:
     """The checkpoint to start from: `checkpoint.resume` (a folder), or with `auto` the run's
     newest complete checkpoint (none yet: a fresh start). After the elastic agent restarts the
     workers (a worker died; launch.max_restarts), also the newest, if the run saved one."""
+    if cfg.checkpoint.resume == "best":  # launch checked that one exists
+        return checkpoint.latest(checkpoint.best_root(checkpoint_root(cfg, run_dir)))
     if cfg.checkpoint.resume not in (None, "auto"):
         return cfg.checkpoint.resume
     if cfg.checkpoint.resume == "auto" or restart_count() > 0:
@@ -145,7 +147,7 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     task = "lm" if cfg.model.name == "gpt" else "classify"
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, task)
     precision = build_precision(cfg.precision, info.device, sharded=fsdp_v1(cfg))
-    setup = Setup(flops, par, optimizer, scheduler, data, precision)
+    setup = Setup(flops, par, optimizer, scheduler, data, precision, task=task)
     resume = resume_path(cfg, run_dir)
     if restart_count() > 0 and info.is_main:
         print(f"restart {restart_count()} of launch.max_restarts={cfg.launch.max_restarts} after a worker failed: "
@@ -237,6 +239,8 @@ def loop(
     profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
     saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint.keep_last,
                          cfg.checkpoint.async_save)  # fmt: skip
+    evaluator = build_evaluator(cfg, info, setup, stats, saver.root)
+    evaluator.at_start(tracker)
     batches = data.batches(*setup.data_position)
     progress = tqdm(  # rank 0 only
         total=cfg.steps, initial=setup.start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
@@ -259,12 +263,15 @@ def loop(
             if step == setup.start_step:
                 guard.shorten_timeout(cfg.backend.step_timeout_s)
             record_step(stats, figures, par.counts_data, data, step_batches, forward_timer)
-            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
+            figures.val = evaluator.after_step(step + 1)  # after the step's time is taken: not in throughput
+            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps or figures.val:
                 log_step(step, figures, stats, setup, peak, step_batches[-1][0], files, tracker)
             progress.set_postfix(loss=f"{figures.loss:.4f}", refresh=False)
             progress.update(1)
             profiler.step()
             end_of_step(cfg, info, setup, stats, figures, step + 1, saver, guard)
+            if evaluator.stop:  # eval.patience: every rank decides alike, after the same step
+                break
         if saver.pending is not None:  # the last async save: training has ended, but the run waits for it
             t0 = time.perf_counter()
             saver.wait()
@@ -274,6 +281,7 @@ def loop(
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
 
     summary = summarize(cfg, info, par, choices, stats, (meter, probe), setup.flops, peak)
+    summary |= {"eval": evaluator.summary(), "stopped_early": evaluator.stopped_at}
     files.write_summary(summary)  # rank 0 only
     return summary
 
@@ -328,14 +336,7 @@ def end_of_step(
         )
     due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
     if due or figures.preempt:
-        state = TrainerState(
-            step=done,
-            scheduler=setup.scheduler.state_dict(),
-            scaler=setup.precision.scaler.state_dict(),
-            data=setup.data.position(),
-            layout=layout(cfg, info, setup.par),
-            counters={"nonfinite_skipped": stats.skipped_steps},
-        )
+        state = trainer_state(cfg, info, setup, stats, done)
         t0 = time.perf_counter()
         path = saver.save(done, setup.par.module, setup.optimizer, state, generators(setup))
         stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
@@ -345,53 +346,30 @@ def end_of_step(
         raise Preempted(guard.signum or signal.SIGTERM, done, path)
 
 
-def record_step(
-    stats: RunStats,
-    figures: StepFigures,
-    counts_data: bool,
-    data: DataPipeline,
-    step_batches: list,
-    forward_timer: ForwardTimer,
-) -> None:
-    stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
-    stats.losses.append(figures.loss)
-    stats.skipped_steps += not figures.applied
-    if stats.first_step_s is None:
-        stats.first_step_s = figures.seconds
-        stats.startup_s = time.time() - float(os.environ.get("HYDRADIST_START", time.time()))
-    if counts_data:
-        stats.work.append(sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches))
-        stats.slots += sum(data.slots_in(b) or 0 for _, b in step_batches)
-        stats.forward_s.append(forward_timer.pop_seconds())
+def trainer_state(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, done: int) -> TrainerState:
+    """What a checkpoint after step `done` holds besides the model and optimizer."""
+    return TrainerState(
+        step=done,
+        scheduler=setup.scheduler.state_dict(),
+        scaler=setup.precision.scaler.state_dict(),
+        data=setup.data.position(),
+        layout=layout(cfg, info, setup.par),
+        counters={"nonfinite_skipped": stats.skipped_steps},
+    )
 
 
-def log_step(
-    step: int,
-    figures: StepFigures,
-    stats: RunStats,
-    setup: Setup,
-    peak: float | None,
-    epoch: int,
-    files: RunFiles,
-    tracker: Tracker,
-) -> None:
-    """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
-    scaler, seconds, sampled = setup.precision.scaler, figures.seconds, figures.sampled
-    tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None
-    record = {
-        "step": step + 1,
-        "loss": figures.loss,
-        "lr": setup.scheduler.get_last_lr()[0],
-        "grad_norm": figures.grad_norm,
-        "step_time_s": seconds,
-        "samples_per_s": figures.samples / seconds,
-        "tokens_per_s": tokens_per_s,
-        "mfu": mfu(setup.flops.model, tokens_per_s, peak, setup.flops.devices),
-        "epoch": epoch,
-        "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
-        "skipped": not figures.applied,  # non-finite gradients: the update was not applied
-        "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
-        "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
-    }
-    files.log_step(record)
-    tracker.log(record, step=step + 1)
+def build_evaluator(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, root: str) -> Evaluator:
+    """Evaluation during training (framework.evaluation); with checkpoint.monitor=val_loss it
+    keeps one complete checkpoint of the best evaluation under <checkpoint root>/best. The
+    resolved config goes beside the checkpoints, for `framework.evaluate` and `framework.generate`."""
+    if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):
+        checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
+    if not cfg.checkpoint.monitor:
+        return Evaluator(cfg, info, setup)
+    best = Checkpointer(checkpoint.best_root(root), info.rank, keep_last=1)
+
+    def save_best(done: int) -> None:
+        state = trainer_state(cfg, info, setup, stats, done)
+        best.save(done, setup.par.module, setup.optimizer, state, generators(setup))
+
+    return Evaluator(cfg, info, setup, save_best)
