@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,11 +87,29 @@ def _forward(setup: Setup, inputs: tuple, target: torch.Tensor) -> torch.Tensor 
     if pipeline is not None:
         args = (inputs[0],) if pipeline.has_first else ()
         kwargs = {"target": target, "losses": []} if pipeline.has_last else {}
-        return pipeline.schedule.eval(*args, **kwargs)
+        with _no_local_gradient_handover(pipeline.schedule):
+            return pipeline.schedule.eval(*args, **kwargs)
     module = par.module
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         module = module.module
     return module(*inputs)
+
+
+@contextmanager
+def _no_local_gradient_handover(schedule):
+    """torch 2.14's multi-stage schedules still walk their backward actions under `eval` (as
+    no-ops), but between two adjacent stages on one rank (the V schedules: ZBVZeroBubble) they hand
+    the input gradient over in place, which asserts there is a backward. With no backward there
+    is no gradient to hand over: the hand-over is skipped while `eval` runs."""
+    stages = getattr(schedule, "_stages", [])
+    for stage in stages:
+        stage.get_local_bwd_output = lambda mb_index: ()
+        stage.set_local_bwd_input = lambda outputs, mb_index: None
+    try:
+        yield
+    finally:
+        for stage in stages:  # the class's own methods again, for training
+            del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
 @torch.no_grad()
