@@ -35,7 +35,9 @@ def main() -> None:
         rows.append([k + 1, train, evaluate, evaluate / train])
     rows.append(["median", None, None, statistics.median(ratios)])
     text = table(["repeat", "training tokens/s", "evaluation tokens/s", "evaluation / training"], rows)
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     header = (
         "# Evaluation vs training throughput (gpt defaults, ddp x2, gloo, CPU)\n\n"
         f"Command: `python benchmarks/eval_speed.py --repeats {repeats}`  \nMachine: {machine}\n\n"

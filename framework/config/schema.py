@@ -324,7 +324,7 @@ class Config:
     profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop (an error naming the step) | skip (not applied, counted)
-    optimize: str = "tokens_per_s"  # what the task returns to a sweeper: tokens_per_s | samples_per_s | final_loss | val_loss
+    optimize: str = "tokens_per_s"  # returned to a sweeper: tokens_per_s | samples_per_s | final_loss | val_loss
 
 
 # group -> {schema name: dataclass}, stored as `schema/<group>/<name>`; a group with one schema
