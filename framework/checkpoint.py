@@ -276,3 +276,33 @@ def export(path: str, par, is_main: bool) -> None:
     state = full_model_state_dict(par)
     if is_main:
         torch.save(state, path)
+
+
+# ----------------------------------------------------------------------------- the best checkpoint, the config
+
+CONFIG_FILE = "config.json"  # the run's resolved config, beside its checkpoints
+
+
+def best_root(root: str) -> str:
+    """Where checkpoint.monitor keeps the best evaluation's checkpoint (one `step-NNNNNN` folder)."""
+    return os.path.join(root, "best")
+
+
+def write_config(root: str, config: dict[str, Any]) -> None:
+    """The resolved config beside the checkpoints (rank 0), so that a checkpoint alone says how to
+    build its model: `framework.evaluate` and `framework.generate` read it back."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f"{CONFIG_FILE}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, os.path.join(root, CONFIG_FILE))
+
+
+def find_config(path: str) -> dict[str, Any] | None:
+    """The config saved beside checkpoint `path` (its root, or the root above `best/`), else None."""
+    for folder in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        candidate = os.path.join(folder, CONFIG_FILE)
+        if os.path.exists(candidate):
+            with open(candidate) as f:
+                return json.load(f)
+    return None

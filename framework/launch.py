@@ -107,6 +107,7 @@ def main(cfg: DictConfig) -> float | None:
                 print(f"parallel=auto: {cfg.plan.auto.layout} ({' '.join(cfg.plan.auto.overrides)}): "
                       f"{cfg.plan.auto.why}", flush=True)  # fmt: skip
         validate(cfg)
+        check_best_exists(cfg, run_dir)
         if launched_as_worker() and cfg.parallel.name == "none" and int(os.environ["WORLD_SIZE"]) != 1:
             raise ConfigError(
                 "parallel",
@@ -199,7 +200,7 @@ def failed_job(hydra_cfg: Any, err: Exception) -> float:
     raise RunFailed(str(err)) from None
 
 
-OBJECTIVES = ("tokens_per_s", "samples_per_s", "final_loss")
+OBJECTIVES = ("tokens_per_s", "samples_per_s", "final_loss", "val_loss")
 
 
 def objective(summary: dict[str, Any], optimize: str) -> float:
@@ -207,8 +208,24 @@ def objective(summary: dict[str, Any], optimize: str) -> float:
     the run does not have (tokens/s of an image model)."""
     if summary.get("status") != "ok":
         return math.nan
-    value = summary["final_loss"] if optimize == "final_loss" else summary["throughput"].get(optimize)
+    if optimize == "val_loss":  # the last evaluation's (summary.eval.loss)
+        value = (summary.get("eval") or {}).get("loss")
+    else:
+        value = summary["final_loss"] if optimize == "final_loss" else summary["throughput"].get(optimize)
     return math.nan if value is None else float(value)
+
+
+def check_best_exists(cfg: DictConfig, run_dir: str) -> None:
+    """checkpoint.resume=best needs a best checkpoint of this run (checkpoint.monitor saves one)."""
+    from framework.checkpoint import best_root, latest
+    from framework.run_files import checkpoint_root
+
+    if cfg.checkpoint.resume == "best":
+        where = best_root(checkpoint_root(cfg, run_dir))
+        if latest(where) is None:
+            raise ConfigError(
+                "checkpoint.resume", f"best: no best checkpoint under {where} (checkpoint.monitor=val_loss saves one)"
+            )
 
 
 def finished_summary(run_dir: str) -> dict[str, Any] | None:

@@ -42,6 +42,8 @@ def verify(path: str, mode: str, info: DistInfo) -> str | None:
 def choose(cfg: DictConfig, root: str, info: DistInfo) -> tuple[str | None, float]:
     """(the checkpoint to start from, or None: a fresh start; seconds spent verifying)."""
     t0, mode, resume = time.perf_counter(), cfg.checkpoint.verify, cfg.checkpoint.resume
+    if resume == "best":  # checkpoint.monitor's best (launch checked that one exists)
+        resume = checkpoint.latest(checkpoint.best_root(root))
     if resume not in (None, "auto"):
         problem = verify(resume, mode, info)
         if problem is not None:

@@ -64,6 +64,7 @@ class StepFigures:
         self.grad_norm, self.applied = grad_norm, applied > 0
         self.loss_scale = scale if math.isfinite(scale) else None
         self.pending = None
+    val: dict | None = None  # an evaluation after this step: val_loss, ... (framework.evaluation)
 
 
 def forward_backward(

@@ -27,6 +27,7 @@ from framework.dist import (
     init_distributed,
     restart_count,
 )
+from framework.evaluation import Evaluator
 from framework.integrity import CheckpointError
 from framework.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
 from framework.memory import (
@@ -232,6 +233,8 @@ def loop(
     profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
     saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint)
     sequence_data = cfg.data.name in ("text", "varlen") or setup.task == "lm"  # report tokens/s
+    evaluator = build_evaluator(cfg, info, setup, stats, saver.root)
+    evaluator.at_start(tracker)
     batches, ledger = data.batches(*setup.data_position), Ledger(sequence_data)
     progress = tqdm(  # rank 0 only
         total=cfg.steps, initial=setup.start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
@@ -257,14 +260,17 @@ def loop(
                 guard.shorten_timeout(cfg.backend.step_timeout_s)
             progress.update(1)
             profiler.step()
-            if not syncs_after(cfg, step, setup.start_step):
+            figures.val = evaluator.after_step(step + 1)  # after the step's time is taken: not in throughput
+            if not (syncs_after(cfg, step, setup.start_step) or figures.val):
                 continue  # its figures wait on the device (framework.ledger): no host sync
             settled = ledger.settle()  # the one host sync of these steps
             record_steps(stats, settled, par.counts_data, forward_timer)
-            if is_logged(cfg, step):
+            if is_logged(cfg, step) or figures.val:
                 log_step(settled[-1], stats, setup, peak, files, tracker)
             progress.set_postfix(loss=f"{settled[-1].figures.loss:.4f}", refresh=False)
             end_of_step(cfg, info, setup, stats, [e.figures for e in settled], step + 1, saver, guard)
+            if evaluator.stop:  # eval.patience: every rank decides alike, after the same step
+                break
         if saver.pending is not None:  # the last async save: training has ended, but the run waits for it
             t0 = time.perf_counter()
             saver.wait()
@@ -275,6 +281,7 @@ def loop(
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
 
     summary = summarize(cfg, info, par, choices, stats, (meter, probe), setup.flops, peak)
+    summary |= {"eval": evaluator.summary(), "stopped_early": evaluator.stopped_at}
     files.write_summary(summary)  # rank 0 only
     return summary
 
@@ -333,14 +340,7 @@ def end_of_step(
     figures = settled[-1]
     due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
     if due or figures.preempt:
-        state = TrainerState(
-            step=done,
-            scheduler=setup.scheduler.state_dict(),
-            scaler=setup.precision.scaler.state_dict(),
-            data=setup.data.position(),
-            layout=layout(cfg, info, setup.par),
-            counters={"nonfinite_skipped": stats.skipped_steps},
-        )
+        state = trainer_state(cfg, info, setup, stats, done)
         t0 = time.perf_counter()
         path = saver.save(done, setup.par.module, setup.optimizer, state, generators(setup))
         stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
@@ -349,3 +349,32 @@ def end_of_step(
         if not saver.wait() or path is None:  # on disk before the process exits
             raise CheckpointError(f"preempted after step {done}; its checkpoint could not be saved (see above)")
         raise Preempted(guard.signum or signal.SIGTERM, done, path)
+
+
+def trainer_state(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, done: int) -> TrainerState:
+    """What a checkpoint after step `done` holds besides the model and optimizer."""
+    return TrainerState(
+        step=done,
+        scheduler=setup.scheduler.state_dict(),
+        scaler=setup.precision.scaler.state_dict(),
+        data=setup.data.position(),
+        layout=layout(cfg, info, setup.par),
+        counters={"nonfinite_skipped": stats.skipped_steps},
+    )
+
+
+def build_evaluator(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, root: str) -> Evaluator:
+    """Evaluation during training (framework.evaluation); with checkpoint.monitor=val_loss it
+    keeps one complete checkpoint of the best evaluation under <checkpoint root>/best. The
+    resolved config goes beside the checkpoints, for `framework.evaluate` and `framework.generate`."""
+    if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):
+        checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
+    if not cfg.checkpoint.monitor:
+        return Evaluator(cfg, info, setup)
+    best = Checkpointer(checkpoint.best_root(root), info.rank, OmegaConf.merge(cfg.checkpoint, {"keep_last": 1}))
+
+    def save_best(done: int) -> None:
+        state = trainer_state(cfg, info, setup, stats, done)
+        best.save(done, setup.par.module, setup.optimizer, state, generators(setup))
+
+    return Evaluator(cfg, info, setup, save_best)

@@ -115,6 +115,8 @@ class LoaderFields:
     rank_batch_sizes: list[int] | None = None  # per data-parallel rank micro-batch sizes (by capability)
     pack: bool = False  # varlen + gpt: concatenate sequences into blocks of pack_len, no padding
     pack_len: int = 128
+    val_fraction: float = 0.0  # held out for validation: text, the corpus' tail; else samples/documents (seeded)
+    val_path: str | None = None  # text: a separate file or folder to validate on (instead of val_fraction)
 
 
 @dataclass
@@ -123,7 +125,6 @@ class TextDataConfig(LoaderFields):
     path: str | None = None  # file or folder of text; null: this Python's standard library source
     seq_len: int = 128
     max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
-    val_fraction: float = 0.0
 
 
 @dataclass
@@ -279,13 +280,14 @@ class LaunchConfig:
 class CheckpointConfig:
     every: int = 0  # save every N optimizer steps (0: never); always saved at the end if > 0
     dir: str | None = None  # null: <run dir>/checkpoints
-    resume: str | None = None  # a checkpoint folder to resume from, or auto: this run's newest (if any)
+    resume: str | None = None  # a checkpoint folder to resume from, auto: this run's newest (if any), best: its best
     keep_last: int = 0  # keep only the newest K complete checkpoints (0: all)
     async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
     preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
     export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
     verify: str = "full"  # full | size | off: what a resume checks against the manifest (framework/integrity.py)
     on_error: str = "stop"  # stop | warn: a failed save (a full disk) stops the run, or warns and retries next time
+    monitor: str | None = None  # val_loss: keep a complete checkpoint of the best evaluation (<root>/best)
 
 
 @dataclass
@@ -325,6 +327,17 @@ class PlanConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation during training (framework/evaluation.py) on the data group's validation split."""
+
+    every: int = 0  # evaluate every N optimizer steps (0: never); when on, also once at the end
+    steps: int = -1  # batches per evaluation per data-parallel rank (-1: the whole validation split)
+    at_start: bool = False  # also evaluate the initial weights, before the first step (step 0)
+    patience: int = 0  # early stopping: stop after K evaluations without improvement (0: off)
+    min_delta: float = 0.0  # an improvement lowers the best val_loss by more than this
+
+
+@dataclass
 class SweepConfig:
     skip_done: bool = False  # a rerun of a multirun skips the jobs whose summary says ok
 
@@ -349,11 +362,12 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     compile: bool = False  # torch.compile each transformer block (small models: the whole model)
     profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop (an error naming the step) | skip (not applied, counted)
-    optimize: str = "tokens_per_s"  # what the task returns to a sweeper: tokens_per_s | samples_per_s | final_loss
+    optimize: str = "tokens_per_s"  # returned to a sweeper: tokens_per_s | samples_per_s | final_loss | val_loss
 
 
 # group -> {schema name: dataclass}, stored as `schema/<group>/<name>`; a group with one schema

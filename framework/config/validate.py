@@ -5,6 +5,7 @@ run), before any worker starts. Each concern is one small check; the first probl
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig
@@ -29,7 +30,8 @@ ALLOWED = {
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "constant"),
     "logger.name": ("wandb", "tensorboard", "all", "none"),
-    "optimize": ("tokens_per_s", "samples_per_s", "final_loss"),
+    "optimize": ("tokens_per_s", "samples_per_s", "final_loss", "val_loss"),
+    "checkpoint.monitor": (None, "val_loss"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
@@ -60,7 +62,7 @@ def _at_least(cfg: DictConfig, key: str, low: int) -> None:
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
     for check in (_check_values, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
-                  _check_model_and_data, _check_batching, _check_paths):  # fmt: skip
+                  _check_model_and_data, _check_batching, _check_paths, _check_eval):  # fmt: skip
         check(cfg)
 
 
@@ -295,11 +297,11 @@ def _check_paths(cfg: DictConfig) -> None:
             _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
-    if cfg.checkpoint.resume not in (None, "auto"):
+    if cfg.checkpoint.resume not in (None, "auto", "best"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),
             "checkpoint.resume",
-            f"no checkpoint folder at {cfg.checkpoint.resume!r} (or `auto`: the run's newest checkpoint)",
+            f"no checkpoint folder at {cfg.checkpoint.resume!r} (or `auto`: the run's newest checkpoint, `best`: its best)",
         )
 
 
@@ -331,3 +333,21 @@ def _check_strategy(cfg: DictConfig) -> None:
         check_tensor_parallel(cfg)
     if dims.pp > 1:
         check_pipeline(cfg)
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """Evaluation settings, and a validation split for them to read."""
+    e, d, on = cfg.eval, cfg.data, cfg.eval.every > 0 or cfg.eval.at_start
+    _at_least(cfg, "eval.every", 0)
+    _at_least(cfg, "eval.patience", 0)
+    _require(e.steps == -1 or e.steps >= 1, "eval.steps", f"got {e.steps}; must be -1 (the whole split) or >= 1")
+    _require(e.min_delta >= 0, "eval.min_delta", f"got {e.min_delta}; must be >= 0")
+    _require(0 <= d.val_fraction < 1, "data.val_fraction", f"got {d.val_fraction}; must be >= 0 and < 1")
+    if d.val_path is not None:
+        _require(d.name == "text", "data.val_path", f"a text file or folder, for data=text only; got data={d.name}")
+        _require(os.path.exists(d.val_path), "data.val_path", f"no file or folder at {d.val_path!r}")
+    split = "set data.val_fraction (0 < f < 1) or data.val_path (data=text)"
+    _require(not on or d.val_fraction > 0 or d.val_path, "eval", f"needs a validation split: {split}")
+    for key, used in (("eval.patience", e.patience), ("checkpoint.monitor", cfg.checkpoint.monitor),
+                      ("optimize", cfg.optimize == "val_loss")):  # fmt: skip
+        _require(not used or e.every > 0, key, "needs evaluation during training: set eval.every=N (> 0)")
