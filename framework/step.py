@@ -73,15 +73,16 @@ def forward_backward(
         inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
         with precision.autocast(), meter.measure() if meter else nullcontext():
             return par.pipeline.step(inputs[0], target)
-    scale = par.dp_size / step_elements(cfg, info, par, step_batches)
+    scale = par.dp_size * par.cp_size / step_elements(cfg, info, par, step_batches)  # FSDP averages over dp x cp
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
         inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
+        inputs, kwargs, target = par.split_batch(inputs, target)  # context parallel: this rank's part
         measure = meter.measure() if meter and micro == 0 else nullcontext()
         # Gradients are synchronised on the last micro-batch only: once per step.
         with par.grad_sync(micro == accum - 1), par.loss_context():
             with precision.autocast(), measure, forward_timer:
-                loss = cross_entropy(par.module(*inputs), target, reduction="sum")
+                loss = cross_entropy(par.module(*inputs, **kwargs), target, reduction="sum")
                 if poison:  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan)
                     loss = loss * float("nan")
             precision.scaler.scale(loss * scale).backward()
@@ -140,7 +141,9 @@ def reduce_step_figures(
     samples = sum(b[1].size(0) for _, b in step_batches) * counting
     if par.pipeline is None:
         terms = sum(loss_elements(b[1]) for _, b in step_batches) * counting
-        local = torch.stack([step_loss.float() * counting, step_loss.new_tensor(terms, dtype=torch.float32)])
+        # cp ranks each hold a part of the loss of the batch they all read (counted once)
+        part = float(par.counts_loss)
+        local = torch.stack([step_loss.float() * part, step_loss.new_tensor(terms, dtype=torch.float32)])
     else:
         holds = float(par.holds_loss)
         local = torch.stack([step_loss.float() * holds, step_loss.new_tensor(holds, dtype=torch.float32)])

@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 ALLOWED = {
     "backend.name": ("auto", "gloo", "nccl", "mpi"),
-    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"),
+    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"),
     "parallel.version": (1, 2),
     "parallel.reduce_dtype": ("fp32", "bf16"),
     "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
@@ -361,13 +361,13 @@ def _check_strategy(cfg: DictConfig) -> None:
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
             "device; none here. Use parallel=ddp, which is faster anyway",
         )
-    if p.name in ("tp", "pp", "hybrid"):
+    if p.name in ("tp", "pp", "hybrid", "cp"):
         _require(
             model == "gpt",
             "parallel",
             f"parallel={p.name} splits transformer blocks and heads: model=gpt only, got model={model}",
         )
-    if p.name not in ("fsdp", "tp", "pp", "hybrid"):
+    if p.name not in ("fsdp", "tp", "pp", "hybrid", "cp"):
         return
     n_layer, n_head = (cfg.model.n_layer, cfg.model.n_head) if model == "gpt" else (None, None)
     try:
