@@ -75,3 +75,93 @@ def test_zigzag_shard_round_trip(cp):
     assert len(work) == 1
     with pytest.raises(ValueError, match="2 x cp"):
         zigzag_indices(26, 4, 0)
+
+
+# ----------------------------------------------------------------------------- gpt under cp
+
+STEPS, N_LAYER, BATCH, SEQ, N_EMBD = 4, 2, 8, 32, 32
+BASE = ["experiment=smoke", "logger=none", f"steps={STEPS}", f"model.n_layer={N_LAYER}", f"data.seq_len={SEQ}"]
+WORLD2 = {
+    "cp2": ["parallel=cp", f"data.batch_size={BATCH}"],
+    "cp2_checkpoint": ["parallel=cp", f"data.batch_size={BATCH}", "memory=checkpoint"],
+}
+WORLD4 = {
+    "cp2_fsdp2": ["parallel=hybrid", "parallel.cp=2", "parallel.tp=1", f"data.batch_size={BATCH // 2}"],
+    "cp2_tp2": ["parallel=hybrid", "parallel.cp=2", "parallel.tp=2", f"data.batch_size={BATCH}"],
+    "cp4": ["parallel=cp", f"data.batch_size={BATCH}"],
+}
+
+
+def _config(overrides: list[str], world: int) -> dict:
+    from tests.helpers import world_config
+
+    return world_config([*BASE, *overrides], world)
+
+
+def _trajectory(out) -> tuple[list[float], list[float]]:
+    from tests.helpers import read_metrics
+
+    metrics = read_metrics(out)
+    return [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process on the same global batch of 8 sequences."""
+    from omegaconf import OmegaConf
+
+    from framework.trainer import run
+
+    out = tmp_path_factory.mktemp("reference")
+    cfg = OmegaConf.create(_config(["parallel=none", f"data.batch_size={BATCH}"], 1))
+    summary = run(cfg, str(out), {"parallel": "none"})
+    assert summary["status"] == "ok"
+    return _trajectory(out), summary
+
+
+def _train(configs: dict, world: int, out_dir) -> dict:
+    from framework.sweep import run_configs
+
+    summaries = run_configs({name: _config(args, world) for name, args in configs.items()}, world, str(out_dir))
+    return {name: (_trajectory(out_dir / name), summary) for name, summary in summaries.items()}
+
+
+def _assert_follows(results: dict, reference) -> None:
+    (ref_losses, ref_norms), _ = reference
+    assert len(ref_losses) == STEPS and ref_losses[-1] < ref_losses[0]
+    for name, ((got_losses, got_norms), summary) in results.items():
+        assert summary["status"] == "ok", name
+        for step, (a, b, ga, gb) in enumerate(zip(got_losses, ref_losses, got_norms, ref_norms, strict=True), 1):
+            assert abs(a - b) / abs(b) <= 1e-4, f"{name} step {step}: loss {a} vs one process {b}"
+            assert abs(ga - gb) / abs(gb) <= 1e-4, f"{name} step {step}: grad norm {ga} vs one process {gb}"
+
+
+def _ring_sends(cp: int, batch: int, tp: int = 1, recomputed: bool = False) -> tuple[int, int]:
+    """Sends per rank per step (and their bytes, fp32) of the ring: per layer, forward cp-1 key/value
+    blocks, backward cp-1 again and cp gradient blocks (and a recomputed forward: cp-1 more)."""
+    hops = (cp - 1) * (3 if recomputed else 2) + cp
+    block = 2 * batch * (SEQ // cp) * (N_EMBD // tp) * 4  # k and v of this rank's heads, stacked
+    return N_LAYER * hops, N_LAYER * hops * block
+
+
+def test_gpt_under_cp_follows_one_process_world_2(tmp_path, reference):
+    results = _train(WORLD2, 2, tmp_path)
+    _assert_follows(results, reference)
+    for name, recomputed in (("cp2", False), ("cp2_checkpoint", True)):
+        summary = results[name][1]
+        assert summary["parallel_dims"]["cp"] == 2
+        calls, nbytes = _ring_sends(2, BATCH, recomputed=recomputed)
+        by_op = summary["comm"]["by_op"]
+        assert by_op["send"] == {"calls": calls, "bytes": nbytes} == by_op["recv"], (name, by_op)
+        assert by_op["reduce_scatter"]["calls"] > 0  # cp ranks reduce their gradients (FSDP over dp_shard x cp)
+
+
+def test_gpt_under_cp_with_fsdp_and_tp_follows_one_process_world_4(tmp_path, reference):
+    results = _train(WORLD4, 4, tmp_path)
+    _assert_follows(results, reference)
+    expected = {"cp2_fsdp2": (2, BATCH // 2, 1), "cp2_tp2": (2, BATCH, 2), "cp4": (4, BATCH, 1)}
+    for name, (cp, batch, tp) in expected.items():
+        summary = results[name][1]
+        assert (summary["parallel_dims"]["cp"], summary["parallel_dims"]["tp"]) == (cp, tp)
+        calls, nbytes = _ring_sends(cp, batch, tp)
+        assert summary["comm"]["by_op"]["send"] == {"calls": calls, "bytes": nbytes}, (name, summary["comm"])
