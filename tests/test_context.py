@@ -154,6 +154,8 @@ def test_gpt_under_cp_follows_one_process_world_2(tmp_path, reference):
         by_op = summary["comm"]["by_op"]
         assert by_op["send"] == {"calls": calls, "bytes": nbytes} == by_op["recv"], (name, by_op)
         assert by_op["reduce_scatter"]["calls"] > 0  # cp ranks reduce their gradients (FSDP over dp_shard x cp)
+    # saved activations per rank: each holds half of every sequence's tokens
+    assert results["cp2"][1]["memory"]["activation_bytes"] <= 0.6 * reference[1]["memory"]["activation_bytes"]
 
 
 def test_gpt_under_cp_with_fsdp_and_tp_follows_one_process_world_4(tmp_path, reference):
@@ -165,3 +167,42 @@ def test_gpt_under_cp_with_fsdp_and_tp_follows_one_process_world_4(tmp_path, ref
         assert (summary["parallel_dims"]["cp"], summary["parallel_dims"]["tp"]) == (cp, tp)
         calls, nbytes = _ring_sends(cp, batch, tp)
         assert summary["comm"]["by_op"]["send"] == {"calls": calls, "bytes": nbytes}, (name, summary["comm"])
+    assert results["cp4"][1]["memory"]["activation_bytes"] <= 0.3 * reference[1]["memory"]["activation_bytes"]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD = [
+    (["parallel=cp", "data.seq_len=30"], 2, "data.seq_len", "2 x cp = 4 chunks"),
+    (["parallel=cp", "model=lstm", "data=varlen"], 2, "parallel.cp", "is a classifier"),
+    (["parallel=cp", "parallel.cp_impl=torch", "device=cpu"], 2, "parallel.cp_impl", "CUDA SDPA kernels only"),
+    (["parallel=cp", "parallel.cp_impl=flash"], 2, "parallel.cp_impl", "one of ('ring', 'torch')"),
+    (["parallel=hybrid", "parallel.cp=3", "parallel.tp=1"], 4, "parallel.dp_shard", "dp_replicate x cp = 3"),
+    (["parallel=hybrid", "parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=2"], 4, "parallel", "world size is 4"),
+    (["parallel=hybrid", "parallel.cp=2", "parallel.tp=1", "parallel.pp=2"], 4, "parallel.cp", "pipeline"),
+    (["parallel=cp", "model=gpt", "data=varlen", "data.pack=true"], 2, "data", "packing's document masks"),
+    (["parallel=cp", "model.dropout=0.1"], 2, "model.dropout", "no dropout"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,key,message", BAD)
+def test_bad_cp_config_is_one_clear_error(overrides, world, key, message):
+    from framework.config import ConfigError, validate
+    from tests.helpers import compose_config
+
+    base = [] if "data=varlen" in overrides else BASE
+    cfg = compose_config([*base, *overrides, f"launch.nproc_per_node={world}"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == key and message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_bad_cp_config_exits_2_before_any_worker(tmp_path):
+    from tests.helpers import train_cli
+
+    proc = train_cli([*BASE, "parallel=cp", "data.seq_len=30", "launch.nproc_per_node=2"], tmp_path / "run")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data.seq_len:") and "Traceback" not in proc.stderr, (
+        proc.stderr
+    )

@@ -361,7 +361,7 @@ def _check_strategy(cfg: DictConfig) -> None:
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
             "device; none here. Use parallel=ddp, which is faster anyway",
         )
-    if p.name in ("tp", "pp", "hybrid", "cp"):
+    if p.name in ("tp", "pp", "hybrid"):
         _require(
             model == "gpt",
             "parallel",

@@ -171,13 +171,15 @@ def check_cp_run(dims: ParallelDims, cfg: DictConfig) -> None:
 
     p, cp = cfg.parallel, dims.cp
     model_cls = MODELS.get(cfg.model.name)
+    takes_positions = model_cls is not None and "positions" in inspect.signature(model_cls.forward).parameters
+    task = cfg.model.get("task") or getattr(model_cls, "task", "lm" if takes_positions else "classify")
     checks = [
         (p.get("cp_impl", "ring") in CP_IMPLS, "parallel.cp_impl", f"got {p.get('cp_impl')!r}; one of {CP_IMPLS}"),
         (p.get("cp_impl", "ring") != "torch" or resolve_device(cfg) == "cuda", "parallel.cp_impl",
          "torch's context_parallel runs CUDA SDPA kernels only; on CPU use parallel.cp_impl=ring"),
-        (cfg.model.get("task", "lm") == "lm", "parallel.cp",
-         "context parallel splits a language model's sequences; a classifier (model.task=classify) cannot take it"),
-        (model_cls is not None and "positions" in inspect.signature(model_cls.forward).parameters, "parallel.cp",
+        (task == "lm", "parallel.cp",
+         f"context parallel splits a language model's sequences; model={cfg.model.name} is a classifier"),
+        (takes_positions, "parallel.cp",
          f"model={cfg.model.name} does not declare context parallel (its forward takes no `positions`)"),
         (cfg.data.name == "text", "data",
          f"context parallel takes fixed-length token batches (data=text); got data={cfg.data.name} "
