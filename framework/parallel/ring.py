@@ -17,8 +17,11 @@ attention on its two chunks; against a block from a lower rank, all its queries 
 first chunk; against one from a higher rank, its second chunk's queries on the whole block. Both
 cost half a full block.
 
-Arithmetic runs in float32 (float64 inputs: float64) whatever the input dtype, as flash
-attention accumulates; autocast is switched off inside.
+Blocks are merged, and gradients accumulated, in float32 (float64 inputs: float64) whatever the
+input dtype, as flash attention accumulates; autocast is switched off inside. On CPU, float32 and
+bfloat16 blocks run torch's fused flash kernel (which returns the log-sum-exp the merge needs,
+and whose backward takes the row's final output and log-sum-exp); elsewhere, and in float64,
+plain matmuls.
 """
 
 from __future__ import annotations
@@ -65,18 +68,30 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
     return s
 
 
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+
 def attend(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (output, log-sum-exp of the scores per query), in the accumulation dtype."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse
     acc = _accumulation_dtype(q.dtype)
     s = _scores(q.to(acc), k.to(acc), scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc)), lse
 
 
-def attend_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
-    """Gradients (dq, dk, dv) of one block, given the whole row's log-sum-exp `lse` and
-    `delta` = rowsum(dout * out) (both over every block of the row)."""
+def attend_backward(q, k, v, dout, out, lse, delta, scale: float, causal: bool):
+    """Gradients (dq, dk, dv) of one block, in the accumulation dtype, given the row's final
+    output `out`, log-sum-exp `lse` and `delta` = rowsum(dout * out) (over every block of the row)."""
     acc = lse.dtype
+    if _fused(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+        return tuple(g.to(acc) for g in grads)
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # the row's true probabilities
     dv = torch.matmul(p.transpose(-2, -1), dout)
@@ -103,7 +118,8 @@ def ring_forward(q, k, v, ring: Ring, scale: float) -> tuple[torch.Tensor, torch
         if step == 0:
             out, lse = attend(q, kv[0], kv[1], scale, causal=True)
         elif source < ring.rank:  # every query sees the block's first (earlier) chunk only
-            _merge(out, lse, *attend(q, kv[0, ..., :half, :], kv[1, ..., :half, :], scale, causal=False))
+            k, v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
+            _merge(out, lse, *attend(q, k, v, scale, causal=False))
         else:  # only this rank's second (later) chunk sees the block, all of it
             _merge(out[..., half:, :], lse[..., half:], *attend(q[..., half:, :], kv[0], kv[1], scale, causal=False))
         if step + 1 < ring.size:
@@ -112,21 +128,23 @@ def ring_forward(q, k, v, ring: Ring, scale: float) -> tuple[torch.Tensor, torch
     return out, lse
 
 
-def _block_grads(q, kv, dout, lse, delta, scale, ring: Ring, step: int):
+def _block_grads(q, kv, dout, out, lse, delta, scale, ring: Ring, step: int):
     """(dq, dkv) of this rank's queries against the block `kv` held at `step`."""
     half = q.size(-2) // 2
     source = (ring.rank - step) % ring.size
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)
     if step == 0:
-        dq[:], dkv[0], dkv[1] = attend_backward(q, kv[0], kv[1], dout, lse, delta, scale, causal=True)
+        dq[:], dkv[0], dkv[1] = attend_backward(q, kv[0], kv[1], dout, out, lse, delta, scale, causal=True)
     elif source < ring.rank:
-        k, v = kv[0, ..., :half, :], kv[1, ..., :half, :]
-        dq[:], dkv[0, ..., :half, :], dkv[1, ..., :half, :] = attend_backward(q, k, v, dout, lse, delta, scale, False)
+        k, v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
+        dq[:], dkv[0, ..., :half, :], dkv[1, ..., :half, :] = attend_backward(
+            q, k, v, dout, out, lse, delta, scale, False
+        )
     else:
-        rows = slice(half, None)
-        dq[..., rows, :], dkv[0], dkv[1] = attend_backward(
-            q[..., rows, :], kv[0], kv[1], dout[..., rows, :], lse[..., rows], delta[..., rows], scale, False
+        r = slice(half, None)
+        dq[..., r, :], dkv[0], dkv[1] = attend_backward(
+            q[..., r, :], kv[0], kv[1], dout[..., r, :], out[..., r, :], lse[..., r], delta[..., r], scale, False
         )
     return dq, dkv
 
@@ -141,7 +159,7 @@ def ring_backward(dout, q, k, v, out, lse, ring: Ring, scale: float):
     for step in range(ring.size):
         if step + 1 < ring.size:
             incoming, works = ring.exchange(kv, KV_TAG)
-        dq_part, dkv = _block_grads(q, kv, dout, lse, delta, scale, ring, step)
+        dq_part, dkv = _block_grads(q, kv, dout, out, lse, delta, scale, ring, step)
         dq = dq_part if dq is None else dq.add_(dq_part)
         if grad_works is not None:  # the accumulated gradient of this block from the previous rank
             _wait(grad_works)
