@@ -136,7 +136,7 @@ def reduce_step_figures(
     rank got a signal. `.tolist()` is a sync point that ends the step, so the step's time is its
     true time."""
     par, data = setup.par, setup.data
-    counting = float(par.counts_data)  # tp and pp peers read the same batch: count it once
+    counting = float(par.counts_data)  # tp, pp and cp peers read the same batch: count it once
     tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting
     samples = sum(b[1].size(0) for _, b in step_batches) * counting
     if par.pipeline is None:

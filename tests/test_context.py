@@ -206,3 +206,45 @@ def test_bad_cp_config_exits_2_before_any_worker(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: data.seq_len:") and "Traceback" not in proc.stderr, (
         proc.stderr
     )
+
+
+def test_parallel_dims_resolve_the_cp_axis():
+    from omegaconf import OmegaConf
+
+    from framework.config.schema import ParallelConfig
+    from framework.parallel.dims import AXES, DimsError, ParallelDims
+
+    def dims(world: int, **kw) -> ParallelDims:
+        return ParallelDims.from_config(OmegaConf.structured(ParallelConfig(**kw)), world)
+
+    assert AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert dims(2, name="cp", cp=-1, dp_shard=1).degrees == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 1,
+        "cp": 2,
+        "tp": 1,
+    }
+    assert dims(8, name="hybrid", cp=2, tp=2).dp_shard == 2  # the rest of the world shards
+    assert dims(4, name="hybrid", cp=2, tp=0, pp=0).tp == 2  # auto tp counts the world left after cp
+    assert dims(2, name="hybrid", cp=2, tp=0, pp=0).tp == 1
+    assert dims(4, name="fsdp").cp == 1  # every other strategy: no cp
+    for world, kw, key in [(4, {"cp": 0}, "parallel.cp"), (4, {"cp": 3, "dp_shard": -1}, "parallel.dp_shard"),
+                           (4, {"cp": -1, "dp_shard": -1}, "parallel.cp"), (4, {"cp": 2, "dp_shard": 1}, "parallel")]:  # fmt: skip
+        with pytest.raises(DimsError) as err:
+            dims(world, name="hybrid", **kw)
+        assert err.value.key == key
+
+
+def test_gpt_positions_default_is_the_plain_forward():
+    from models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    idx = torch.randint(0, 32, (2, 16))
+    plain = model(idx)
+    assert torch.equal(model(idx, positions=torch.arange(16)), plain)
+    # a zigzag shard with its global positions gives the plain logits of those tokens at its first
+    # chunk (causal attention there sees only earlier tokens of the shard: rank 0's chunk 0)
+    part = zigzag_indices(16, 2, 0)
+    assert torch.allclose(model(idx[:, part], positions=part)[:, :4], plain[:, part[:4]], atol=1e-6)
