@@ -75,6 +75,9 @@ class ParallelConfig:
     schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble
     n_microbatches: int = 4
     stages_per_rank: int = 0  # 0: auto (1 for GPipe/1F1B, 2 for interleaved and V schedules)
+    # context parallel: each sequence split over cp ranks (zigzag), attention by a ring of sends
+    cp: int = 1
+    cp_impl: str = "ring"  # ring (ours: any device, gloo or NCCL) | torch (torch's context_parallel, CUDA only)
 
 
 @dataclass

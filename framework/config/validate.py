@@ -19,7 +19,7 @@ from framework.parallel.pipeline import SCHEDULES
 
 ALLOWED = {
     "backend.name": ("auto", "gloo", "nccl", "mpi"),
-    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"),
+    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"),
     "parallel.version": (1, 2),
     "parallel.reduce_dtype": ("fp32", "bf16"),
     "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
@@ -317,7 +317,7 @@ def _check_strategy(cfg: DictConfig) -> None:
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
             f"device; device={cfg.device} with {cuda_device_count()} here. Use parallel=ddp, which is faster anyway",
         )
-    if p.name not in ("fsdp", "tp", "pp", "hybrid"):
+    if p.name not in ("fsdp", "tp", "pp", "hybrid", "cp"):
         return
     from framework.config.model import model_dims_of
 
