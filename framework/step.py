@@ -93,8 +93,10 @@ def forward_backward(
 def step_elements(cfg: DictConfig, info: DistInfo, par: Parallelized, step_batches: list) -> int:
     """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
     config; variable-length data counts it with one small all-reduce (a sync point)."""
-    if cfg.data.name != "varlen":  # every target counts: seq_len per sample (text), or 1
-        per_sample = cfg.data.seq_len if cfg.model.name == "gpt" else 1
+    if cfg.data.name != "varlen" and not (
+        cfg.data.name == "tokens" and cfg.data.pack
+    ):  # every target counts: seq_len per sample (text), or 1
+        per_sample = cfg.data.seq_len if cfg.data.name in ("text", "tokens") else 1  # lm data: every position
         sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * par.dp_size
         return sum(sizes) * len(step_batches) * per_sample
     local = sum(loss_elements(batch[1]) for _, batch in step_batches) if par.counts_data else 0

@@ -46,6 +46,7 @@ from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
 from framework.peak import PeakProbe
 from framework.precision import build_precision
+from framework.pretrained import load_pretrained, model_arguments
 from framework.profiling import build_profiler
 from framework.resilience import (
     Aborted,
@@ -121,7 +122,7 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     # optimizer (over the final, possibly sharded parameters) -> resume -> data (split over the
     # data-parallel ranks the strategy defines) -> precision.
     seed_everything(cfg.seed)
-    model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"}
+    model_kwargs = model_arguments(cfg)
     # Models with an init rule (gpt) are built on the meta device: no memory at all. Strategies
     # that shard or split them (FSDP2, tensor parallel, pipeline) allocate and initialise only
     # this rank's part after parallelizing; the others (none, dp, ddp, FSDP1) the whole model
@@ -132,6 +133,7 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
         model = build_model(cfg.model.name, **model_kwargs)
     if on_meta and not late:
         materialize(model, info.device, model.init_rule, cfg.seed)
+        load_pretrained(model, cfg, model)
     elif not on_meta:
         model.to(info.device)
     flops = count_flops(model, cfg, info.world_size)  # before sharding: every strategy counts the same work
@@ -139,10 +141,11 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     par = parallelize(model, cfg, info)
     if late:
         materialize(par.module, info.device, model.init_rule, cfg.seed)
+        load_pretrained(par.module, cfg, model)  # this rank's part of each tensor only
     del model  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, decay)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
-    task = "lm" if cfg.model.name == "gpt" else "classify"
+    task = getattr(MODELS[cfg.model.name], "task", "lm" if cfg.model.name == "gpt" else "classify")
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, task)
     precision = build_precision(cfg.precision, info.device, sharded=fsdp_v1(cfg))
     setup = Setup(flops, par, optimizer, scheduler, data, precision)

@@ -7,12 +7,14 @@ from typing import Any
 from torch import nn
 
 from models.gpt import GPT
+from models.llama import Llama
 from models.lstm import LSTMClassifier
 from models.mlp import MLP
 from models.resnet import ResNet
 
 MODELS: dict[str, type[nn.Module]] = {
     "gpt": GPT,
+    "llama": Llama,
     "mlp": MLP,
     "resnet": ResNet,
     "lstm": LSTMClassifier,

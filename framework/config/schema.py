@@ -119,6 +119,18 @@ class TextDataConfig(LoaderFields):
     seq_len: int = 128
     max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
     val_fraction: float = 0.0
+    tokenizer: str = "bytes"  # bytes (ids 0..255) | <path to a tokenizer.json> (bpe: prepare shards, data=tokens)
+
+
+@dataclass
+class TokensDataConfig(LoaderFields):
+    """Token shards written by `python -m framework.data.prepare` (memory-mapped, never read whole)."""
+
+    name: str = "tokens"
+    path: str = MISSING  # the shards' folder (index.json + shard-*.bin)
+    seq_len: int = 128
+    split: str = "train"  # train | val (the shards prepare --val-fraction set aside)
+    tokenizer: str | None = None  # null: the shards' own; else checked against it (bytes | bpe | a tokenizer.json)
 
 
 @dataclass
@@ -167,6 +179,27 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
+
+
+@dataclass
+class LlamaConfig:
+    """model=llama (models/llama.py). Null shape keys: the flavour's (or the pretrained folder's
+    config.json); vocab_size null: the data's tokenizer."""
+
+    name: str = "llama"
+    flavor: str = "debug"  # debug | 150m | 1b | 8b | 70b
+    pretrained: str | None = None  # a Hugging Face folder (config.json + *.safetensors) to start from
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_factor: float | None = None  # Llama-3.1 rope scaling factor (null: the flavour's)
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
 
 
 @dataclass
@@ -325,8 +358,9 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "images": ImagesDataConfig,
         "vectors": VectorsDataConfig,
         "varlen": VarlenDataConfig,
+        "tokens": TokensDataConfig,
     },
-    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "resnet": ResNetConfig, "lstm": LSTMConfig},
+    "model": {"gpt": GPTConfig, "llama": LlamaConfig, "mlp": MLPConfig, "resnet": ResNetConfig, "lstm": LSTMConfig},
     "optim": {"base": OptimConfig},
     "logger": {"base": LoggerConfig},
 }

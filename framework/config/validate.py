@@ -47,7 +47,8 @@ ALLOWED = {
 
 # Which data each model can train on: (model, data) pairs that make a task.
 MODEL_DATA = {
-    "gpt": ("text", "varlen"),
+    "gpt": ("text", "varlen", "tokens"),
+    "llama": ("text", "varlen", "tokens"),
     "mlp": ("vectors",),
     "resnet": ("images",),
     "lstm": ("varlen",),
@@ -277,7 +278,7 @@ def _check_model_and_data(cfg: DictConfig) -> None:
             )
     else:
         _require(
-            cfg.data.sampler == "distributed" and not cfg.data.pack,
+            cfg.data.sampler == "distributed" and (not cfg.data.pack or data == "tokens"),
             "data.sampler" if cfg.data.sampler != "distributed" else "data.pack",
             "length grouping, token budgets and packing are for variable-length data: use data=varlen",
         )
@@ -288,7 +289,7 @@ def _check_batching(cfg: DictConfig) -> None:
     model = cfg.model.name
     if cfg.data.pack:
         _require(
-            model == "gpt",
+            model in ("gpt", "llama"),
             "data.pack",
             "packing keeps attention within documents in gpt only; lstm packs with pack_padded_sequence",
         )
@@ -339,6 +340,7 @@ def _check_paths(cfg: DictConfig) -> None:
             _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
+    _check_tokenizer(cfg)
     if cfg.checkpoint.resume not in (None, "auto"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),
@@ -375,3 +377,12 @@ def _check_strategy(cfg: DictConfig) -> None:
         dims.check_run(cfg)
     except DimsError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+
+
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """Token shards, tokenizers and a pretrained model's vocabulary (framework.data.tokens)."""
+    from framework.data.tokens import config_problem
+
+    problem = config_problem(cfg)
+    if problem is not None:
+        raise ConfigError(*problem)

@@ -24,13 +24,16 @@ from framework.data.samplers import (
     TokenBudgetBatchSampler,
     WeightedBatchSampler,
 )
+from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 
 
 def build_dataset(cfg: DictConfig, seed: int, task: str = "classify") -> Dataset:
     """The dataset of `cfg` (the `data` group). Synthetic data depends on `seed` only, never on
     rank. `task` is what the model does with sequences: "lm" (gpt) or "classify" (lstm)."""
     if cfg.name == "text":
-        return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes)
+        return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
+    if cfg.name == "tokens":
+        return TokenShards(cfg.path, cfg.seq_len, cfg.split, cfg.pack)
     if cfg.name == "images" and cfg.source == "synthetic":
         return SyntheticImages(cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed)
     if cfg.name == "images":
