@@ -1,0 +1,155 @@
+"""model=llama against Hugging Face's LlamaForCausalLM, checkpoints in and out in its format,
+tokenizers, token shards and data=tokens. Tiny shapes, no download (HF_HUB_OFFLINE)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from models.llama import Llama  # noqa: E402
+from models.llama_hf import iter_hf_tensors, to_hf  # noqa: E402
+from tests.helpers import read_summary, train_cli  # noqa: E402
+
+VOCAB = 257  # the bytes tokenizer's (256 bytes + end of document)
+
+
+def hf_model(folder: Path, tie: bool, shard: bool = False, seed: int = 0):
+    """A tiny random LlamaForCausalLM (GQA: 8 query heads on 2 key/value heads; llama3 rope
+    scaling with a short original context, so most frequencies are scaled), saved to `folder`."""
+    torch.manual_seed(seed)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+        vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5, rope_scaling=rope,
+        tie_word_embeddings=tie,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, max_shard_size="40KB" if shard else "2GB")
+    return model
+
+
+def ours_from(folder: Path) -> Llama:
+    from framework.pretrained import load_hf_weights
+
+    model = Llama(pretrained=str(folder)).eval()
+    assert load_hf_weights(model, str(folder), model.args) > 0
+    return model
+
+
+@pytest.mark.parametrize("tie,shard", [(False, False), (True, True)])
+def test_logits_equal_hf_and_import_export_is_bitwise(tmp_path, tie, shard):
+    hf = hf_model(tmp_path, tie, shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == shard
+    ours = ours_from(tmp_path)
+    tokens = torch.randint(0, VOCAB, (2, 48))
+    with torch.no_grad():
+        assert torch.allclose(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+    back = to_hf(ours.state_dict(), ours.args)
+    files = dict(iter_hf_tensors(str(tmp_path)))
+    assert set(back) == set(files) - ({"lm_head.weight"} if tie else set())
+    for name, tensor in files.items():
+        if name in back:
+            assert torch.equal(back[name], tensor), name
+
+
+def test_pretrained_mismatch_names_what_differs(tmp_path):
+    from framework.pretrained import PretrainedMismatch, load_hf_weights
+
+    hf_model(tmp_path, tie=False)
+    model = Llama(pretrained=str(tmp_path), n_layers=3, ffn_hidden=80)
+    with pytest.raises(PretrainedMismatch) as err:
+        load_hf_weights(model, str(tmp_path), model.args)
+    message = str(err.value)
+    assert "missing model.layers.2.input_layernorm.weight, model.layers.2.mlp" in message
+    assert "model.layers.0.mlp.gate_proj.weight: [96, 64] in the checkpoint, [80, 64] in the model" in message
+
+
+def test_flavours_have_the_published_shapes():
+    with torch.device("meta"):
+        sizes = {f: sum(p.numel() for p in Llama(flavor=f).parameters()) for f in ("1b", "8b", "70b")}
+    assert abs(sizes["1b"] - 1.236e9) / 1.236e9 < 0.01  # Llama 3.2 1B (tied)
+    assert abs(sizes["8b"] - 8.03e9) / 8.03e9 < 0.01
+    assert abs(sizes["70b"] - 70.6e9) / 70.6e9 < 0.01
+    model = Llama(flavor="debug", vocab_size=VOCAB)
+    flops = model.flops_per_token(64)
+    assert flops > 6 * sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n)
+    assert model.flops_per_token(64, recomputed_blocks=2) > flops
+
+
+def test_meta_build_matches_eager_build():
+    from framework.modules import materialize
+
+    torch.manual_seed(3)
+    eager = Llama(vocab_size=VOCAB, n_layers=2)
+    with torch.device("meta"):
+        meta = Llama(vocab_size=VOCAB, n_layers=2)
+    materialize(meta, torch.device("cpu"), meta.init_rule, 3)
+    for (name, a), (_, b) in zip(eager.state_dict().items(), meta.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------------- through train.py
+
+TINY = ["model=llama", "logger=none", "progress=false", "data.seq_len=32", "data.batch_size=2", "data.max_bytes=200000"]
+
+
+def logits_of_checkpoint(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The framework's model at the run's last checkpoint (read back from DCP)."""
+    from framework.export import checkpoint_tensors, read_tensor
+
+    ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    state = {n: read_tensor(str(ckpt), n, *meta) for n, meta in checkpoint_tensors(str(ckpt)).items()}
+    model = Llama(pretrained=str(run_dir.parent / "hf")).eval()
+    if model.args.tie_embeddings:
+        state.setdefault("output.weight", state["tok_embeddings.weight"])
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.fixture(scope="module")
+def pretrained_fsdp_run(tmp_path_factory):
+    """Start from a tiny HF checkpoint, train 2 steps under fsdp x2, save, export."""
+    root = tmp_path_factory.mktemp("llama_fsdp")
+    hf = hf_model(root / "hf", tie=False)
+    run = root / "run"
+    r = train_cli([*TINY, "parallel=fsdp", "launch.nproc_per_node=2", f"model.pretrained={root / 'hf'}",
+                   "steps=2", "checkpoint.every=2"], run)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    from framework.export import main as export_main
+
+    assert export_main([str(ckpt), str(root / "out"), "--format", "hf"]) == 0
+    return root, hf, run
+
+
+def test_pretrained_run_holds_the_hf_weights(tmp_path):
+    """model=llama model.pretrained=<folder>: with a zero learning rate the saved model is the
+    Hugging Face one, logits equal within 1e-5 (tied variant: the export test covers untied)."""
+    hf = hf_model(tmp_path / "hf", tie=True)
+    run = tmp_path / "run"
+    r = train_cli([*TINY, "parallel=none", f"model.pretrained={tmp_path / 'hf'}", "steps=1", "checkpoint.every=1",
+                   "optim.lr=0", "optim.grad_clip=0"], run)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_summary(run)["status"] == "ok"
+    tokens = torch.randint(0, VOCAB, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(logits_of_checkpoint(run, tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_fsdp_export_loads_in_transformers_with_equal_logits(pretrained_fsdp_run):
+    root, hf, run = pretrained_fsdp_run
+    exported = transformers.AutoModelForCausalLM.from_pretrained(root / "out").eval()
+    tokens = torch.randint(0, VOCAB, (2, 32))
+    with torch.no_grad():
+        theirs = exported(tokens).logits
+    assert torch.allclose(theirs, logits_of_checkpoint(run, tokens), atol=1e-5, rtol=0)
+    with torch.no_grad():  # and training moved the weights away from the pretrained ones
+        assert not torch.allclose(theirs, hf(tokens).logits, atol=1e-4)
