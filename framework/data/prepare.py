@@ -119,14 +119,16 @@ def documents(unit: Unit, field: str):
             yield str(record[field])
 
 
-_TOKENIZER = None
+_TOKENIZERS: dict[tuple[str, str], ByteTokenizer | HFTokenizer] = {}  # per worker process, loaded once
 
 
 def _tokenizer(spec: str, out: str):
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        _TOKENIZER = ByteTokenizer() if spec == "bytes" else HFTokenizer.from_file(os.path.join(out, "tokenizer.json"))
-    return _TOKENIZER
+    key = (spec, os.path.abspath(out))
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = (
+            ByteTokenizer() if spec == "bytes" else HFTokenizer.from_file(os.path.join(out, "tokenizer.json"))
+        )
+    return _TOKENIZERS[key]
 
 
 def write_shard(index: int, unit: Unit, spec: str, out: str, field: str, dtype: str) -> dict:
