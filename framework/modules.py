@@ -49,7 +49,10 @@ def materialize(module: nn.Module, device: torch.device, rule: Callable[[str, in
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    ties = tied_parameters(module)
     module.to_empty(device=device)
+    for owner, attr, source, source_attr in ties:  # to_empty gives each holder a tensor of its own: share again
+        setattr(owner, attr, getattr(source, source_attr))
     for name, p in module.named_parameters():
         name = canonical_name(name)
         if isinstance(p, DTensor):
@@ -57,3 +60,19 @@ def materialize(module: nn.Module, device: torch.device, rule: Callable[[str, in
             fill_(p.to_local(), rule(name, p.dim()), seed, name, p.shape, offset)
         else:
             fill_(p, rule(name, p.dim()), seed, name)
+
+
+def tied_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, attribute, first holder, its attribute) for each parameter held a second time,
+    e.g. an output head tied to the token embedding."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                ties.append((mod, attr, *first[id(p)]))
+            else:
+                first[id(p)] = (mod, attr)
+    return ties

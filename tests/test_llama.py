@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from models.llama import Llama  # noqa: E402
 from models.llama_hf import iter_hf_tensors, to_hf  # noqa: E402
-from tests.helpers import read_summary, train_cli  # noqa: E402
+from tests.helpers import read_metrics, read_summary, train_cli  # noqa: E402
 
 VOCAB = 257  # the bytes tokenizer's (256 bytes + end of document)
 
@@ -94,6 +94,10 @@ def test_meta_build_matches_eager_build():
     materialize(meta, torch.device("cpu"), meta.init_rule, 3)
     for (name, a), (_, b) in zip(eager.state_dict().items(), meta.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+    with torch.device("meta"):
+        tied = Llama(vocab_size=VOCAB, n_layers=1, tie_embeddings=True)
+    materialize(tied, torch.device("cpu"), tied.init_rule, 3)
+    assert tied.output.weight is tied.tok_embeddings.weight  # still one parameter after to_empty
 
 
 # ----------------------------------------------------------------------------- through train.py
@@ -266,3 +270,44 @@ def test_token_windows_are_the_shards_tokens(tmp_path):
     assert x.tolist() == first[16:32].tolist() and y[~(x == 256)].tolist() == first[17:33][~(x == 256).numpy()].tolist()
     assert (y[x == 256] == -100).all() and docs.tolist() == sorted(docs.tolist())
     assert len(data) == sum((s["tokens"] - 1) // 16 for s in manifest["shards"])
+
+
+# ----------------------------------------------------------------------------- data=tokens in train.py
+
+TINY_LLAMA = ["model=llama", "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+              "model.ffn_hidden=64", "logger=none", "progress=false", "data.seq_len=16", "data.batch_size=2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shards")
+    text_folder(root / "in", 4, 180, seed=4)  # about 20 windows of 16: an epoch in 5 ddp x2 steps
+    assert prepare(root / "in", root / "out", "--shard-mb", "0.0002") == 0
+    return root / "out"
+
+
+def test_llama_on_tokens_resumes_across_an_epoch_boundary_bitwise(tmp_path, shards):
+    args = [*TINY_LLAMA, "data=tokens", f"data.path={shards}", "parallel=ddp", "launch.nproc_per_node=2",
+            "steps=9", "checkpoint.every=6", "optim.warmup_steps=2"]  # fmt: skip
+    full = tmp_path / "full"
+    proc = train_cli(args, full)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = full / "checkpoints" / "step-000006"
+    assert json.loads((ckpt / "trainer.json").read_text())["data"]["epoch"] >= 1
+    resumed = tmp_path / "resumed"
+    proc = train_cli([*args, f"checkpoint.resume={ckpt}"], resumed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = {m["step"]: m["loss"] for m in read_metrics(full)}
+    assert [(m["step"], m["loss"]) for m in read_metrics(resumed)] == [(s, want[s]) for s in (7, 8, 9)]
+    summary = read_summary(full)
+    assert summary["choices"]["model"] == "llama" and summary["throughput"]["tokens_per_s"] > 0
+
+
+def test_gpt_trains_on_tokens_and_a_small_vocabulary_is_a_config_error(tmp_path, shards):
+    gpt = ["experiment=smoke", "logger=none", "data=tokens", f"data.path={shards}", "data.seq_len=16", "steps=2"]
+    proc = train_cli(gpt, tmp_path / "small")
+    assert proc.returncode == 2 and "model.vocab_size: got 256; the data's tokenizer has 257 ids" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = train_cli([*gpt, "model.vocab_size=257", "parallel=none"], tmp_path / "gpt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "gpt")) == 2

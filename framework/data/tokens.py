@@ -117,6 +117,9 @@ def config_problem(cfg) -> tuple[str, str] | None:
         return "data.tokenizer", f"no tokenizer.json at {d.tokenizer!r}; allowed: bytes, a tokenizer.json path"
     folder = cfg.model.get("pretrained")
     if folder is None:
+        vocab, data_vocab = cfg.model.get("vocab_size"), vocab_size_of(d) if d.name in ("text", "tokens") else None
+        if vocab is not None and data_vocab is not None and data_vocab > vocab:
+            return "model.vocab_size", f"got {vocab}; the data's tokenizer has {data_vocab} ids (null: follow it)"
         return None
     if not (Path(folder) / "config.json").is_file():
         return "model.pretrained", f"no Hugging Face config.json in {folder!r}"
