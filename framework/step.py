@@ -148,7 +148,7 @@ def reduce_step_figures(
         local = torch.stack([step_loss.float() * holds, step_loss.new_tensor(holds, dtype=torch.float32)])
     local = torch.cat([local, local.new_tensor([tokens, samples, float(signalled)])])
     totals = all_reduce_sum(local, info).tolist()
-    sequence_data = cfg.data.name in ("text", "varlen")  # report tokens/s
+    sequence_data = cfg.data.name in ("text", "varlen", "tokens")  # report tokens/s
     return StepFigures(
         loss=totals[0] / totals[1],
         tokens=round(totals[2]) if sequence_data else None,

@@ -367,3 +367,24 @@ def test_training_on_tokens_keeps_rss_flat_as_the_corpus_grows(tmp_path):
                "data.seq_len=1024", "parallel=none", "steps=3", f"hydra.run.dir={tmp_path / f'run{n}'}"]  # fmt: skip
         peaks[n] = peak_rss_of(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"})
     assert peaks[2**26] - peaks[2**24] < 16 * 2**20, peaks
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("llama_ref") / "none"
+    args = [a for a in TINY_LLAMA if not a.startswith("data.batch_size")]
+    proc = train_cli([*args, "parallel=none", "data.batch_size=4", "steps=3", "optim.grad_clip=0"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [m["loss"] for m in read_metrics(run)]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_llama_parity_across_strategies(tmp_path, llama_reference, parallel):
+    """fp32, the same global batch of 4: the strategies give the single process's losses."""
+    args = [*TINY_LLAMA, f"parallel={parallel}", "launch.nproc_per_node=2", "steps=3", "optim.grad_clip=0"]
+    proc = train_cli(args, tmp_path / parallel)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [m["loss"] for m in read_metrics(tmp_path / parallel)]
+    assert llama_reference[-1] < llama_reference[0]
+    for step, (a, b) in enumerate(zip(got, llama_reference, strict=True), start=1):
+        assert abs(a - b) / abs(b) <= 1e-4, f"step {step}: {parallel} {a} vs single-process {b}"
