@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -37,3 +38,16 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_result(name: str, command: str, header: str, text: str) -> Path:
+    """docs/results/<name>.md: the table, the command that made it and the machine it ran on."""
+    import platform
+
+    import torch
+
+    out = Path(__file__).resolve().parents[1] / "docs" / "results" / f"{name}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+    out.write_text(f"# {name}\n\n`{command}`\n\nMachine: {machine}\n\n{header}\n\n{text}\n")
+    return out

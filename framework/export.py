@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from framework.contract import factory_kwargs
 from models.llama import Llama
 from models.llama_args import LlamaArgs
 from models.llama_hf import hf_config, hf_names, to_hf_name
@@ -90,10 +91,11 @@ def read_tensor(checkpoint: str, name: str, shape: torch.Size, dtype: torch.dtyp
 
 
 def llama_args_of(cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> LlamaArgs:
-    if cfg.model.name != "llama":
+    if cfg.model.get("_target_") != "models.llama.Llama":
         raise ExportError(f"--format hf: model={cfg.model.name} has no Hugging Face layout here; model=llama has")
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    kwargs["vocab_size"] = int(tensors["tok_embeddings.weight"][0][0])  # what the run trained with
+    cfg.model.vocab_size = int(tensors["tok_embeddings.weight"][0][0])  # what the run trained with
+    kwargs = factory_kwargs(OmegaConf.to_container(cfg.model, resolve=True))
+    kwargs.pop("_target_")
     with torch.device("meta"):
         return Llama(**kwargs).args
 

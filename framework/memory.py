@@ -27,11 +27,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from framework.modules import map_blocks
 
 
-def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
-    """Recompute every `every`-th block of ``model.blocks`` in backward instead of keeping its
-    activations: non-reentrant torch.utils.checkpoint. Returns how many blocks were wrapped."""
+def apply_activation_checkpointing(model: nn.Module, blocks: str | None, every: int = 1) -> int:
+    """Recompute every `every`-th block (the container at path `blocks`) in backward instead of
+    keeping its activations: non-reentrant torch.utils.checkpoint. Returns how many were wrapped."""
+    wrap = lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
     try:
-        return map_blocks(model, lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT), every)
+        return map_blocks(model, blocks, wrap, every)
     except ValueError as err:
         raise ValueError(f"memory=checkpoint: {err} to checkpoint") from None
 

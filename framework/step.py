@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
+from framework.contract import logits_of
 from framework.data import DataPipeline, concat_batches
 from framework.dist import DistInfo, all_reduce_sum
 from framework.loss import cross_entropy, loss_elements
@@ -28,6 +29,7 @@ class Setup:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: DataPipeline
     precision: Precision
+    task: str = "lm"  # the model's (framework/contract.py): lm | classify
     start_step: int = 0  # optimizer steps done (a resumed run: the checkpoint's)
     data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed) to start from
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
@@ -73,7 +75,7 @@ def forward_backward(
         inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
         with precision.autocast(), meter.measure() if meter else nullcontext():
             return par.pipeline.step(inputs[0], target)
-    scale = par.dp_size / step_elements(cfg, info, par, step_batches)
+    scale = par.dp_size / step_elements(cfg, info, setup, step_batches)
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
         inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
@@ -81,7 +83,7 @@ def forward_backward(
         # Gradients are synchronised on the last micro-batch only: once per step.
         with par.grad_sync(micro == accum - 1), par.loss_context():
             with precision.autocast(), measure, forward_timer:
-                loss = cross_entropy(par.module(*inputs), target, reduction="sum")
+                loss = cross_entropy(logits_of(par.module(*inputs)), target, reduction="sum")
                 if poison:  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan)
                     loss = loss * float("nan")
             precision.scaler.scale(loss * scale).backward()
@@ -90,16 +92,15 @@ def forward_backward(
     return loss_sum
 
 
-def step_elements(cfg: DictConfig, info: DistInfo, par: Parallelized, step_batches: list) -> int:
+def step_elements(cfg: DictConfig, info: DistInfo, setup: Setup, step_batches: list) -> int:
     """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
     config; variable-length data counts it with one small all-reduce (a sync point)."""
-    if cfg.data.name != "varlen" and not (
-        cfg.data.name == "tokens" and cfg.data.pack
-    ):  # every target counts: seq_len per sample (text), or 1
-        per_sample = cfg.data.seq_len if cfg.data.name in ("text", "tokens") else 1  # lm data: every position
-        sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * par.dp_size
+    packed_tokens = cfg.data.name == "tokens" and cfg.data.pack  # document boundaries: not counted
+    if cfg.data.name not in ("varlen", "custom") and not packed_tokens:  # every target counts: seq_len per sample (text), or 1
+        per_sample = cfg.data.seq_len if setup.task == "lm" else 1
+        sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * setup.par.dp_size
         return sum(sizes) * len(step_batches) * per_sample
-    local = sum(loss_elements(batch[1]) for _, batch in step_batches) if par.counts_data else 0
+    local = sum(loss_elements(batch[1]) for _, batch in step_batches) if setup.par.counts_data else 0
     return int(all_reduce_sum(torch.tensor(local, device=info.device), info).item())
 
 
@@ -148,7 +149,7 @@ def reduce_step_figures(
         local = torch.stack([step_loss.float() * holds, step_loss.new_tensor(holds, dtype=torch.float32)])
     local = torch.cat([local, local.new_tensor([tokens, samples, float(signalled)])])
     totals = all_reduce_sum(local, info).tolist()
-    sequence_data = cfg.data.name in ("text", "varlen", "tokens")  # report tokens/s
+    sequence_data = cfg.data.name in ("text", "varlen") or setup.task == "lm"  # report tokens/s
     return StepFigures(
         loss=totals[0] / totals[1],
         tokens=round(totals[2]) if sequence_data else None,

@@ -41,12 +41,12 @@ from framework.metrics import (
     mfu,
     peak_flops,
 )
-from framework.modules import materialize
+from framework.contract import build_model, spec_of
+from framework.modules import materialize_model
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
 from framework.peak import PeakProbe
 from framework.precision import build_precision
-from framework.pretrained import load_pretrained, model_arguments
 from framework.profiling import build_profiler
 from framework.resilience import (
     Aborted,
@@ -61,7 +61,6 @@ from framework.run_files import RunFiles, checkpoint_root
 from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
 from framework.summary import RunStats, report, summarize
 from framework.tracking import Tracker, build_tracker
-from models import MODELS, build_model
 
 
 def is_sampled(step: int, start: int, total: int, every: int) -> bool:
@@ -122,33 +121,33 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     # optimizer (over the final, possibly sharded parameters) -> resume -> data (split over the
     # data-parallel ranks the strategy defines) -> precision.
     seed_everything(cfg.seed)
-    model_kwargs = model_arguments(cfg)
-    # Models with an init rule (gpt) are built on the meta device: no memory at all. Strategies
-    # that shard or split them (FSDP2, tensor parallel, pipeline) allocate and initialise only
-    # this rank's part after parallelizing; the others (none, dp, ddp, FSDP1) the whole model
-    # before. Either way the values are the single-process model's (row-seeded: models/init.py).
-    on_meta = hasattr(MODELS[cfg.model.name], "init_rule")
+    meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
+    spec = spec_of(meta, cfg.model)
+    flops = count_flops(meta, spec, cfg, info.world_size)
+    # Models with an init rule (gpt), and pretrained weights, stay on the meta device. Strategies
+    # that shard or split them (FSDP2, tensor parallel, pipeline) allocate and fill only this
+    # rank's part after parallelizing; the others (none, dp, ddp, FSDP1) the whole model before.
+    # Either way the values are the single-process model's (row-seeded: models/init.py). Models
+    # without one are built on the device whole, with their own initialisation.
+    on_meta = spec.on_meta or cfg.model.get("pretrained") is not None
     late = on_meta and on_mesh(cfg) and not fsdp_v1(cfg)
-    with torch.device("meta") if on_meta else nullcontext():
-        model = build_model(cfg.model.name, **model_kwargs)
-    if on_meta and not late:
-        materialize(model, info.device, model.init_rule, cfg.seed)
-        load_pretrained(model, cfg, model)
-    elif not on_meta:
-        model.to(info.device)
-    flops = count_flops(model, cfg, info.world_size)  # before sharding: every strategy counts the same work
+    if on_meta:
+        model = meta
+        if not late:
+            materialize_model(model, spec, cfg, info.device)
+    else:
+        seed_everything(cfg.seed)
+        model = build_model(cfg.model, info.device)
     decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
-    par = parallelize(model, cfg, info)
+    par = parallelize(model, spec, cfg, info)
     if late:
-        materialize(par.module, info.device, model.init_rule, cfg.seed)
-        load_pretrained(par.module, cfg, model)  # this rank's part of each tensor only
-    del model  # the plain model object keeps nothing alive beyond what `par` holds
+        materialize_model(par.module, spec, cfg, info.device)
+    del model, meta  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, decay)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
-    task = getattr(MODELS[cfg.model.name], "task", "lm" if cfg.model.name == "gpt" else "classify")
-    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, task)
+    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, spec.task)
     precision = build_precision(cfg.precision, info.device, sharded=fsdp_v1(cfg))
-    setup = Setup(flops, par, optimizer, scheduler, data, precision)
+    setup = Setup(flops, par, optimizer, scheduler, data, precision, spec.task)
     resume = resume_path(cfg, run_dir)
     if restart_count() > 0 and info.is_main:
         print(f"restart {restart_count()} of launch.max_restarts={cfg.launch.max_restarts} after a worker failed: "

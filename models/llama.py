@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from torch import nn
 
 from models.init import Rule, fill_
 from models.llama_args import FLAVORS, LlamaArgs
-from models.llama_hf import args_from_hf_config
+from models.llama_hf import args_from_hf_config, from_hf_name
 
 
 def rope_frequencies(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -140,10 +140,10 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def llama_args(flavor: str = "debug", pretrained: str | None = None, **overrides) -> LlamaArgs:
-    """The flavour's shape (or a pretrained folder's config.json), with the non-null overrides."""
-    if pretrained is not None:
-        with open(os.path.join(pretrained, "config.json")) as f:
+def llama_args(flavor: str = "debug", hf_config: str | None = None, **overrides) -> LlamaArgs:
+    """The flavour's shape (or that of a Hugging Face folder's config.json), with the non-null overrides."""
+    if hf_config is not None:
+        with open(os.path.join(hf_config, "config.json")) as f:
             base = args_from_hf_config(json.load(f))
     elif flavor in FLAVORS:
         base = FLAVORS[flavor]
@@ -180,9 +180,10 @@ class Llama(nn.Module):
         "output": "output",
     }
 
-    def __init__(self, flavor: str = "debug", pretrained: str | None = None, **overrides):
+    def __init__(self, flavor: str = "debug", hf_config: str | None = None, **overrides):
         super().__init__()
-        self.args = args = llama_args(flavor, pretrained, **overrides)
+        self.args = args = llama_args(flavor, hf_config, **overrides)
+        self.n_heads = args.n_heads  # the contract: tensor parallel splits whole heads
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -214,8 +215,14 @@ class Llama(nn.Module):
             if not p.is_meta:
                 fill_(p, self.init_rule(name, p.dim()), torch.initial_seed(), name)
 
-    def config_dict(self) -> dict:
-        return asdict(self.args)
+    def from_hf_name(self, name: str):
+        """A Hugging Face checkpoint's tensor name -> (ours, the layout change): model.pretrained."""
+        return from_hf_name(name, self.args)
+
+    def planner_shape(self) -> dict[str, int]:
+        """gpt-like dimensions for the planner's activation formula (framework/plan/model.py)."""
+        a = self.args
+        return {"n_layer": a.n_layers, "n_head": a.n_heads, "n_embd": a.dim, "vocab_size": a.vocab_size}
 
     def flops_per_token(self, seq_len: int, recomputed_blocks: int = 0) -> float:
         """Training FLOPs per token: 6 per matmul weight (the output head's included, tied or not)

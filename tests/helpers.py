@@ -37,6 +37,17 @@ def train_cli(args: list[str], run_dir: Path | None = None, timeout: float = 300
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def write_tiny_llama_config(folder: Path, **overrides: Any) -> Path:
+    """A tiny Llama's config.json in `folder` (transformers' own writer; nothing downloaded)."""
+    from transformers import LlamaConfig
+
+    settings = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                "tie_word_embeddings": False} | overrides  # fmt: skip
+    LlamaConfig(**settings).save_pretrained(folder)
+    return Path(folder)
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

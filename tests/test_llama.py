@@ -37,10 +37,10 @@ def hf_model(folder: Path, tie: bool, shard: bool = False, seed: int = 0):
 
 
 def ours_from(folder: Path) -> Llama:
-    from framework.pretrained import load_hf_weights
+    from framework.hf import load_pretrained
 
-    model = Llama(pretrained=str(folder)).eval()
-    assert load_hf_weights(model, str(folder), model.args) > 0
+    model = Llama(hf_config=str(folder)).eval()
+    assert load_pretrained(model, str(folder), torch.device("cpu"), model.from_hf_name) == []  # nothing missing
     return model
 
 
@@ -61,15 +61,17 @@ def test_logits_equal_hf_and_import_export_is_bitwise(tmp_path, tie, shard):
 
 
 def test_pretrained_mismatch_names_what_differs(tmp_path):
-    from framework.pretrained import PretrainedMismatch, load_hf_weights
+    from framework.hf import load_pretrained
 
     hf_model(tmp_path, tie=False)
-    model = Llama(pretrained=str(tmp_path), n_layers=3, ffn_hidden=80)
-    with pytest.raises(PretrainedMismatch) as err:
-        load_hf_weights(model, str(tmp_path), model.args)
-    message = str(err.value)
-    assert "missing model.layers.2.input_layernorm.weight, model.layers.2.mlp" in message
-    assert "model.layers.0.mlp.gate_proj.weight: [96, 64] in the checkpoint, [80, 64] in the model" in message
+    deeper = Llama(hf_config=str(tmp_path), n_layers=3)
+    assert "layers.2.attention.wq.weight" in load_pretrained(deeper, str(tmp_path), torch.device("cpu"),
+                                                            deeper.from_hf_name)  # fmt: skip
+    narrower = Llama(hf_config=str(tmp_path), ffn_hidden=80)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(narrower, str(tmp_path), torch.device("cpu"), narrower.from_hf_name)
+    message = str(err.value)  # the first that differs, by both names
+    assert "mlp.down_proj.weight is [64, 96] in" in message and "feed_forward.w2.weight is [64, 80]" in message
 
 
 def test_flavours_have_the_published_shapes():
@@ -111,7 +113,7 @@ def logits_of_checkpoint(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
     ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     state = {n: read_tensor(str(ckpt), n, *meta) for n, meta in checkpoint_tensors(str(ckpt)).items()}
-    model = Llama(pretrained=str(run_dir.parent / "hf")).eval()
+    model = Llama(hf_config=str(run_dir.parent / "hf")).eval()
     if model.args.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
     model.load_state_dict(state)

@@ -21,13 +21,13 @@ def _built_equals_single_process(rank: int, world: int, overrides: list[str]) ->
     from framework.checkpoint import full_model_state_dict
     from framework.dist import DistInfo
     from framework.trainer import build
-    from models import build_model
+    from framework.contract import build_model
 
     cfg = OmegaConf.create(world_config(overrides, world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
     full = full_model_state_dict(build(cfg, info, "/nonexistent").par)
     torch.manual_seed(cfg.seed)
-    plain = build_model("gpt", **{k: v for k, v in cfg.model.items() if k != "name"}).state_dict()
+    plain = build_model(cfg.model, "cpu").state_dict()
     assert full.keys() == plain.keys()
     return [k for k in plain if not torch.equal(plain[k], full[k])]
 
@@ -148,9 +148,9 @@ def test_weight_decay_groups_are_the_plain_models_under_every_wrapper(overrides)
     """FSDP1 flattens every parameter to 1-d; grouping by shape would turn weight decay off.
     Grouped by the plain model's names, the matrices decay under every wrapper. FSDP1 with amp
     gets the sharded loss scaler, so every rank skips the same steps."""
-    from models import build_model
+    from framework.contract import build_model
 
-    plain = build_model("gpt", n_layer=4, n_head=4, n_embd=64, dropout=0.0)
+    plain = build_model({"_target_": "models.gpt.GPT", "n_layer": 4, "n_head": 4, "n_embd": 64, "dropout": 0.0}, "cpu")
     matrices = sum(p.dim() >= 2 for p in plain.parameters())
     groups = run_workers(_optimizer_groups, 2, [*BASE, "precision=amp", "optim.weight_decay=0.1", *overrides])
     scaler = "ShardedGradScaler" if "parallel.version=1" in overrides else "GradScaler"

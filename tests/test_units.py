@@ -72,7 +72,7 @@ def test_gpt_flops_per_token_match_flops_counted_on_a_real_training_step(checkpo
     recomputed = -(-4 // checkpoint_every) if checkpoint_every else 0
     predicted = model.flops_per_token(64, recomputed)
     if checkpoint_every:
-        apply_activation_checkpointing(model, checkpoint_every)
+        apply_activation_checkpointing(model, "blocks", checkpoint_every)
     tokens = torch.randint(0, 256, (2, 65))
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -117,7 +117,7 @@ def test_activation_checkpointing_saves_less_and_keeps_gradients_identical():
         torch.manual_seed(0)
         model = GPT(n_layer=4, n_head=2, n_embd=32, block_size=16)
         if checkpointed:
-            assert apply_activation_checkpointing(model, every=1) == 4
+            assert apply_activation_checkpointing(model, "blocks", every=1) == 4
         meter = SavedActivationMeter(model)
         x = torch.randint(256, (4, 16))
         with meter.measure():

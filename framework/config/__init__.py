@@ -12,13 +12,13 @@ from typing import Any
 
 from framework.config.resolve import backend_env, resolve_backend, resolve_device, resolve_nproc, world_size_of
 from framework.config.schema import register_configs
-from framework.config.validate import MODEL_DATA, ConfigError, validate
+from framework.config.errors import ConfigError
+from framework.config.validate import validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 __all__ = [
     "CONF_DIR",
-    "MODEL_DATA",
     "ConfigError",
     "backend_env",
     "compose",

@@ -15,6 +15,7 @@ from framework.data.datasets import (
     PackedSequences,
     SyntheticImages,
     SyntheticVectors,
+    UserDataset,
     VarlenSequences,
 )
 from framework.data.images import DeviceAugment, ImageFiles
@@ -26,10 +27,19 @@ from framework.data.samplers import (
 )
 from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 
+USER_DATA_RESERVED = ("name", "batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
+                      "drop_last", "shuffle", "sampler", "max_tokens", "rank_batch_sizes", "pack", "pack_len",
+                      "seq_len")  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
+
 
 def build_dataset(cfg: DictConfig, seed: int, task: str = "classify") -> Dataset:
     """The dataset of `cfg` (the `data` group). Synthetic data depends on `seed` only, never on
     rank. `task` is what the model does with sequences: "lm" (gpt) or "classify" (lstm)."""
+    if cfg.get("_target_"):  # the user's own: Hydra's instantiate, its keys beside _target_
+        from hydra.utils import instantiate
+
+        kwargs = {k: v for k, v in cfg.items() if k not in USER_DATA_RESERVED}
+        return UserDataset(instantiate(kwargs, _convert_="all"), task)
     if cfg.name == "text":
         return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
     if cfg.name == "tokens":

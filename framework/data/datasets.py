@@ -214,3 +214,32 @@ class PackedSequences(Dataset):
     @staticmethod
     def slots_in(batch: Batch) -> int:
         return batch[1].numel()
+
+
+class UserDataset(Dataset):
+    """A dataset given by ``data._target_``: any map-style torch Dataset whose items are
+    ``(input, target)`` (or ``(inputs tuple, target)``), in the framework's batch form. Its
+    optional ``lengths`` (a tensor of per-item lengths) enables the length-aware samplers."""
+
+    def __init__(self, dataset: Dataset, task: str):
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ValueError(f"data._target_: {type(dataset).__name__} is not a map-style Dataset "
+                             "(__getitem__ and __len__); iterable datasets are not supported yet")  # fmt: skip
+        self.dataset, self.task = dataset, task
+        if hasattr(dataset, "lengths"):
+            self.lengths = torch.as_tensor(dataset.lengths)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+    def collate(self, items) -> Batch:
+        from torch.utils.data import default_collate
+
+        inputs, target = default_collate(items)
+        return (tuple(inputs) if isinstance(inputs, list | tuple) else (inputs,)), target
+
+    def tokens_in(self, batch: Batch) -> int | None:
+        return batch[1].numel() if self.task == "lm" else None

@@ -27,11 +27,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.contract import ModelSpec, blocks_of
 from framework.dist import DistInfo
 from framework.memory import apply_activation_checkpointing
 from framework.modules import map_blocks
 from framework.parallel.dims import Mesh, ParallelDims
-from framework.parallel.pipeline import Pipeline
+from framework.parallel.pipeline import Pipeline, trace_split
 
 
 @dataclass
@@ -53,23 +54,24 @@ class Parallelized:
             self.clip_grad_norm = lambda max_norm: torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
 
-def model_dims(cfg: DictConfig) -> tuple[int | None, int | None]:
-    """(layers, heads) of the model, where the strategy needs them."""
-    return (cfg.model.n_layer, cfg.model.n_head) if cfg.model.name == "gpt" else (None, None)
+def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | None]:
+    """(blocks, attention heads) of the model, where the strategy needs them."""
+    blocks = blocks_of(model, spec)
+    return (len(blocks) or None), spec.heads
 
 
-def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def parallelize(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
     name = cfg.parallel.name
     if name == "none":
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(model)
     if name == "dp":
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(nn.DataParallel(model))
     if name == "ddp":
         from framework.parallel.ddp import apply_ddp
 
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         ddp = apply_ddp(model, cfg.parallel, info)
         return Parallelized(
             ddp,
@@ -77,64 +79,62 @@ def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Paralleliz
             dp_rank=info.rank,
             dp_size=info.world_size,
         )
-    return _parallelize_on_mesh(model, cfg, info)
+    return _parallelize_on_mesh(model, spec, cfg, info)
 
 
-def _checkpoint_and_compile(module: nn.Module, cfg: DictConfig) -> None:
+def _checkpoint_and_compile(module: nn.Module, spec: ModelSpec, cfg: DictConfig) -> None:
     """Steps 3 and 4 of the order, in place: activation checkpointing, then torch.compile of each
     block (`nn.Module.compile`: the module keeps its type and parameter names, so FSDP units,
     state dicts and checkpoints are unchanged), or of the whole module for models without blocks."""
     if cfg.memory.name == "checkpoint":
-        apply_activation_checkpointing(module, cfg.memory.checkpoint_every)
+        apply_activation_checkpointing(module, spec.blocks, cfg.memory.checkpoint_every)
     if cfg.compile:
 
         def compiled(block: nn.Module) -> nn.Module:
             block.compile()
             return block
 
-        if getattr(module, "blocks", None) is not None:
-            map_blocks(module, compiled)
+        if blocks_of(module, spec):
+            map_blocks(module, spec.blocks, compiled)
         else:
             module.compile()
 
 
-def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
     """fsdp, tp, pp and hybrid: degrees from the config, one mesh pp x dp_replicate x dp_shard x tp."""
     from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2, fsdp2_grad_sync
     from framework.parallel.pipeline import LocalStages, build_pipeline, build_stages
     from framework.parallel.tensor import apply_tp
 
     parallel_cfg = cfg.parallel
-    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(cfg))
+    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(model, spec))
     mesh = Mesh(dims, dims.build_mesh(info.device.type))
 
     # 1. pipeline split: this rank's stages, each parallelized below like a model of its own
     if dims.pp > 1:
-        stages, stage_ids, n_stages = build_stages(model, parallel_cfg, mesh.pp_rank, dims.pp)
+        split = trace_split(model, spec, cfg.data.seq_len)
+        stages, stage_ids, n_stages = build_stages(model, split, parallel_cfg, mesh.pp_rank, dims.pp)
     else:
         stages = [model]
     for stage in stages:
         # 2. tensor parallel
         if dims.tp > 1:
-            apply_tp(stage, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
+            apply_tp(stage, spec, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
         # 3. activation checkpointing, 4. compile
-        _checkpoint_and_compile(stage, cfg)
+        _checkpoint_and_compile(stage, spec, cfg)
     # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
     # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
     shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
     fsdp_v1 = shard and parallel_cfg.version == 1
     if shard:
         if fsdp_v1:
-            offload = cfg.memory.cpu_offload
-            stages = [
-                apply_fsdp1(p, mesh.dp_mesh, parallel_cfg, cfg.precision.name, info.device, offload) for p in stages
-            ]
+            stages = [apply_fsdp1(p, blocks_of(p, spec), mesh.dp_mesh, cfg, info.device) for p in stages]
         else:
             for stage in stages:
-                apply_fsdp2(stage, mesh.dp_mesh, parallel_cfg, cfg.precision.name, cfg.memory.cpu_offload)
+                apply_fsdp2(stage, blocks_of(stage, spec), mesh.dp_mesh, cfg)
 
     par = Parallelized(
-        module=stages[0] if dims.pp == 1 else LocalStages(stages),
+        module=stages[0] if dims.pp == 1 else LocalStages(stages, spec.blocks),
         mesh=mesh,
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
