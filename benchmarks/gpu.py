@@ -204,7 +204,12 @@ def cp_row(out: Path, timeout: float) -> list:
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses["ring"], losses["torch"], strict=True))
     speed = ", ".join(f"{i} {runs[i]['throughput']['tokens_per_s']:,.0f} tokens/s" for i in CP_IMPLS)
     status = "ok" if diff <= 1e-3 else "failed"
-    return [name, status, f"{speed}; losses within {diff:.1e} (<= 1e-3)", round(sum(s["wall_s"] for s in runs.values()))]
+    return [
+        name,
+        status,
+        f"{speed}; losses within {diff:.1e} (<= 1e-3)",
+        round(sum(s["wall_s"] for s in runs.values())),
+    ]
 
 
 def dry_run(out: Path, no_compile: str | None) -> list[list]:

@@ -64,6 +64,7 @@ class StepFigures:
         self.grad_norm, self.applied = grad_norm, applied > 0
         self.loss_scale = scale if math.isfinite(scale) else None
         self.pending = None
+
     val: dict | None = None  # an evaluation after this step: val_loss, ... (framework.evaluation)
 
 
@@ -115,7 +116,10 @@ def step_elements(cfg: DictConfig, info: DistInfo, setup: Setup, step_batches: l
     """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
     config; variable-length (and the user's own) data counts it with one small all-reduce (a
     device tensor: the loss is scaled by it without a host sync)."""
-    if cfg.data.name not in ("varlen", "custom"):  # every target counts: seq_len per sample (text), or 1
+    packed_tokens = cfg.data.name == "tokens" and cfg.data.pack  # document boundaries: not counted
+    if (
+        cfg.data.name not in ("varlen", "custom") and not packed_tokens
+    ):  # every target counts: seq_len per sample (text), or 1
         per_sample = cfg.data.seq_len if setup.task == "lm" else 1
         sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * setup.par.dp_size
         return sum(sizes) * len(step_batches) * per_sample

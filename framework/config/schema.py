@@ -128,6 +128,18 @@ class TextDataConfig(LoaderFields):
     path: str | None = None  # file or folder of text; null: this Python's standard library source
     seq_len: int = 128
     max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
+    tokenizer: str = "bytes"  # bytes (ids 0..255) | <path to a tokenizer.json> (bpe: prepare shards, data=tokens)
+
+
+@dataclass
+class TokensDataConfig(LoaderFields):
+    """Token shards written by `python -m framework.data.prepare` (memory-mapped, never read whole)."""
+
+    name: str = "tokens"
+    path: str = MISSING  # the shards' folder (index.json + shard-*.bin)
+    seq_len: int = 128
+    split: str = "train"  # train | val (the shards prepare --val-fraction set aside)
+    tokenizer: str | None = None  # null: the shards' own; else checked against it (bytes | bpe | a tokenizer.json)
 
 
 @dataclass
@@ -198,6 +210,28 @@ class GPTConfig(ModelConfig):
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    """model=llama (models/llama.py). Null shape keys: the flavour's (or, with model.pretrained,
+    the folder's config.json)."""
+
+    name: str | None = "llama"
+    _target_: str = "models.llama.Llama"
+    flavor: str = "debug"  # debug | 150m | 1b | 8b | 70b
+    hf_config: str | None = None  # the folder whose config.json gives the shape (conf: model.pretrained)
+    vocab_size: int | None = None  # conf: the data's tokenizer's (${data_vocab:}); null: the flavour's
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_factor: float | None = None  # Llama-3.1 rope scaling factor (null: the flavour's)
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
 
 
 @dataclass
@@ -386,10 +420,12 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "vectors": VectorsDataConfig,
         "varlen": VarlenDataConfig,
         "custom": CustomDataConfig,
+        "tokens": TokensDataConfig,
     },
     "model": {
         "base": ModelConfig,
         "gpt": GPTConfig,
+        "llama": LlamaConfig,
         "mlp": MLPConfig,
         "resnet": ResNetConfig,
         "lstm": LSTMConfig,

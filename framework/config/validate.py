@@ -228,7 +228,7 @@ def _check_model_and_data(cfg: DictConfig) -> None:
         )
     else:
         _require(
-            cfg.data.sampler == "distributed" and not cfg.data.pack,
+            cfg.data.sampler == "distributed" and (not cfg.data.pack or data == "tokens"),
             "data.sampler" if cfg.data.sampler != "distributed" else "data.pack",
             "length grouping, token budgets and packing are for variable-length data: use data=varlen",
         )
@@ -297,6 +297,7 @@ def _check_paths(cfg: DictConfig) -> None:
             _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
+    _check_tokenizer(cfg)
     if cfg.checkpoint.resume not in (None, "auto", "best"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),
@@ -351,3 +352,12 @@ def _check_eval(cfg: DictConfig) -> None:
     for key, used in (("eval.patience", e.patience), ("checkpoint.monitor", cfg.checkpoint.monitor),
                       ("optimize", cfg.optimize == "val_loss")):  # fmt: skip
         _require(not used or e.every > 0, key, "needs evaluation during training: set eval.every=N (> 0)")
+
+
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """Token shards, tokenizers and a pretrained model's vocabulary (framework.data.tokens)."""
+    from framework.data.tokens import config_problem
+
+    problem = config_problem(cfg)
+    if problem is not None:
+        raise ConfigError(*problem)
