@@ -330,6 +330,11 @@ def _check_strategy(cfg: DictConfig) -> None:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
     from framework.config.model import check_pipeline, check_tensor_parallel
 
+    _require(
+        dims.cp == 1 or p.get("cp_impl", "ring") != "torch" or resolve_device(cfg) == "cuda",
+        "parallel.cp_impl",
+        "torch's context_parallel runs CUDA SDPA kernels only; on CPU use parallel.cp_impl=ring",
+    )
     if dims.tp > 1:
         check_tensor_parallel(cfg)
     if dims.pp > 1:

@@ -168,8 +168,6 @@ def check_cp_run(dims: ParallelDims, cfg: DictConfig) -> None:
 
     from hydra.utils import get_object
 
-    from framework.config.resolve import resolve_device
-
     p, cp = cfg.parallel, dims.cp
     model_cls = get_object(cfg.model._target_)  # the model contract's declarations, read from the class
     forward = getattr(model_cls, "forward", None)
@@ -177,8 +175,6 @@ def check_cp_run(dims: ParallelDims, cfg: DictConfig) -> None:
     task = cfg.model.get("task") or getattr(model_cls, "task", "lm" if takes_positions else "classify")
     checks = [
         (p.get("cp_impl", "ring") in CP_IMPLS, "parallel.cp_impl", f"got {p.get('cp_impl')!r}; one of {CP_IMPLS}"),
-        (p.get("cp_impl", "ring") != "torch" or resolve_device(cfg) == "cuda", "parallel.cp_impl",
-         "torch's context_parallel runs CUDA SDPA kernels only; on CPU use parallel.cp_impl=ring"),
         (task == "lm", "parallel.cp",
          f"context parallel splits a language model's sequences; {cfg.model._target_} is a classifier"),
         (takes_positions, "parallel.cp",
