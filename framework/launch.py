@@ -87,7 +87,8 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    choices = {g: cfg[g].name for g in GROUPS}
+    # a group's choice: its `name`, else what Hydra picked (a user's own model/<name>.yaml may have none)
+    choices = {g: cfg[g].get("name") or hydra_cfg.runtime.choices.get(g) for g in GROUPS}
     choices["experiment"] = hydra_cfg.runtime.choices.get("experiment")
 
     if sweeping and cfg.sweep.skip_done:

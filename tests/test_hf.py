@@ -95,6 +95,8 @@ def _load_probe(rank: int, world: int, overrides: list[str]) -> tuple[int, int, 
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if func._schema.name.endswith("_") or "out" in (kwargs or {}):
+                return out  # in place (a shard filled, a broadcast received): nothing allocated
             for t in out if isinstance(out, tuple | list) else (out,):
                 if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta and t._base is None:
                     key = id(t)
