@@ -89,20 +89,31 @@ def _load_probe(rank: int, world: int, overrides: list[str]) -> tuple[int, int, 
     from framework.trainer import build
 
     class Live(TorchDispatchMode):
+        """Storages allocated inside the mode and still alive, by data pointer (views and
+        detached aliases share their storage: counted once, alive while any of them is)."""
+
         def __init__(self):
             super().__init__()
-            self.live, self.peak = {}, 0
+            self.live, self.peak = {}, 0  # data_ptr -> [bytes, tensors alive]
+
+        def _drop(self, ptr):
+            entry = self.live.get(ptr)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self.live[ptr]
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func._schema.name.endswith("_") or "out" in (kwargs or {}):
                 return out  # in place (a shard filled, a broadcast received): nothing allocated
             for t in out if isinstance(out, tuple | list) else (out,):
-                if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta and t._base is None:
-                    key = id(t)
-                    self.live[key] = t.numel() * t.element_size()
-                    weakref.finalize(t, self.live.pop, key, None)
-                    self.peak = max(self.peak, sum(self.live.values()))
+                if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta and t.numel():
+                    storage = t.untyped_storage()
+                    entry = self.live.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+                    entry[1] += 1
+                    weakref.finalize(t, self._drop, storage.data_ptr())
+                    self.peak = max(self.peak, sum(e[0] for e in self.live.values()))
             return out
 
     probe = Live()

@@ -258,7 +258,8 @@ def test_bad_model_declarations_are_one_line_before_any_worker(user_folder, tmp_
 def test_own_dataset_by_target_goes_through_the_distributed_sampler(user_folder, tmp_path):
     """data._target_: the user's Dataset, split over the data-parallel ranks by the framework's
     sampler: ddp x2 reads the global batch one process reads, so the losses match."""
-    args = [*base(user_folder), "steps=3", "data=custom", "data._target_=tinydata.Windows", "data.seq_len=32"]
+    args = ["logger=none", "steps=3", "progress=false", f"hydra.searchpath=[file://{user_folder}/conf]", "model=tiny",
+            "data=custom", "data._target_=tinydata.Windows", "data.seq_len=32"]  # fmt: skip
     reference = tmp_path / "none"
     assert train_cli([*args, "parallel=none", "data.batch_size=8"], reference).returncode == 0
     proc = train_cli([*args, "parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"], tmp_path / "ddp")
