@@ -148,3 +148,21 @@ def assert_plan_holds(summary: dict[str, Any], name: str = "") -> None:
             f"{name}: {figure} predicted {plan['predicted'][figure]}, measured {plan['measured'][figure]} "
             f"({error:+.1%}; allowed {tolerance:.0%})"
         )
+
+
+def train_in_process(overrides: list[str], out) -> dict:
+    """One parallel=none run in this process (as a multirun's in-process job); its summary."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from framework.config import resolve_device
+    from framework.dist import init_distributed
+    from framework.resilience import Guard
+    from framework.run_files import RunFiles
+    from framework.trainer import train
+
+    cfg = OmegaConf.create(world_config(["parallel=none", "logger=none", "progress=false", *overrides], 1))
+    info = init_distributed(resolve_device(cfg), None, timeout_s=60)
+    torch.manual_seed(cfg.seed)
+    with Guard(info, 5) as guard:
+        return train(cfg, info, RunFiles(str(out), info), {"parallel": "none"}, guard)

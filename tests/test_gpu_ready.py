@@ -12,7 +12,7 @@ from torch import nn
 
 from framework.config import ConfigError, compose_run
 from framework.config.resolve import assume_cuda_devices, cuda_device_count, resolve_device
-from tests.helpers import compose_config, world_config
+from tests.helpers import compose_config, train_in_process, world_config
 
 # --------------------------------------------------------------------------- devices
 
@@ -257,22 +257,6 @@ SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu")  # what ma
 HOST_SIDE = ("framework/loss.py", "framework/data/")  # these read the loader's batches: host memory, no GPU
 
 
-def _train_here(overrides: list[str], out) -> dict:
-    """One parallel=none run in this process (as a multirun's in-process job)."""
-    from omegaconf import OmegaConf
-
-    from framework.dist import init_distributed
-    from framework.resilience import Guard
-    from framework.run_files import RunFiles
-    from framework.trainer import train
-
-    cfg = OmegaConf.create(world_config(["parallel=none", "logger=none", "progress=false", *overrides], 1))
-    info = init_distributed("cpu", None, timeout_s=60)
-    torch.manual_seed(cfg.seed)
-    with Guard(info, 5) as guard:
-        return train(cfg, info, RunFiles(str(out), info), {"parallel": "none"}, guard)
-
-
 def _count_syncs(monkeypatch, overrides: list[str], out) -> int:
     """Reads of tensor values by the framework's code (not the loader's batches) in one run."""
     import sys
@@ -291,7 +275,7 @@ def _count_syncs(monkeypatch, overrides: list[str], out) -> int:
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     try:
-        _train_here(overrides, out)
+        train_in_process(overrides, out)
     finally:
         monkeypatch.undo()
     return calls[0]
@@ -308,3 +292,47 @@ def test_the_loop_syncs_once_per_logged_step(monkeypatch, tmp_path, precision):
     assert long - short == 2, (short, long)
     metrics = [line for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4  # steps 4, 8, 12, 16
+
+
+# --------------------------------------------------------------------------- data, link probe, profiler
+
+
+def test_loader_workers_and_pinning_resolve_auto_by_device():
+    from framework.data import loader_settings
+
+    assert loader_settings("auto", "auto", "cuda", 16, 1) == (4, True)  # a few loader processes, pinned
+    assert loader_settings("auto", "auto", "cuda", 16, 8) == (1, True)  # cores per GPU - 1
+    assert loader_settings("auto", "auto", "cpu", 2, 0) == (0, False)  # CPU ranks share the cores already
+    assert loader_settings(3, False, "cuda", 16, 1) == (3, False) and loader_settings(2, True, "cpu", 2, 0) == (
+        2,
+        False,
+    )
+    with pytest.raises(ConfigError, match="data.num_workers"):
+        from framework.config import validate
+
+        validate(compose_config(["data.num_workers=-1"]))
+
+
+def test_lstm_lengths_stay_in_host_memory():
+    """The meta device stands in for CUDA: the tokens move, the lengths (read by
+    pack_padded_sequence on the host) do not."""
+    from framework.data import to_device
+    from framework.data.datasets import VarlenSequences
+
+    data = VarlenSequences(8, 32, 4, 2, 10, 5.0, 0, "classify", "synthetic", None)
+    (tokens, lengths), target = to_device(data.collate([data[i] for i in range(4)]), torch.device("meta"),
+                                          host=data.host_inputs)  # fmt: skip
+    assert tokens.device.type == "meta" and target.device.type == "meta" and lengths.device.type == "cpu"
+    assert VarlenSequences(8, 32, 4, 2, 10, 5.0, 0, "lm", "synthetic", None).host_inputs == ()
+
+
+def test_the_link_probe_reaches_a_few_hundred_megabytes_on_cuda():
+    from framework.plan.profile import probe_sizes
+
+    assert max(probe_sizes("cuda")) * 4 >= 256 * 2**20 and max(probe_sizes("cpu")) * 4 == 16 * 2**20
+
+
+def test_the_memory_history_covers_the_profilers_active_steps_only():
+    from framework.profiling import memory_window
+
+    assert memory_window(compose_config(["profile=true"]).profiler) == (3, 5)  # wait 2, warmup 1, active 2
