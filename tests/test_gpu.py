@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import train_in_process
-from tests.test_gpu_ready import _count_syncs
+from tests.helpers import count_syncs, train_in_process
 
 CUDA_SMOKE = ["experiment=smoke", "device=cuda", "model.n_layer=2", "model.n_embd=64", "data.seq_len=64"]
 
@@ -24,8 +23,8 @@ def test_cuda_peaks_reset_between_in_process_runs(tmp_path):
 @pytest.mark.gpu
 def test_cuda_loop_syncs_once_per_logged_step(monkeypatch, tmp_path):
     base = [*CUDA_SMOKE, "metrics.log_every=4", "metrics.sample_every=0"]
-    short = _count_syncs(monkeypatch, [*base, "steps=8"], tmp_path / "short")
-    long = _count_syncs(monkeypatch, [*base, "steps=16"], tmp_path / "long")
+    short = count_syncs(monkeypatch, [*base, "steps=8"], tmp_path / "short")
+    long = count_syncs(monkeypatch, [*base, "steps=16"], tmp_path / "long")
     assert long - short == 2, (short, long)
 
 

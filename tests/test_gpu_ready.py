@@ -12,7 +12,7 @@ from torch import nn
 
 from framework.config import ConfigError, compose_run
 from framework.config.resolve import assume_cuda_devices, cuda_device_count, resolve_device
-from tests.helpers import compose_config, train_in_process, world_config
+from tests.helpers import compose_config, count_syncs, world_config
 
 # --------------------------------------------------------------------------- devices
 
@@ -253,33 +253,6 @@ def test_fused_clipping_matches_the_per_parameter_loop(max_norm):
 
 # --------------------------------------------------------------------------- host syncs
 
-SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu")  # what makes the host wait for a GPU
-HOST_SIDE = ("framework/loss.py", "framework/data/")  # these read the loader's batches: host memory, no GPU
-
-
-def _count_syncs(monkeypatch, overrides: list[str], out) -> int:
-    """Reads of tensor values by the framework's code (not the loader's batches) in one run."""
-    import sys
-
-    from tests.helpers import ROOT
-
-    calls = [0]
-    for name in SYNCS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(str(ROOT / "framework")) and not any(h in caller for h in HOST_SIDE):
-                calls[0] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    try:
-        train_in_process(overrides, out)
-    finally:
-        monkeypatch.undo()
-    return calls[0]
-
 
 @pytest.mark.parametrize("precision", ["fp32", "amp"])
 def test_the_loop_syncs_once_per_logged_step(monkeypatch, tmp_path, precision):
@@ -287,8 +260,8 @@ def test_the_loop_syncs_once_per_logged_step(monkeypatch, tmp_path, precision):
     do not wait (gradient norm, loss, loss scale and the skip decision stay on the device)."""
     base = ["experiment=smoke", f"precision={precision}", "metrics.log_every=4", "metrics.sample_every=0",
             "model.n_layer=1", "model.n_embd=32", "data.batch_size=2", "data.seq_len=16"]  # fmt: skip
-    short = _count_syncs(monkeypatch, [*base, "steps=8"], tmp_path / "short")
-    long = _count_syncs(monkeypatch, [*base, "steps=16"], tmp_path / "long")
+    short = count_syncs(monkeypatch, [*base, "steps=8"], tmp_path / "short")
+    long = count_syncs(monkeypatch, [*base, "steps=16"], tmp_path / "long")
     assert long - short == 2, (short, long)
     metrics = [line for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4  # steps 4, 8, 12, 16
@@ -336,3 +309,21 @@ def test_the_memory_history_covers_the_profilers_active_steps_only():
     from framework.profiling import memory_window
 
     assert memory_window(compose_config(["profile=true"]).profiler) == (3, 5)  # wait 2, warmup 1, active 2
+
+
+def test_every_rank_pops_its_forward_timings():
+    """Tensor-parallel peers do not report forward times, but pop them: on CUDA each holds two
+    events per micro-batch, which piled up for the whole run."""
+    from framework.ledger import Entry, record_steps
+    from framework.metrics import ForwardTimer
+    from framework.step import StepFigures
+    from framework.summary import RunStats
+
+    timer, stats = ForwardTimer(torch.device("cpu")), RunStats(losses=[])
+    for _ in range(3):
+        with timer:
+            pass
+        timer.end_step()
+    figures = [StepFigures(loss=1.0, tokens=8, samples=2, grad_norm=0.5, seconds=0.1, preempt=False) for _ in range(3)]
+    record_steps(stats, [Entry(f, k, 0, 8, 8) for k, f in enumerate(figures)], False, timer)
+    assert timer.steps == [] and stats.forward_s == [] and stats.losses == [1.0] * 3
