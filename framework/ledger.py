@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from framework.data import DataPipeline
+from framework.evaluation import tracker_names
 from framework.metrics import ForwardTimer, mfu
 from framework.run_files import RunFiles
 from framework.step import Setup, StepFigures
@@ -131,5 +132,6 @@ def log_step(entry: Entry, stats: RunStats, setup: Setup, peak: float | None, fi
         "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
         "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
     }
+    record |= figures.val or {}  # an evaluation after this step: val_loss, val_perplexity | val_accuracy
     files.log_step(record)
-    tracker.log(record, step=step + 1)
+    tracker.log(tracker_names(record), step=step + 1)

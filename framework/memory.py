@@ -28,11 +28,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from framework.modules import map_blocks
 
 
-def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
-    """Recompute every `every`-th block of ``model.blocks`` in backward instead of keeping its
-    activations: non-reentrant torch.utils.checkpoint. Returns how many blocks were wrapped."""
+def apply_activation_checkpointing(model: nn.Module, blocks: str | None, every: int = 1) -> int:
+    """Recompute every `every`-th block (the container at path `blocks`) in backward instead of
+    keeping its activations: non-reentrant torch.utils.checkpoint. Returns how many were wrapped."""
+    wrap = lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
     try:
-        return map_blocks(model, lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT), every)
+        return map_blocks(model, blocks, wrap, every)
     except ValueError as err:
         raise ValueError(f"memory=checkpoint: {err} to checkpoint") from None
 
@@ -196,10 +197,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 def host_allocator(configured: str, parallel: str) -> str:
     """The host allocator policy a run uses: `auto` is lean where FSDP gathers and frees each
-    unit's parameters (fsdp, hybrid), steady elsewhere."""
+    unit's parameters (fsdp, hybrid, cp), steady elsewhere."""
     if configured != "auto":
         return configured
-    return "lean" if parallel in ("fsdp", "hybrid") else "steady"
+    return "lean" if parallel in ("fsdp", "hybrid", "cp") else "steady"
 
 
 def set_host_allocator(policy: str) -> bool:

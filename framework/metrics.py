@@ -93,31 +93,59 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.25) ->
     return best
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int | None, recomputed_blocks: int = 0) -> float | None:
-    """The model's training FLOPs per token (None for models that do not count theirs)."""
-    fn = getattr(model, "flops_per_token", None)
-    if fn is None or seq_len is None:
-        return None
-    return fn(seq_len, recomputed_blocks) if recomputed_blocks else fn(seq_len)
-
-
 @dataclass(frozen=True)
 class Flops:
-    """Training FLOPs per token: the model's (MFU), and with recomputation (HFU); None for models
-    that do not count theirs. `devices`: the accelerators (or CPU ranks) the run uses."""
+    """Training FLOPs per token: the model's (MFU), and with recomputation (HFU); None where the
+    run has no tokens to count them by. `devices`: the accelerators (or CPU ranks) the run uses."""
 
     model: float | None
     hardware: float | None
     devices: int
 
 
-def count_flops(model: torch.nn.Module, cfg: Any, world_size: int) -> Flops:
-    seq_len = cfg.data.get("seq_len")
-    n_layer = cfg.model.get("n_layer", 0)
-    recomputed = -(-n_layer // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
+def recomputed_blocks(cfg: Any, n_blocks: int) -> int:
+    """Blocks whose forward runs again in backward (memory=checkpoint, every k-th)."""
+    return -(-n_blocks // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
+
+
+def model_flops(
+    model: torch.nn.Module, spec: Any, seq_len: int | None, recomputed: int = 0
+) -> tuple[float, float] | None:
+    """(model, hardware) training FLOPs per token of an lm: declared by the model
+    (``flops_per_token``), else counted once with FlopCounterMode on a (1, seq_len) batch of the
+    model built on the meta device (nothing is allocated); a checkpointed block adds its forward."""
+    if seq_len is None or spec.task != "lm":
+        return None
+    if spec.flops_per_token is not None:
+        return model.flops_per_token(seq_len), model.flops_per_token(seq_len, recomputed)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from framework.contract import logits_of
+
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as forward:
+        logits = logits_of(model(tokens))
+    with FlopCounterMode(display=False) as backward:
+        logits.float().sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    counts = forward.get_flop_counts()
+    first_block = f"{spec.blocks}.0" if spec.blocks else None
+    block = sum(counts.get(first_block, {}).values()) if first_block else 0
+    total = forward.get_total_flops() + backward.get_total_flops()
+    return total / seq_len, (total + recomputed * block) / seq_len
+
+
+def count_flops(meta_model: torch.nn.Module, spec: Any, cfg: Any, world_size: int) -> Flops:
+    """The run's FLOPs per token from the model built on meta (before any sharding: every strategy
+    counts the same work)."""
+    from framework.contract import blocks_of
+
+    recomputed = recomputed_blocks(cfg, len(blocks_of(meta_model, spec)))
+    counted = model_flops(meta_model, spec, cfg.data.get("seq_len"), recomputed)
     # parallel=dp is one process driving every visible GPU
     devices = torch.cuda.device_count() if cfg.parallel.name == "dp" else world_size
-    return Flops(flops_per_token(model, seq_len), flops_per_token(model, seq_len, recomputed), devices)
+    return Flops(*(counted or (None, None)), devices)
 
 
 def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, devices: int) -> float | None:

@@ -36,6 +36,7 @@ class RunStats:
     startup_s: float | None = None  # process start to the end of the first optimizer step
     checkpoint_saves: int = 0
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
+    checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
     skipped_steps: int = 0
     rss_baseline_bytes: int | None = (
         None  # after imports and process-group set-up, before the model  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
@@ -93,7 +94,7 @@ def summarize(
         "per_step": per_step,
         "steps": cfg.steps,
         "nonfinite_skipped": stats.skipped_steps,
-        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s)},
+        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s), **stats.checkpoint_io},
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
         "throughput": throughput,

@@ -19,7 +19,7 @@ def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: st
     """{name: summary} for every config, each run in `out_dir/name` on `world_size` workers."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from framework.launch import local_launch_config
+    from framework.dist import local_launch_config
 
     place = device_and_backend(configs)
     return elastic_launch(local_launch_config(world_size), _train_each)(configs, out_dir, place)[0]

@@ -12,6 +12,9 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 
 class LSTMClassifier(nn.Module):
+    task = "classify"
+    trains_on = ("varlen",)
+
     def __init__(
         self,
         vocab_size: int = 32,

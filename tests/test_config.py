@@ -7,10 +7,15 @@ import torch.distributed as dist
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.config import MODEL_DATA, ConfigError, validate
+from framework.config import ConfigError, validate
 from framework.config.resolve import cuda_device_count
-from tests.helpers import CONF, compose_config
+from tests.helpers import CONF, compose_config, write_tiny_llama_config
 
+# a data choice each model trains on, and a model for each data choice
+MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors"}
+DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp"}
+CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
+               "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
 GROUPS = ["backend", "parallel", "precision", "memory", "data", "model", "optim", "logger"]
 
 
@@ -23,9 +28,9 @@ def test_every_group_has_choices_and_a_schema():
         assert choices(group), group
     for name in ("auto", "gloo", "nccl", "mpi"):
         assert name in choices("backend")
-    assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"} == set(choices("parallel"))
+    assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
-    assert {"gpt", "mlp", "resnet", "lstm"} == set(choices("model"))
+    assert {"gpt", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
 
 
 def _unavailable(group: str, name: str) -> str | None:
@@ -45,13 +50,18 @@ def _unavailable(group: str, name: str) -> str | None:
 
 
 @pytest.mark.parametrize("group,name", [(g, n) for g in GROUPS for n in choices(g)])
-def test_every_group_choice_composes(group, name):
+def test_every_group_choice_composes(group, name, tmp_path):
     overrides = [f"{group}={name}"]
     if group == "model":
-        overrides.append(f"data={MODEL_DATA[name][0]}")
+        overrides.append(f"data={MODEL_DATA[name]}")
+        if name == "custom":
+            overrides.append("model._target_=models.mlp.MLP")
+        if name == "hf":
+            overrides.append(f"model.config={write_tiny_llama_config(tmp_path)}")
     if group == "data":
-        model = next(m for m, data in MODEL_DATA.items() if name in data)
-        overrides.append(f"model={model}")
+        overrides.append(f"model={DATA_MODEL[name]}")
+        if name == "custom":
+            overrides += CUSTOM_DATA
     if group == "parallel" and name in ("none", "dp"):
         overrides.append("launch.nproc_per_node=1")
     if group == "memory" and name == "offload":
@@ -78,7 +88,9 @@ def test_every_group_choice_composes(group, name):
 def test_every_experiment_composes(name):
     cfg = compose_config([f"experiment={name}"])
     validate(cfg)
-    assert cfg.model.name in MODEL_DATA and cfg.data.name in MODEL_DATA[cfg.model.name]
+    from framework.config.model import model_spec
+
+    assert cfg.data.name in (model_spec(cfg).trains_on or ("text", "varlen"))
 
 
 def test_smoke_is_a_tiny_gpt_without_dropout():
@@ -161,7 +173,7 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
             "parallel.sharding_strategy",
             "dp_replicate",
         ),
-        (["parallel=tp", "experiment=lstm"], "parallel", "model=gpt only"),
+        (["parallel=tp", "experiment=lstm"], "parallel.tp", "declares none"),
         (
             ["parallel=tp", "data.seq_len=31", "model.block_size=32"],
             "data.seq_len",

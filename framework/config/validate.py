@@ -5,28 +5,21 @@ run), before any worker starts. Each concern is one small check; the first probl
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig
 
+from framework.config.errors import ConfigError
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 from framework.memory import HOST_ALLOCATORS
 from framework.parallel.pipeline import SCHEDULES
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run. ``key`` is the dotted config key at fault."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"{key}: {message}")
-
 
 # ----------------------------------------------------------------------------- validation
 
 ALLOWED = {
     "backend.name": ("auto", "gloo", "nccl", "mpi"),
-    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"),
+    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"),
     "parallel.version": (1, 2),
     "parallel.reduce_dtype": ("fp32", "bf16"),
     "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
@@ -37,20 +30,15 @@ ALLOWED = {
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "constant"),
     "logger.name": ("wandb", "tensorboard", "all", "none"),
-    "optimize": ("tokens_per_s", "samples_per_s", "final_loss"),
+    "optimize": ("tokens_per_s", "samples_per_s", "final_loss", "val_loss"),
+    "checkpoint.monitor": (None, "val_loss"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
     "launch.start_method": ("spawn", "fork", "forkserver"),
     "nonfinite": ("stop", "skip"),
-}
-
-# Which data each model can train on: (model, data) pairs that make a task.
-MODEL_DATA = {
-    "gpt": ("text", "varlen"),
-    "mlp": ("vectors",),
-    "resnet": ("images",),
-    "lstm": ("varlen",),
+    "checkpoint.verify": ("full", "size", "off"),
+    "checkpoint.on_error": ("stop", "warn"),
 }
 
 
@@ -74,7 +62,7 @@ def _at_least(cfg: DictConfig, key: str, low: int) -> None:
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
     for check in (_check_values, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
-                  _check_model_and_data, _check_batching, _check_paths):  # fmt: skip
+                  _check_model_and_data, _check_batching, _check_paths, _check_eval):  # fmt: skip
         check(cfg)
 
 
@@ -223,43 +211,14 @@ def _check_memory(cfg: DictConfig) -> None:
             "FSDP CPU offload moves shards between GPU and CPU memory and needs CUDA; none here. "
             "Use memory=none or memory=checkpoint",
         )
-    if cfg.memory.name == "checkpoint":
-        _require(
-            cfg.model.name != "lstm",
-            "memory",
-            "checkpointing wraps a model's blocks; lstm has none. Use memory=none",
-        )
 
 
 def _check_model_and_data(cfg: DictConfig) -> None:
-    """The model trains on its kind of data, and their shapes agree."""
-    model = cfg.model.name
+    """The model builds (on meta), trains on this data, and their shapes agree."""
+    from framework.config.model import check_model
+
+    check_model(cfg)
     data = cfg.data.name
-    _require(model in MODEL_DATA, "model", f"got {model!r}; allowed: {', '.join(MODEL_DATA)}")
-    _require(
-        data in MODEL_DATA[model],
-        "data",
-        f"model={model} trains on data={'|'.join(MODEL_DATA[model])}, got data={data}; "
-        f"add data={MODEL_DATA[model][0]} (or use experiment={model})",
-    )
-    if model == "gpt":
-        _require(
-            cfg.model.n_embd % cfg.model.n_head == 0,
-            "model.n_head",
-            f"n_embd={cfg.model.n_embd} must divide evenly into n_head={cfg.model.n_head} heads",
-        )
-        _require(
-            cfg.data.seq_len <= cfg.model.block_size,
-            "data.seq_len",
-            f"got {cfg.data.seq_len}; must be <= model.block_size={cfg.model.block_size}",
-        )
-        _require(cfg.data.seq_len >= 2, "data.seq_len", "must be >= 2")
-    if model == "lstm":
-        _require(
-            cfg.data.vocab_size <= cfg.model.vocab_size,
-            "model.vocab_size",
-            f"got {cfg.model.vocab_size}; must be >= data.vocab_size={cfg.data.vocab_size}",
-        )
     if data == "varlen":
         _require(1 <= cfg.data.min_len <= cfg.data.max_len, "data.min_len", "need 1 <= min_len <= max_len")
         _require(
@@ -267,17 +226,9 @@ def _check_model_and_data(cfg: DictConfig) -> None:
             "data.source",
             f"got {cfg.data.source!r}; allowed: synthetic, text",
         )
-        if model == "gpt":
-            _require(cfg.data.min_len >= 2, "data.min_len", "language modelling needs sequences of >= 2 tokens")
-            longest = cfg.data.pack_len if cfg.data.pack else cfg.data.max_len - 1
-            _require(
-                longest <= cfg.model.block_size,
-                "model.block_size",
-                f"got {cfg.model.block_size}; the longest input is {longest} tokens",
-            )
     else:
         _require(
-            cfg.data.sampler == "distributed" and not cfg.data.pack,
+            cfg.data.sampler == "distributed" and (not cfg.data.pack or data == "tokens"),
             "data.sampler" if cfg.data.sampler != "distributed" else "data.pack",
             "length grouping, token budgets and packing are for variable-length data: use data=varlen",
         )
@@ -285,12 +236,11 @@ def _check_model_and_data(cfg: DictConfig) -> None:
 
 def _check_batching(cfg: DictConfig) -> None:
     """Packing and per-rank batch sizes: where they apply."""
-    model = cfg.model.name
     if cfg.data.pack:
         _require(
-            model == "gpt",
+            "doc_ids" in _forward_args(cfg),
             "data.pack",
-            "packing keeps attention within documents in gpt only; lstm packs with pack_padded_sequence",
+            "packing needs a model whose forward takes doc_ids (attention within documents), as gpt's does",
         )
         _require(
             cfg.parallel.name in ("none", "ddp", "fsdp"),
@@ -316,6 +266,14 @@ def _check_batching(cfg: DictConfig) -> None:
         )
 
 
+def _forward_args(cfg: DictConfig) -> tuple[str, ...]:
+    import inspect
+
+    from framework.config.model import meta_model
+
+    return tuple(inspect.signature(meta_model(cfg).forward).parameters)
+
+
 def _check_paths(cfg: DictConfig) -> None:
     """Files and folders the run reads exist (images, text, a checkpoint to resume)."""
     import os
@@ -339,11 +297,12 @@ def _check_paths(cfg: DictConfig) -> None:
             _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
-    if cfg.checkpoint.resume not in (None, "auto"):
+    _check_tokenizer(cfg)
+    if cfg.checkpoint.resume not in (None, "auto", "best"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),
             "checkpoint.resume",
-            f"no checkpoint folder at {cfg.checkpoint.resume!r} (or `auto`: the run's newest checkpoint)",
+            f"no checkpoint folder at {cfg.checkpoint.resume!r} (or `auto`: the run's newest checkpoint, `best`: its best)",
         )
 
 
@@ -351,7 +310,7 @@ def _check_strategy(cfg: DictConfig) -> None:
     """Strategy-specific checks: degrees against the world size and the model's shape."""
     from framework.parallel.dims import DimsError, ParallelDims
 
-    p, model = cfg.parallel, cfg.model.name
+    p = cfg.parallel
     if p.name == "dp":
         _require(
             resolve_device(cfg) == "cuda" and cuda_device_count() > 1,
@@ -359,17 +318,51 @@ def _check_strategy(cfg: DictConfig) -> None:
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
             f"device; device={cfg.device} with {cuda_device_count()} here. Use parallel=ddp, which is faster anyway",
         )
-    if p.name in ("tp", "pp", "hybrid"):
-        _require(
-            model == "gpt",
-            "parallel",
-            f"parallel={p.name} splits transformer blocks and heads: model=gpt only, got model={model}",
-        )
-    if p.name not in ("fsdp", "tp", "pp", "hybrid"):
+    if p.name not in ("fsdp", "tp", "pp", "hybrid", "cp"):
         return
-    n_layer, n_head = (cfg.model.n_layer, cfg.model.n_head) if model == "gpt" else (None, None)
+    from framework.config.model import model_dims_of
+
+    n_layer, n_head = model_dims_of(cfg)
     try:
         dims = ParallelDims.from_config(p, world_size_of(cfg), n_layer, n_head)
         dims.check_run(cfg)
     except DimsError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+    from framework.config.model import check_pipeline, check_tensor_parallel
+
+    _require(
+        dims.cp == 1 or p.get("cp_impl", "ring") != "torch" or resolve_device(cfg) == "cuda",
+        "parallel.cp_impl",
+        "torch's context_parallel runs CUDA SDPA kernels only; on CPU use parallel.cp_impl=ring",
+    )
+    if dims.tp > 1:
+        check_tensor_parallel(cfg)
+    if dims.pp > 1:
+        check_pipeline(cfg)
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """Evaluation settings, and a validation split for them to read."""
+    e, d, on = cfg.eval, cfg.data, cfg.eval.every > 0 or cfg.eval.at_start
+    _at_least(cfg, "eval.every", 0)
+    _at_least(cfg, "eval.patience", 0)
+    _require(e.steps == -1 or e.steps >= 1, "eval.steps", f"got {e.steps}; must be -1 (the whole split) or >= 1")
+    _require(e.min_delta >= 0, "eval.min_delta", f"got {e.min_delta}; must be >= 0")
+    _require(0 <= d.val_fraction < 1, "data.val_fraction", f"got {d.val_fraction}; must be >= 0 and < 1")
+    if d.val_path is not None:
+        _require(d.name == "text", "data.val_path", f"a text file or folder, for data=text only; got data={d.name}")
+        _require(os.path.exists(d.val_path), "data.val_path", f"no file or folder at {d.val_path!r}")
+    split = "set data.val_fraction (0 < f < 1) or data.val_path (data=text)"
+    _require(not on or d.val_fraction > 0 or d.val_path, "eval", f"needs a validation split: {split}")
+    for key, used in (("eval.patience", e.patience), ("checkpoint.monitor", cfg.checkpoint.monitor),
+                      ("optimize", cfg.optimize == "val_loss")):  # fmt: skip
+        _require(not used or e.every > 0, key, "needs evaluation during training: set eval.every=N (> 0)")
+
+
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """Token shards, tokenizers and a pretrained model's vocabulary (framework.data.tokens)."""
+    from framework.data.tokens import config_problem
+
+    problem = config_problem(cfg)
+    if problem is not None:
+        raise ConfigError(*problem)

@@ -16,6 +16,7 @@ from framework.data.datasets import (
     PackedSequences,
     SyntheticImages,
     SyntheticVectors,
+    UserDataset,
     VarlenSequences,
 )
 from framework.data.images import DeviceAugment, ImageFiles
@@ -25,24 +26,68 @@ from framework.data.samplers import (
     TokenBudgetBatchSampler,
     WeightedBatchSampler,
 )
+from framework.data.split import document_split, held_out, text_region
+
+USER_DATA_RESERVED = (
+    "name",
+    "batch_size",
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "drop_last",
+    "shuffle",
+    "sampler",
+    "max_tokens",
+    "rank_batch_sizes",
+    "pack",
+    "pack_len",
+    "seq_len",
+    "val_fraction",
+    "val_path",
+    "tokenizer",
+)  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
+
+from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 
 
-def build_dataset(cfg: DictConfig, seed: int, task: str = "classify") -> Dataset:
-    """The dataset of `cfg` (the `data` group). Synthetic data depends on `seed` only, never on
-    rank. `task` is what the model does with sequences: "lm" (gpt) or "classify" (lstm)."""
+def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str = "train") -> Dataset:
+    """The dataset of `cfg` (the `data` group): its training part, or with split="val" its
+    validation part (data.val_path, or the data.val_fraction held out: framework.data.split).
+    Synthetic data depends on `seed` only, never on rank. `task` is what the model does with
+    sequences: "lm" (gpt) or "classify" (lstm)."""
+    fraction = cfg.get("val_fraction", 0.0)
+    if cfg.get("_target_"):  # the user's own: Hydra's instantiate, its keys beside _target_
+        from hydra.utils import instantiate
+
+        kwargs = {k: v for k, v in cfg.items() if k not in USER_DATA_RESERVED}
+        data = UserDataset(instantiate(kwargs, _convert_="all"), task)
+        return held_out(data, fraction, seed, split) if fraction else data
+    if cfg.name == "tokens":  # the shards prepare set aside are the validation split
+        return TokenShards(cfg.path, cfg.seq_len, "val" if split == "val" else cfg.split, cfg.pack)
+    if split == "val" and cfg.get("val_path"):
+        return ByteTextDataset(cfg.val_path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
+    if split == "val" and not fraction:
+        raise ValueError("data.val_fraction: no validation split; set data.val_fraction (0 < f < 1) or data.val_path")
+    held = fraction if split == "val" or not cfg.get("val_path") else 0.0  # val_path: train on all of data.path
     if cfg.name == "text":
-        return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes)
-    if cfg.name == "images" and cfg.source == "synthetic":
-        return SyntheticImages(cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed)
-    if cfg.name == "images":
-        return ImageFiles(cfg.source, cfg.root, cfg.image_size, cfg.augment, cfg.transforms_on == "device")
-    if cfg.name == "vectors":
-        return SyntheticVectors(cfg.num_samples, cfg.dim, cfg.num_classes, seed)
+        data = ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
+        return text_region(data, held, split) if held else data
     if cfg.name == "varlen":
         data = VarlenSequences(cfg.num_samples, cfg.vocab_size, cfg.num_classes, cfg.min_len, cfg.max_len,
                                cfg.mean_len, seed, task, cfg.source, cfg.path)  # fmt: skip
+        data = document_split(data, held, seed, split) if held else data  # by document, before packing
         return PackedSequences(data, cfg.pack_len, seed) if cfg.pack else data
-    raise ValueError(f"data: unknown dataset {cfg.name!r}")
+    if cfg.name == "images" and cfg.source == "synthetic":
+        data = SyntheticImages(cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed)
+    elif cfg.name == "images":  # validation images are not augmented
+        augment = cfg.augment and split == "train"
+        data = ImageFiles(cfg.source, cfg.root, cfg.image_size, augment, cfg.transforms_on == "device")
+    elif cfg.name == "vectors":
+        data = SyntheticVectors(cfg.num_samples, cfg.dim, cfg.num_classes, seed)
+    else:
+        raise ValueError(f"data: unknown dataset {cfg.name!r}")
+    return held_out(data, held, seed, split) if held else data
 
 
 @dataclass

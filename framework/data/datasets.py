@@ -47,11 +47,17 @@ def read_corpus(path: str | None, max_bytes: int) -> bytes:
 class ByteTextDataset(Dataset):
     """Next-byte prediction over consecutive, non-overlapping windows of the corpus."""
 
-    def __init__(self, path: str | None, seq_len: int, max_bytes: int):
+    def __init__(self, path: str | None, seq_len: int, max_bytes: int, tokenizer: str = "bytes"):
         raw = read_corpus(path, max_bytes)
-        if len(raw) < seq_len + 1:
-            raise ValueError(f"data.path: corpus holds {len(raw)} bytes, fewer than seq_len+1={seq_len + 1}")
-        self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if tokenizer == "bytes":
+            self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        else:  # data.tokenizer=<tokenizer.json>: the corpus as that tokenizer's ids
+            from framework.data.tokenizer import load_tokenizer
+
+            ids = load_tokenizer(tokenizer).encode(raw.decode("utf-8", errors="replace"))
+            self.data = torch.tensor(ids, dtype=torch.int32)
+        if len(self.data) < seq_len + 1:
+            raise ValueError(f"data.path: corpus holds {len(self.data)} tokens, fewer than seq_len+1={seq_len + 1}")
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -211,3 +217,32 @@ class PackedSequences(Dataset):
     @staticmethod
     def slots_in(batch: Batch) -> int:
         return batch[1].numel()
+
+
+class UserDataset(Dataset):
+    """A dataset given by ``data._target_``: any map-style torch Dataset whose items are
+    ``(input, target)`` (or ``(inputs tuple, target)``), in the framework's batch form. Its
+    optional ``lengths`` (a tensor of per-item lengths) enables the length-aware samplers."""
+
+    def __init__(self, dataset: Dataset, task: str):
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ValueError(f"data._target_: {type(dataset).__name__} is not a map-style Dataset "
+                             "(__getitem__ and __len__); iterable datasets are not supported yet")  # fmt: skip
+        self.dataset, self.task = dataset, task
+        if hasattr(dataset, "lengths"):
+            self.lengths = torch.as_tensor(dataset.lengths)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+    def collate(self, items) -> Batch:
+        from torch.utils.data import default_collate
+
+        inputs, target = default_collate(items)
+        return (tuple(inputs) if isinstance(inputs, list | tuple) else (inputs,)), target
+
+    def tokens_in(self, batch: Batch) -> int | None:
+        return batch[1].numel() if self.task == "lm" else None

@@ -1,10 +1,12 @@
 """Parallel strategies. ``parallelize`` applies them to a plain model in the one fixed order:
 
-    pipeline split -> tensor parallel -> activation checkpointing -> compile -> FSDP / DDP
+    pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile
+    -> FSDP / DDP
 
 Tensor parallelism first, because its plan names the model's own submodules (``attn.q``) and
 checkpointing wraps them; checkpointing before FSDP so that FSDP's units are the (wrapped)
-blocks and a block's parameters are gathered again for its recomputation; compilation per block
+blocks and a block's parameters are gathered again for its recomputation; context parallel
+wraps nothing (it shards the batch and routes attention to a ring, also in the recomputation); compilation per block
 after checkpointing (the recomputation is compiled too) and before FSDP, whose hooks and
 collectives stay outside the compiled graphs; the data-parallel wrapper last, over the final
 parameters. A pipeline split comes before all of them: each stage is
@@ -12,7 +14,8 @@ then parallelized like a model of its own.
 
 The result, ``Parallelized``, is what the trainer needs of any strategy: the module to run, a
 gradient-sync switch for accumulation, gradient clipping that knows how gradients are sharded,
-which ranks hold the loss and which read distinct data.
+which ranks hold the loss and which read distinct data, and (context parallel) which part of
+each sequence a rank computes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -28,11 +31,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.contract import ModelSpec, blocks_of
 from framework.dist import DistInfo
 from framework.memory import apply_activation_checkpointing
 from framework.modules import map_blocks
 from framework.parallel.dims import Mesh, ParallelDims
-from framework.parallel.pipeline import Pipeline
+from framework.parallel.pipeline import Pipeline, trace_split
 
 
 @dataclass
@@ -48,6 +52,10 @@ class Parallelized:
     holds_loss: bool = True  # this rank computes the loss (a pipeline's last stage)
     counts_data: bool = True  # one rank per data-parallel group counts samples and tokens
     pp_group: object = field(default=None, repr=False)
+    # context parallel: (inputs, target) of the batch -> (this rank's inputs, forward kwargs, target)
+    split_batch: Callable[[tuple, torch.Tensor], tuple[tuple, dict, torch.Tensor]] = lambda i, t: (i, {}, t)
+    cp_size: int = 1  # ranks that split each sequence: gradients are averaged over dp x cp
+    counts_loss: bool = True  # this rank's loss is a part of the step's (tp peers hold the same one)
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
@@ -66,25 +74,26 @@ def clip_local_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def model_dims(cfg: DictConfig) -> tuple[int | None, int | None]:
-    """(layers, heads) of the model, where the strategy needs them."""
-    return (cfg.model.n_layer, cfg.model.n_head) if cfg.model.name == "gpt" else (None, None)
+def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | None]:
+    """(blocks, attention heads) of the model, where the strategy needs them."""
+    blocks = blocks_of(model, spec)
+    return (len(blocks) or None), spec.heads
 
 
-def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def parallelize(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
     name = cfg.parallel.name
     if name == "none":
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(model)
     if name == "dp":
         from framework.parallel.dp import apply_dp
 
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(apply_dp(model))
     if name == "ddp":
         from framework.parallel.ddp import apply_ddp
 
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         ddp = apply_ddp(model, cfg.parallel, info)
         return Parallelized(
             ddp,
@@ -92,69 +101,71 @@ def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Paralleliz
             dp_rank=info.rank,
             dp_size=info.world_size,
         )
-    return _parallelize_on_mesh(model, cfg, info)
+    return _parallelize_on_mesh(model, spec, cfg, info)
 
 
-def _checkpoint_and_compile(module: nn.Module, cfg: DictConfig) -> None:
+def _checkpoint_and_compile(module: nn.Module, spec: ModelSpec, cfg: DictConfig) -> None:
     """Steps 3 and 4 of the order, in place: activation checkpointing, then torch.compile of each
     block (`nn.Module.compile`: the module keeps its type and parameter names, so FSDP units,
     state dicts and checkpoints are unchanged), or of the whole module for models without blocks."""
     if cfg.memory.name == "checkpoint":
-        apply_activation_checkpointing(module, cfg.memory.checkpoint_every)
+        apply_activation_checkpointing(module, spec.blocks, cfg.memory.checkpoint_every)
     if cfg.compile:
 
         def compiled(block: nn.Module) -> nn.Module:
             block.compile()
             return block
 
-        if getattr(module, "blocks", None) is not None:
-            map_blocks(module, compiled)
+        if blocks_of(module, spec):
+            map_blocks(module, spec.blocks, compiled)
         else:
             module.compile()
 
 
-def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
     """fsdp, tp, pp and hybrid: degrees from the config, one mesh pp x dp_replicate x dp_shard x tp."""
     from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2, fsdp2_grad_sync
     from framework.parallel.pipeline import LocalStages, build_pipeline, build_stages
     from framework.parallel.tensor import apply_tp
 
     parallel_cfg = cfg.parallel
-    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(cfg))
+    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(model, spec))
     mesh = Mesh(dims, dims.build_mesh(info.device.type))
 
     # 1. pipeline split: this rank's stages, each parallelized below like a model of its own
     if dims.pp > 1:
-        stages, stage_ids, n_stages = build_stages(model, parallel_cfg, mesh.pp_rank, dims.pp)
+        split = trace_split(model, spec, cfg.data.seq_len)
+        stages, stage_ids, n_stages = build_stages(model, split, parallel_cfg, mesh.pp_rank, dims.pp)
     else:
         stages = [model]
     for stage in stages:
         # 2. tensor parallel
         if dims.tp > 1:
-            apply_tp(stage, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
-        # 3. activation checkpointing, 4. compile
-        _checkpoint_and_compile(stage, cfg)
-    # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
-    # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
-    shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
+            apply_tp(stage, spec, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
+        # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
+        # 4. activation checkpointing, 5. compile
+        _checkpoint_and_compile(stage, spec, cfg)
+    # 6. FSDP over the data-parallel axes (HSDP when dp_replicate > 1; dp_shard x cp with context
+    # parallel); parallel=fsdp shards even on one rank, so that a single GPU exercises FSDP's code
+    # path (mixed precision, CPU offload)
+    shard = dims.dp * dims.cp > 1 or cfg.parallel.name == "fsdp"
     fsdp_v1 = shard and parallel_cfg.version == 1
     if shard:
         if fsdp_v1:
-            offload = cfg.memory.cpu_offload
-            stages = [
-                apply_fsdp1(p, mesh.dp_mesh, parallel_cfg, cfg.precision.name, info.device, offload) for p in stages
-            ]
+            stages = [apply_fsdp1(p, blocks_of(p, spec), mesh.dp_mesh, cfg, info.device) for p in stages]
         else:
             for stage in stages:
-                apply_fsdp2(stage, mesh.dp_mesh, parallel_cfg, cfg.precision.name, cfg.memory.cpu_offload)
+                apply_fsdp2(stage, blocks_of(stage, spec), mesh.dp_mesh, cfg)
 
     par = Parallelized(
-        module=stages[0] if dims.pp == 1 else LocalStages(stages),
+        module=stages[0] if dims.pp == 1 else LocalStages(stages, spec.blocks),
         mesh=mesh,
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
-        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0,
+        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0 and mesh.cp_rank == 0,
         pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
+        cp_size=dims.cp,
+        counts_loss=mesh.tp_rank == 0 and mesh.pp_rank == 0,
     )
     if dims.pp > 1:
         par.pipeline = build_pipeline(stages, stage_ids, n_stages, parallel_cfg, par.pp_group, info.device)
@@ -175,7 +186,22 @@ def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> P
         from torch.distributed.tensor.parallel import loss_parallel
 
         par.loss_context = loss_parallel
+    if dims.cp > 1:
+        from framework.parallel.context import apply_cp
+
+        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], parallel_cfg.cp_impl)
+        par.loss_context = _stacked(par.loss_context, attention)
     return par
+
+
+def _stacked(*contexts: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
+    def enter_all() -> ExitStack:
+        stack = ExitStack()
+        for context in contexts:
+            stack.enter_context(context())
+        return stack
+
+    return enter_all
 
 
 def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:

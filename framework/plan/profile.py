@@ -127,7 +127,7 @@ def probe_link(world: int, device: str) -> dict[str, float]:
     """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from framework.launch import local_launch_config
+    from framework.dist import local_launch_config
 
     samples = elastic_launch(local_launch_config(world), _probe_worker)(device)[0]
     (n0, t0), (n1, t1) = samples[0], samples[-1]
