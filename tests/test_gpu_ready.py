@@ -29,7 +29,7 @@ def test_the_device_index_comes_from_the_visible_devices():
 
 
 @pytest.mark.parametrize("gpus", [1, 8])
-def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus):
+def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus, tmp_path):
     """The suite's own composition (tests.helpers pins device=cpu) as on a machine with `gpus`
     visible GPUs, through the resolver every device decision reads: the experiments, the
     device-bound groups' choices, and the 2- and 4-worker CPU groups the suite starts."""
@@ -42,7 +42,7 @@ def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus):
                 if group == "experiment":
                     test_config.test_every_experiment_composes(name)
                 elif name != "auto":  # parallel=auto: the planner's choice, composed by test_config
-                    test_config.test_every_group_choice_composes(group, name)
+                    test_config.test_every_group_choice_composes(group, name, tmp_path)
         for parallel in ("ddp", "fsdp", "tp", "pp"):
             assert world_config(["experiment=smoke", f"parallel={parallel}"], 2)["device"] == "cpu"
         assert world_config(["experiment=smoke", "parallel=hybrid", "parallel.tp=2"], 4)["device"] == "cpu"
