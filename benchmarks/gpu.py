@@ -56,7 +56,7 @@ CP = ["model=gpt", "data=text", "model.n_layer=8", "model.n_embd=512", "model.n_
 CP_IMPLS = ("ring", "torch")
 TESTS = {  # name: pytest arguments (the first row: fails fast, before any GPU job)
     "config composition (pytest)": ["tests/test_config.py", "tests/test_gpu_ready.py", "-k", "compose or composes"],
-    "gpu-marked tests (pytest -m gpu)": ["-m", "gpu", "tests/test_gpu_ready.py"],
+    "gpu-marked tests (pytest -m gpu)": ["-m", "gpu", "tests/test_gpu.py"],
 }
 BIG_BATCHES = (32, 24, 16, 12, 8, 4)
 MB = 1e6
@@ -89,7 +89,7 @@ def metrics_of(out: Path) -> list[dict]:
 def peak_text(s: dict) -> str:
     peak, dtype = s.get("peak_tflops_per_device"), (s.get("choices") or {}).get("precision", "?")
     kind = {"amp": "fp16", "bf16": "bf16"}.get(dtype, "tf32" if s.get("tf32") else "fp32")
-    return f"of the {kind} peak {peak:.0f} TFLOP/s" if peak else "no peak known"
+    return f"of the {kind} peak {peak:.3g} TFLOP/s" if peak else "no peak known"
 
 
 def figures(name: str, s: dict, metrics: list[dict]) -> str:
@@ -213,12 +213,11 @@ def cp_row(out: Path, timeout: float) -> list:
 
 
 def dry_run(out: Path, no_compile: str | None) -> list[list]:
-    rows = []
-    for name, overrides in [*CHECKS.items(), ("parity", PARITY), ("gpt 1B bf16 compile", [*BIG, "data.batch_size=4"])]:
+    rows = [[name, "dry run", f"would run: pytest {' '.join(args)}", 0] for name, args in TESTS.items()]
+    for name, overrides in [("parity", PARITY), *CHECKS.items(), ("gpt 1B bf16 compile", [*BIG, "data.batch_size=4"])]:
         cpu = [o for o in overrides if o not in ("backend=nccl", "memory=offload", "device=cuda")]
         config([*cpu, "device=cpu", "launch.nproc_per_node=1"])  # composes and validates, or raises
         rows.append([name, "dry run", skipped(name, no_compile) or "would run (composed with CPU stand-ins)", 0])
-    rows += [[name, "dry run", f"would run: pytest {' '.join(args)}", 0] for name, args in TESTS.items()]
     s = train(["experiment=smoke", "steps=4", "device=cpu"], out / "cpu_smoke", 300)
     rows.append(["cpu smoke", s["status"], figures("cpu smoke", s, metrics_of(out / "cpu_smoke")), round(s["wall_s"])])
     return rows

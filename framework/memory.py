@@ -12,6 +12,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Any
 
@@ -114,20 +115,23 @@ class SavedActivationMeter:
     def measure(self):
         live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         peak = [0]
+        lock = threading.Lock()  # parallel=dp: replica threads pack and release at the same time
 
         def hold(ptr: int, nbytes: int) -> None:
-            entry = live.setdefault(ptr, [0, nbytes])
-            if entry[0] == 0:  # (again: a freed storage's address can come back with another size)
-                entry[1] = nbytes
-                self.live += nbytes
-                peak[0] = max(peak[0], self.live)
-            entry[0] += 1
+            with lock:
+                entry = live.setdefault(ptr, [0, nbytes])
+                if entry[0] == 0:  # (again: a freed storage's address can come back with another size)
+                    entry[1] = nbytes
+                    self.live += nbytes
+                    peak[0] = max(peak[0], self.live)
+                entry[0] += 1
 
         def release(ptr: int) -> None:
-            entry = live[ptr]
-            entry[0] -= 1
-            if entry[0] == 0:
-                self.live -= entry[1]
+            with lock:
+                entry = live[ptr]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    self.live -= entry[1]
 
         def pack(t: torch.Tensor):
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight, or its .t() view

@@ -163,3 +163,49 @@ def assert_plan_holds(summary: dict[str, Any], name: str = "") -> None:
             f"{name}: {figure} predicted {plan['predicted'][figure]}, measured {plan['measured'][figure]} "
             f"({error:+.2%}; allowed {tolerance:.0%})"
         )
+
+
+def train_in_process(overrides: list[str], out) -> dict:
+    """One parallel=none run in this process (as a multirun's in-process job); its summary."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from framework.config import resolve_device
+    from framework.dist import init_distributed
+    from framework.resilience import Guard
+    from framework.run_files import RunFiles
+    from framework.trainer import train
+
+    cfg = OmegaConf.create(world_config(["parallel=none", "logger=none", "progress=false", *overrides], 1))
+    info = init_distributed(resolve_device(cfg), None, timeout_s=60)
+    torch.manual_seed(cfg.seed)
+    with Guard(info, 5) as guard:
+        return train(cfg, info, RunFiles(str(out), info), {"parallel": "none"}, guard)
+
+
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu")  # what makes the host wait for a GPU
+HOST_SIDE = ("framework/loss.py", "framework/data/")  # these read the loader's batches: host memory, no GPU
+
+
+def count_syncs(monkeypatch, overrides: list[str], out) -> int:
+    """Reads of tensor values by the framework's code (not the loader's batches) in one run."""
+    import sys
+
+    import torch
+
+    calls = [0]
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(str(ROOT / "framework")) and not any(h in caller for h in HOST_SIDE):
+                calls[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    try:
+        train_in_process(overrides, out)
+    finally:
+        monkeypatch.undo()
+    return calls[0]

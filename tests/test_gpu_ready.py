@@ -13,7 +13,7 @@ from torch import nn
 from framework.compose import compose_run
 from framework.config import ConfigError
 from framework.config.resolve import assume_cuda_devices, cuda_device_count, resolve_device
-from tests.helpers import compose_config, world_config
+from tests.helpers import compose_config, count_syncs, world_config
 
 # --------------------------------------------------------------------------- devices
 
@@ -29,7 +29,7 @@ def test_the_device_index_comes_from_the_visible_devices():
 
 
 @pytest.mark.parametrize("gpus", [1, 8])
-def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus):
+def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus, tmp_path):
     """The suite's own composition (tests.helpers pins device=cpu) as on a machine with `gpus`
     visible GPUs, through the resolver every device decision reads: the experiments, the
     device-bound groups' choices, and the 2- and 4-worker CPU groups the suite starts."""
@@ -42,7 +42,7 @@ def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus):
                 if group == "experiment":
                     test_config.test_every_experiment_composes(name)
                 elif name != "auto":  # parallel=auto: the planner's choice, composed by test_config
-                    test_config.test_every_group_choice_composes(group, name)
+                    test_config.test_every_group_choice_composes(group, name, tmp_path)
         for parallel in ("ddp", "fsdp", "tp", "pp"):
             assert world_config(["experiment=smoke", f"parallel={parallel}"], 2)["device"] == "cpu"
         assert world_config(["experiment=smoke", "parallel=hybrid", "parallel.tp=2"], 4)["device"] == "cpu"
@@ -254,49 +254,6 @@ def test_fused_clipping_matches_the_per_parameter_loop(max_norm):
 
 # --------------------------------------------------------------------------- host syncs
 
-SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu")  # what makes the host wait for a GPU
-HOST_SIDE = ("framework/loss.py", "framework/data/")  # these read the loader's batches: host memory, no GPU
-
-
-def _train_here(overrides: list[str], out) -> dict:
-    """One parallel=none run in this process (as a multirun's in-process job)."""
-    from omegaconf import OmegaConf
-
-    from framework.dist import init_distributed
-    from framework.resilience import Guard
-    from framework.run_files import RunFiles
-    from framework.trainer import train
-
-    cfg = OmegaConf.create(world_config(["parallel=none", "logger=none", "progress=false", *overrides], 1))
-    info = init_distributed("cpu", None, timeout_s=60)
-    torch.manual_seed(cfg.seed)
-    with Guard(info, 5) as guard:
-        return train(cfg, info, RunFiles(str(out), info), {"parallel": "none"}, guard)
-
-
-def _count_syncs(monkeypatch, overrides: list[str], out) -> int:
-    """Reads of tensor values by the framework's code (not the loader's batches) in one run."""
-    import sys
-
-    from tests.helpers import ROOT
-
-    calls = [0]
-    for name in SYNCS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(str(ROOT / "framework")) and not any(h in caller for h in HOST_SIDE):
-                calls[0] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    try:
-        _train_here(overrides, out)
-    finally:
-        monkeypatch.undo()
-    return calls[0]
-
 
 @pytest.mark.parametrize("precision", ["fp32", "amp"])
 def test_the_loop_syncs_once_per_logged_step(monkeypatch, tmp_path, precision):
@@ -304,8 +261,70 @@ def test_the_loop_syncs_once_per_logged_step(monkeypatch, tmp_path, precision):
     do not wait (gradient norm, loss, loss scale and the skip decision stay on the device)."""
     base = ["experiment=smoke", f"precision={precision}", "metrics.log_every=4", "metrics.sample_every=0",
             "model.n_layer=1", "model.n_embd=32", "data.batch_size=2", "data.seq_len=16"]  # fmt: skip
-    short = _count_syncs(monkeypatch, [*base, "steps=8"], tmp_path / "short")
-    long = _count_syncs(monkeypatch, [*base, "steps=16"], tmp_path / "long")
+    short = count_syncs(monkeypatch, [*base, "steps=8"], tmp_path / "short")
+    long = count_syncs(monkeypatch, [*base, "steps=16"], tmp_path / "long")
     assert long - short == 2, (short, long)
     metrics = [line for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4  # steps 4, 8, 12, 16
+
+
+# --------------------------------------------------------------------------- data, link probe, profiler
+
+
+def test_loader_workers_and_pinning_resolve_auto_by_device():
+    from framework.data import loader_settings
+
+    assert loader_settings("auto", "auto", "cuda", 16, 1) == (4, True)  # a few loader processes, pinned
+    assert loader_settings("auto", "auto", "cuda", 16, 8) == (1, True)  # cores per GPU - 1
+    assert loader_settings("auto", "auto", "cpu", 2, 0) == (0, False)  # CPU ranks share the cores already
+    assert loader_settings(3, False, "cuda", 16, 1) == (3, False) and loader_settings(2, True, "cpu", 2, 0) == (
+        2,
+        False,
+    )
+    with pytest.raises(ConfigError, match="data.num_workers"):
+        from framework.config import validate
+
+        validate(compose_config(["data.num_workers=-1"]))
+
+
+def test_lstm_lengths_stay_in_host_memory():
+    """The meta device stands in for CUDA: the tokens move, the lengths (read by
+    pack_padded_sequence on the host) do not."""
+    from framework.data import to_device
+    from framework.data.datasets import VarlenSequences
+
+    data = VarlenSequences(8, 32, 4, 2, 10, 5.0, 0, "classify", "synthetic", None)
+    (tokens, lengths), target = to_device(data.collate([data[i] for i in range(4)]), torch.device("meta"),
+                                          host=data.host_inputs)  # fmt: skip
+    assert tokens.device.type == "meta" and target.device.type == "meta" and lengths.device.type == "cpu"
+    assert VarlenSequences(8, 32, 4, 2, 10, 5.0, 0, "lm", "synthetic", None).host_inputs == ()
+
+
+def test_the_link_probe_reaches_a_few_hundred_megabytes_on_cuda():
+    from framework.plan.profile import probe_sizes
+
+    assert max(probe_sizes("cuda")) * 4 >= 256 * 2**20 and max(probe_sizes("cpu")) * 4 == 16 * 2**20
+
+
+def test_the_memory_history_covers_the_profilers_active_steps_only():
+    from framework.profiling import memory_window
+
+    assert memory_window(compose_config(["profile=true"]).profiler) == (3, 5)  # wait 2, warmup 1, active 2
+
+
+def test_every_rank_pops_its_forward_timings():
+    """Tensor-parallel peers do not report forward times, but pop them: on CUDA each holds two
+    events per micro-batch, which piled up for the whole run."""
+    from framework.ledger import Entry, record_steps
+    from framework.metrics import ForwardTimer
+    from framework.step import StepFigures
+    from framework.summary import RunStats
+
+    timer, stats = ForwardTimer(torch.device("cpu")), RunStats(losses=[])
+    for _ in range(3):
+        with timer:
+            pass
+        timer.end_step()
+    figures = [StepFigures(loss=1.0, tokens=8, samples=2, grad_norm=0.5, seconds=0.1, preempt=False) for _ in range(3)]
+    record_steps(stats, [Entry(f, k, 0, 8, 8) for k, f in enumerate(figures)], False, timer)
+    assert timer.steps == [] and stats.forward_s == [] and stats.losses == [1.0] * 3

@@ -64,8 +64,9 @@ class Parallelized:
 
 @torch.no_grad()
 def clip_local_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ (its two halves, fused foreach kernels, no host sync) for gradients whole on
-    every rank (none, dp, ddp), without its multiply by 1 when no clipping is configured (inf)."""
+    """torch.nn.utils.clip_grad_norm_ (its two halves: fused foreach kernels, no host sync) for
+    gradients whole on every rank (none, dp, ddp), without its multiply by 1 when no clipping is
+    configured (inf)."""
     params = [p for p in module.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if not math.isinf(max_norm):
