@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -10,13 +11,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from framework.config import compose_run  # noqa: E402
+from framework.compose import compose_run  # noqa: E402
 from framework.sweep import run_configs  # noqa: E402
+
+
+def on_cpu(overrides: list[str]) -> list[str]:
+    """The benchmarks measure CPU runs (gloo), also on a machine with GPUs, where device=auto
+    would pick CUDA: pinned unless the overrides choose a device (benchmarks/gpu.py does)."""
+    return overrides if any(o.startswith("device=") for o in overrides) else [*overrides, "device=cpu"]
 
 
 def config(overrides: list[str]) -> dict[str, Any]:
     """Compose and validate like `python train.py OVERRIDES`; a resolved dict."""
-    return compose_run(["logger=none", "progress=false", *overrides])
+    return compose_run(on_cpu(["logger=none", "progress=false", *overrides]))
 
 
 def run(rows: dict[str, list[str]], world: int, common: list[str]) -> dict[str, dict[str, Any]]:
@@ -37,3 +44,18 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_result(name: str, command: str, header: str, text: str) -> Path:
+    """docs/results/<name>.md: the table, the command that made it and the machine it ran on."""
+    import platform
+
+    import torch
+
+    out = Path(__file__).resolve().parents[1] / "docs" / "results" / f"{name}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+    )
+    out.write_text(f"# {name}\n\n`{command}`\n\nMachine: {machine}\n\n{header}\n\n{text}\n")
+    return out

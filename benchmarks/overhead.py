@@ -12,6 +12,12 @@ first, the sampled ones included. Both sides: tokens over seconds of steps 2..N.
 With the optional extra `peers` installed (`pip install -e ".[peers]"`), the same job written with
 Lightning Fabric and with Accelerate (`peers_ddp.py`) runs in every pair too, as extra columns.
 The last line is `framework/raw throughput ratio: X`, the median of all pairs.
+
+    python benchmarks/overhead.py --hf-llama     # the tiny Llama row: model=hf under ddp against Accelerate
+
+`--hf-llama` runs a tiny `LlamaForCausalLM` (a config this script writes; nothing downloaded)
+under the framework's `model=hf parallel=ddp` against Accelerate's `prepare` loop on the same
+model, in alternating pairs, and writes the table to docs/results/overhead_hf.md.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import table  # noqa: E402
+from common import table, write_result  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 128, "batch_size": 8}  # train.py's default gpt job
 WORLD = 2
@@ -39,10 +45,12 @@ def steady_rate(seconds: list[float], tokens: list[int]) -> float:
     return sum(tokens[1:]) / sum(seconds[1:])
 
 
-def run_framework(steps: int, precision: str, out: Path) -> float:
-    args = [sys.executable, str(ROOT / "train.py"), f"steps={steps}", f"precision={precision}",
-            "parallel=ddp", f"launch.nproc_per_node={WORLD}", f"hydra.run.dir={out}",
-            f"model.n_layer={MODEL['n_layer']}", f"model.n_embd={MODEL['n_embd']}", f"model.n_head={MODEL['n_head']}",
+def run_framework(steps: int, precision: str, out: Path, hf_config: str | None = None) -> float:
+    model = ([f"model.n_layer={MODEL['n_layer']}", f"model.n_embd={MODEL['n_embd']}", f"model.n_head={MODEL['n_head']}"]
+             if hf_config is None else ["model=hf", f"model.config={hf_config}"])  # fmt: skip
+    # device=cpu: the raw loop it is compared with is a CPU/gloo loop, also on a machine with GPUs
+    args = [sys.executable, str(ROOT / "train.py"), "device=cpu", f"steps={steps}", f"precision={precision}",
+            "parallel=ddp", f"launch.nproc_per_node={WORLD}", f"hydra.run.dir={out}", *model,
             f"data.seq_len={MODEL['seq_len']}", f"data.batch_size={MODEL['batch_size']}"]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     subprocess.run(args, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
@@ -59,8 +67,10 @@ def installed_peers() -> list[str]:
             if importlib.util.find_spec(module) is not None]  # fmt: skip
 
 
-def run_raw(steps: int, precision: str, peer: str | None = None) -> float:
+def run_raw(steps: int, precision: str, peer: str | None = None, hf_config: str | None = None) -> float:
     script = ["raw_ddp.py"] if peer is None else ["peers_ddp.py", f"--peer={peer}"]
+    if hf_config is not None:
+        script.append(f"--hf-config={hf_config}")
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
             str(ROOT / "benchmarks" / script[0]), *script[1:], f"--steps={steps}", f"--precision={precision}",
             f"--n-layer={MODEL['n_layer']}", f"--n-embd={MODEL['n_embd']}", f"--n-head={MODEL['n_head']}",
@@ -73,12 +83,48 @@ def run_raw(steps: int, precision: str, peer: str | None = None) -> float:
     return steady_rate(result["seconds"], result["tokens"])
 
 
+def hf_llama_row(pairs: int, steps: int) -> None:
+    """The tiny Llama under model=hf + ddp against Accelerate's prepare loop, alternating pairs."""
+    from transformers import LlamaConfig
+
+    ratios, rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "llama"
+        LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=MODEL["seq_len"]).save_pretrained(config)  # fmt: skip
+        for pair in range(pairs):
+            out = Path(tmp) / f"run-{pair}"
+            if pair % 2 == 0:
+                ours = run_framework(steps, "fp32", out, str(config))
+                peer = run_raw(steps, "fp32", "accelerate", str(config))
+            else:
+                peer = run_raw(steps, "fp32", "accelerate", str(config))
+                ours = run_framework(steps, "fp32", out, str(config))
+            ratios.append(ours / peer)
+            rows.append([pair + 1, ours, peer, ours / peer])
+            print(f"pair {pair + 1}: framework {ours:,.0f} tokens/s, accelerate {peer:,.0f}", flush=True)
+    rows.append(["median", "", "", statistics.median(ratios)])
+    text = table(
+        ["pair", "framework model=hf ddp tokens/s", "accelerate prepare tokens/s", "framework / accelerate"], rows
+    )
+    header = (f"tiny LlamaForCausalLM 4x128 (GQA 4/2 heads), T={MODEL['seq_len']}, B={MODEL['batch_size']} per rank, "
+              f"{WORLD} gloo ranks, DDP, fp32, {steps} steps per run (steady tokens/s, steps 2..N)")  # fmt: skip
+    print(f"\n{header}\n\n{text}")
+    write_result(
+        "overhead_hf", f"python benchmarks/overhead.py --hf-llama --pairs {pairs} --steps {steps}", header, text
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--hf-llama", action="store_true", help="the tiny Llama row against Accelerate only")
     args = parser.parse_args()
+    if args.hf_llama:
+        hf_llama_row(args.pairs, args.steps)
+        return
 
     peers = installed_peers()
     rows, ratios = [], {}

@@ -28,15 +28,36 @@ from framework.data.datasets import ByteTextDataset  # noqa: E402
 from models import GPT  # noqa: E402
 
 
+class LogitsOnly(torch.nn.Module):
+    """A Hugging Face causal LM returning its logits tensor, as a hand-written loop uses it."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
 def main() -> None:
     parser = job_arguments()
     parser.add_argument("--peer", choices=["fabric", "accelerate"], required=True)
+    parser.add_argument("--hf-config", default=None, help="a Hugging Face config folder: train that model instead")
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     torch.manual_seed(1337)
 
-    model = GPT(vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    if args.hf_config:  # as the framework's model=hf builds it: from the config, sdpa attention
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(args.hf_config, local_files_only=True)
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = LogitsOnly(hf)
+    else:
+        model = GPT(
+            vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     dataset = ByteTextDataset(None, args.seq_len, 4_000_000)
     if args.peer == "fabric":

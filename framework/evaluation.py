@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
+from framework.contract import logits_of
 from framework.data import build_dataset, to_device
 from framework.data.images import DeviceAugment
 from framework.dist import DistInfo, all_reduce_sum
@@ -92,7 +93,7 @@ def _forward(setup: Setup, inputs: tuple, target: torch.Tensor) -> torch.Tensor 
     module = par.module
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         module = module.module
-    return module(*inputs)
+    return logits_of(module(*inputs))
 
 
 @contextmanager

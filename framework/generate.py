@@ -17,15 +17,8 @@ from omegaconf import OmegaConf
 
 from framework import checkpoint
 from framework.config import ConfigError
+from framework.contract import build_model, logits_of, spec_of
 from framework.evaluate import load_model, resolve_checkpoint
-from models import MODELS, build_model
-
-
-def model_task(model_cfg) -> str:
-    """lm | classify: config `model.task`, else the model class's `task`, else as trainer.build
-    decides it (the model contract, framework.contract, will be the one place for this)."""
-    explicit = model_cfg.get("task") or getattr(MODELS.get(model_cfg.name), "task", None)
-    return explicit or ("lm" if model_cfg.name == "gpt" else "classify")
 
 
 def load_lm(path: str, device: torch.device) -> torch.nn.Module:
@@ -34,13 +27,10 @@ def load_lm(path: str, device: torch.device) -> torch.nn.Module:
     if saved is None:
         raise ConfigError("CHECKPOINT", f"no {checkpoint.CONFIG_FILE} beside {path}")
     model_cfg = OmegaConf.create(saved["model"])
-    task = model_task(model_cfg)
+    model = build_model(model_cfg, device)
+    task = spec_of(model, model_cfg).task
     if task != "lm":
-        raise ConfigError(
-            "CHECKPOINT", f"model={model_cfg.name} is a {task} model; generate needs a language model (lm)"
-        )
-    kwargs = {k: v for k, v in OmegaConf.to_container(model_cfg).items() if k not in ("name", "task")}
-    model = build_model(model_cfg.name, **kwargs).to(device)
+        raise ConfigError("CHECKPOINT", f"{model_cfg._target_} is a {task} model; generate needs a language model (lm)")
     load_model(path, model)
     return model.eval()
 
@@ -53,7 +43,7 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
     block = getattr(model, "block_size", None)
     for _ in range(max_new_tokens):
         context = tokens if block is None else tokens[:, -block:]
-        logits = model(context)[:, -1, :].float()
+        logits = logits_of(model(context))[:, -1, :].float()
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:

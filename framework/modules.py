@@ -1,6 +1,5 @@
-"""Where a model keeps its repeated units: `.blocks`, an nn.ModuleList in the plain models, an
-nn.ModuleDict (keyed by the full model's layer numbers) in a pipeline stage. Activation
-checkpointing, compilation and FSDP all work block by block through these two helpers."""
+"""Helpers over a model's blocks (framework/contract.py finds them) and meta-device
+materialisation. Activation checkpointing, compilation and FSDP all work block by block."""
 
 from __future__ import annotations
 
@@ -9,36 +8,23 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from framework.contract import canonical_name
+from framework.hf import load_pretrained, restore_buffers
 from models.init import Rule, fill_
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+__all__ = ["canonical_name", "map_blocks", "materialize", "materialize_model"]
 
 
-def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks in order (none for models without them)."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks.values())
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
-
-
-def map_blocks(model: nn.Module, fn: Callable[[nn.Module], nn.Module], every: int = 1) -> int:
-    """Replace every `every`-th block (the 1st, the (1+every)-th, ...) by `fn(block)`; returns how
-    many were replaced. Raises ValueError for a model without blocks."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList | nn.ModuleDict):
-        raise ValueError(f"{type(model).__name__} has no `blocks`")
+def map_blocks(model: nn.Module, path: str | None, fn: Callable[[nn.Module], nn.Module], every: int = 1) -> int:
+    """Replace every `every`-th block (the 1st, the (1+every)-th, ...) of the container at `path`
+    by `fn(block)`; returns how many were replaced. Raises ValueError for a model without blocks."""
+    blocks = model.get_submodule(path) if path else None
+    if not isinstance(blocks, nn.ModuleList | nn.ModuleDict | nn.Sequential):
+        raise ValueError(f"{type(model).__name__} has no blocks (declare blocks_path or set model.blocks)")
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else list(range(len(blocks)))
     for key in keys[::every]:
         blocks[key] = fn(blocks[key])
     return len(keys[::every])
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name in the plain model (wrappers' prefixes removed)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 @torch.no_grad()
@@ -57,3 +43,22 @@ def materialize(module: nn.Module, device: torch.device, rule: Callable[[str, in
             fill_(p.to_local(), rule(name, p.dim()), seed, name, p.shape, offset)
         else:
             fill_(p, rule(name, p.dim()), seed, name)
+
+
+def materialize_model(module: nn.Module, spec, cfg, device: torch.device) -> None:
+    """Allocate and fill a module (a model, a stage, or a sharded model) built on the meta device:
+    by the model's init rule, then its non-persistent buffers, then pretrained weights if any."""
+    if spec.init_rule is not None:
+        materialize(module, device, spec.init_rule, cfg.seed)
+    else:
+        module.to_empty(device=device)
+    restore_buffers(module, device)
+    for sub in module.modules():
+        if hasattr(sub, "init_buffers"):
+            sub.init_buffers()
+    folder = cfg.model.get("pretrained")
+    if folder is not None:
+        missing = load_pretrained(module, folder, device)
+        if missing and spec.init_rule is None:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise ValueError(f"model.pretrained: {folder} has no weights for {len(missing)} parameters ({shown})")

@@ -1,27 +1,23 @@
-"""What a run gathers and how it ends: the per-rank figures of the loop (`RunStats`, recorded by
-`record_step`), each step's metrics.jsonl line (`log_step`), the run's summary.json (`summarize`: one gather, the max over ranks of per-rank figures), and rank
+"""What a run gathers and how it ends: the per-rank figures of the loop (`RunStats`), the
+run's summary.json (`summarize`: one gather, the max over ranks of per-rank figures), and rank
 0's closing lines."""
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.comm import mean_totals
 from framework.config import backend_env
-from framework.data import DataPipeline
 from framework.dist import DistInfo, all_gather_object
-from framework.evaluation import tracker_names
 from framework.memory import SavedActivationMeter, device_peak_bytes, device_reserved_bytes, peak_rss_bytes
-from framework.metrics import Flops, ForwardTimer, Throughput, load_balance, mfu
+from framework.metrics import Flops, Throughput, load_balance, mfu
 from framework.parallel import Parallelized
 from framework.peak import PARTS, PeakProbe
-from framework.run_files import RunFiles
-from framework.step import Setup, StepFigures
 from framework.tracking import Tracker
 
 
@@ -40,6 +36,7 @@ class RunStats:
     startup_s: float | None = None  # process start to the end of the first optimizer step
     checkpoint_saves: int = 0
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
+    checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
     skipped_steps: int = 0
     rss_baseline_bytes: int | None = (
         None  # after imports and process-group set-up, before the model  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
@@ -97,7 +94,7 @@ def summarize(
         "per_step": per_step,
         "steps": cfg.steps,
         "nonfinite_skipped": stats.skipped_steps,
-        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s)},
+        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s), **stats.checkpoint_io},
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
         "throughput": throughput,
@@ -109,6 +106,8 @@ def summarize(
         "hfu": mfu(flops.hardware, tokens_per_s, peak, flops.devices),
         "flops_per_token": flops.model,
         "peak_tflops_per_device": peak / 1e12 if peak else None,
+        # fp32 matmuls on TF32 tensor cores (precision.tf32 on CUDA): the peak above is TF32's
+        "tf32": info.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
         "tflops_per_device": achieved,
         "memory": memory,
         # the rank that communicates most (pipeline stages differ), per optimizer step
@@ -156,6 +155,7 @@ MEMORY_KEYS = (
     "param_bytes",
     "grad_bytes",
     "optim_bytes",
+    "offloaded_bytes",  # of the three above, the bytes in host memory (FSDP CPU offload), not the device's
     "activation_bytes",
     "device_peak_bytes",
     "device_reserved_bytes",
@@ -179,56 +179,3 @@ def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
             f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
             flush=True,
         )
-
-
-def record_step(
-    stats: RunStats,
-    figures: StepFigures,
-    counts_data: bool,
-    data: DataPipeline,
-    step_batches: list,
-    forward_timer: ForwardTimer,
-) -> None:
-    stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
-    stats.losses.append(figures.loss)
-    stats.skipped_steps += not figures.applied
-    if stats.first_step_s is None:
-        stats.first_step_s = figures.seconds
-        stats.startup_s = time.time() - float(os.environ.get("HYDRADIST_START", time.time()))
-    if counts_data:
-        stats.work.append(sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches))
-        stats.slots += sum(data.slots_in(b) or 0 for _, b in step_batches)
-        stats.forward_s.append(forward_timer.pop_seconds())
-
-
-def log_step(
-    step: int,
-    figures: StepFigures,
-    stats: RunStats,
-    setup: Setup,
-    peak: float | None,
-    epoch: int,
-    files: RunFiles,
-    tracker: Tracker,
-) -> None:
-    """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
-    scaler, seconds, sampled = setup.precision.scaler, figures.seconds, figures.sampled
-    tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None
-    record = {
-        "step": step + 1,
-        "loss": figures.loss,
-        "lr": setup.scheduler.get_last_lr()[0],
-        "grad_norm": figures.grad_norm,
-        "step_time_s": seconds,
-        "samples_per_s": figures.samples / seconds,
-        "tokens_per_s": tokens_per_s,
-        "mfu": mfu(setup.flops.model, tokens_per_s, peak, setup.flops.devices),
-        "epoch": epoch,
-        "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
-        "skipped": not figures.applied,  # non-finite gradients: the update was not applied
-        "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
-        "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
-    }
-    record |= figures.val or {}  # an evaluation after this step: val_loss, val_perplexity | val_accuracy
-    files.log_step(record)
-    tracker.log(tracker_names(record), step=step + 1)

@@ -1,24 +1,12 @@
-"""Plain single-device models. Nothing here imports torch.distributed."""
+"""Plain single-device models. Nothing here imports torch.distributed.
 
-from __future__ import annotations
-
-from typing import Any
-
-from torch import nn
+Each declares what the model contract (framework/contract.py) asks of it; the config names it
+by ``_target_`` (conf/model/*.yaml), as a user's own model is named.
+"""
 
 from models.gpt import GPT
 from models.lstm import LSTMClassifier
 from models.mlp import MLP
 from models.resnet import ResNet
 
-MODELS: dict[str, type[nn.Module]] = {
-    "gpt": GPT,
-    "mlp": MLP,
-    "resnet": ResNet,
-    "lstm": LSTMClassifier,
-}
-
-
-def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """Build a model by its config name with the group's keys as keyword arguments."""
-    return MODELS[name](**kwargs)
+__all__ = ["GPT", "MLP", "LSTMClassifier", "ResNet"]

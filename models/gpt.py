@@ -67,6 +67,32 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    task = "lm"
+    trains_on = ("text", "varlen", "tokens")
+    blocks_path = "blocks"
+    # Tensor parallel (Megatron-style), in the model contract's plain strings (framework/contract.py):
+    # q/k/v and the MLP's first linear split by output features (each rank computes whole heads and a
+    # slice of the hidden units), the two output projections by input features (partial sums, one
+    # all-reduce; a reduce-scatter under sequence parallel). Under sequence parallel the norms,
+    # dropouts and residual stream are split along the sequence too, gathered before attention and
+    # the MLP; the embeddings come out split along the sequence.
+    tp_plan = {
+        "tok_emb": "embedding",
+        "pos_emb": "position_embedding",
+        "blocks.*.ln_1": "sequence_parallel",
+        "blocks.*.attn": "gather_input",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.ln_2": "sequence_parallel",
+        "blocks.*.mlp": "gather_input",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "ln_f": "sequence_parallel",
+        "lm_head": "output",
+    }
+
     def __init__(
         self,
         vocab_size: int = 256,
@@ -78,7 +104,8 @@ class GPT(nn.Module):
         bias: bool = False,
     ):
         super().__init__()
-        assert n_embd % n_head == 0, "n_embd must be divisible by n_head"
+        if n_embd % n_head:  # "<argument>: ..." names the config key (framework/config/model.py)
+            raise ValueError(f"n_head: n_embd={n_embd} must divide evenly into n_head={n_head} heads")
         self.vocab_size, self.block_size = vocab_size, block_size
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -123,7 +150,20 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x, mask)
+        return self.head(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """What runs before the blocks (a pipeline's first stage): token and position embeddings."""
+        pos = torch.arange(idx.size(1), device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """What runs after the blocks (a pipeline's last stage): the final norm and the output head."""
         return self.lm_head(self.ln_f(x))
+
+    def planner_shape(self) -> dict[str, int]:
+        """The dimensions the planner's activation formula for this block (framework/plan/model.py) reads."""
+        return {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd, "vocab_size": self.vocab_size}
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; position embeddings excluded by default (they cost no matmul FLOPs)."""

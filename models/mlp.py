@@ -19,6 +19,10 @@ class MLPBlock(nn.Module):
 
 
 class MLP(nn.Module):
+    task = "classify"
+    trains_on = ("vectors",)
+    blocks_path = "blocks"
+
     def __init__(
         self,
         in_dim: int = 32,

@@ -11,6 +11,10 @@ from torch import nn
 
 
 class ResNet(nn.Module):
+    task = "classify"
+    trains_on = ("images",)
+    blocks_path = "blocks"
+
     def __init__(self, arch: str = "resnet18", num_classes: int = 10, small_input: bool = True):
         super().__init__()
         import torchvision  # here, not at import: a gpt run never pays for it (about 1 s and 100 MB)

@@ -169,9 +169,9 @@ def _token_budget_step(rank: int, world: int):
     grads = {n: p.grad.clone() for n, p in setup.par.module.module.named_parameters()}
 
     torch.manual_seed(cfg.seed)  # the same initial weights, one process, the union batch
-    from models import build_model
+    from framework.contract import build_model
 
-    union = build_model("gpt", **{k: v for k, v in cfg.model.items() if k != "name"})
+    union = build_model(cfg.model, "cpu")
     batches = [b for _, b in all_gather_object(step_batches[0], info)]
     longest = max(b[0][0].size(1) for b in batches)
     pad = lambda t, value: torch.nn.functional.pad(t, (0, longest - t.size(1)), value=value)  # noqa: E731

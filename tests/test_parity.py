@@ -52,6 +52,7 @@ def _no_sync_worker(rank: int, world: int):
     from omegaconf import OmegaConf
 
     from framework.config.schema import MemoryConfig, ParallelConfig
+    from framework.contract import spec_of
     from framework.dist import DistInfo
     from framework.parallel import parallelize
 
@@ -59,7 +60,7 @@ def _no_sync_worker(rank: int, world: int):
     model = torch.nn.Linear(4, 1, bias=False)
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
     cfg = OmegaConf.create({"parallel": ParallelConfig(name="ddp"), "memory": MemoryConfig(), "compile": False})
-    par = parallelize(model, cfg, info)
+    par = parallelize(model, spec_of(model, {}), cfg, info)
     x = torch.full((2, 4), float(rank + 1))  # each rank sees different data
     with par.grad_sync(False):
         par.module(x).sum().backward()

@@ -19,15 +19,15 @@ BASE = ["experiment=smoke", "logger=none", "model.n_layer=4", "model.n_head=4", 
 
 def _built_equals_single_process(rank: int, world: int, overrides: list[str]) -> list[str]:
     from framework.checkpoint import full_model_state_dict
+    from framework.contract import build_model
     from framework.dist import DistInfo
     from framework.trainer import build
-    from models import build_model
 
     cfg = OmegaConf.create(world_config(overrides, world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
     full = full_model_state_dict(build(cfg, info, "/nonexistent").par)
     torch.manual_seed(cfg.seed)
-    plain = build_model("gpt", **{k: v for k, v in cfg.model.items() if k != "name"}).state_dict()
+    plain = build_model(cfg.model, "cpu").state_dict()
     assert full.keys() == plain.keys()
     return [k for k in plain if not torch.equal(plain[k], full[k])]
 
@@ -37,11 +37,9 @@ def _built_equals_single_process(rank: int, world: int, overrides: list[str]) ->
     [
         (["parallel=fsdp"], 2),
         (["parallel=tp"], 2),
-        pytest.param(["parallel=pp"], 2, marks=pytest.mark.slow),
-        pytest.param(
-            ["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4, marks=pytest.mark.slow
-        ),
-        pytest.param(["parallel=ddp"], 2, marks=pytest.mark.slow),
+        (["parallel=pp"], 2),
+        (["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4),
+        (["parallel=ddp"], 2),
     ],
     ids=["fsdp", "tp", "pp", "pp2-fsdp-tp2", "ddp"],
 )
@@ -102,7 +100,7 @@ def test_two_torchrun_agents_form_one_run_as_two_nodes(tmp_path):
     from tests.helpers import ROOT, losses, read_summary, train_cli
     from tests.test_sweeps import _free_port
 
-    args = ["experiment=smoke", "logger=none", "steps=4"]
+    args = ["experiment=smoke", "logger=none", "steps=4", "device=cpu"]
     port = _free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=twonodes"]  # fmt: skip
@@ -148,9 +146,9 @@ def test_weight_decay_groups_are_the_plain_models_under_every_wrapper(overrides)
     """FSDP1 flattens every parameter to 1-d; grouping by shape would turn weight decay off.
     Grouped by the plain model's names, the matrices decay under every wrapper. FSDP1 with amp
     gets the sharded loss scaler, so every rank skips the same steps."""
-    from models import build_model
+    from framework.contract import build_model
 
-    plain = build_model("gpt", n_layer=4, n_head=4, n_embd=64, dropout=0.0)
+    plain = build_model({"_target_": "models.gpt.GPT", "n_layer": 4, "n_head": 4, "n_embd": 64, "dropout": 0.0}, "cpu")
     matrices = sum(p.dim() >= 2 for p in plain.parameters())
     groups = run_workers(_optimizer_groups, 2, [*BASE, "precision=amp", "optim.weight_decay=0.1", *overrides])
     scaler = "ShardedGradScaler" if "parallel.version=1" in overrides else "GradScaler"
@@ -171,7 +169,7 @@ def _peak_rss_from_outside(tmp_path, overrides: list[str]) -> int:
     from framework.memory import peak_rss_of
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, str(root / "train.py"), *overrides, f"hydra.run.dir={tmp_path}"]
+    cmd = [sys.executable, str(root / "train.py"), *overrides, "device=cpu", f"hydra.run.dir={tmp_path}"]
     return peak_rss_of(cmd, cwd=root, env={**os.environ, "WANDB_MODE": "offline"}, stdout=subprocess.DEVNULL)
 
 

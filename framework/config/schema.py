@@ -82,6 +82,9 @@ class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp (float16 autocast + GradScaler) | bf16 (bfloat16 autocast)
     init_scale: float = 65536.0  # GradScaler's starting loss scale (amp only)
     growth_interval: int = 2000
+    # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; the MFU peak and
+    # the planner follow). Under amp/bf16 it applies to the ops autocast leaves in fp32.
+    tf32: bool = True
 
 
 @dataclass
@@ -99,8 +102,10 @@ class MemoryConfig:
 class LoaderFields:
     name: str = MISSING
     batch_size: int = 8  # micro-batch of ONE data-parallel rank
-    num_workers: int = 0
-    pin_memory: bool = False
+    # auto: on CUDA, a few loader processes (min(4, cores per GPU - 1)) and pinned memory; on a
+    # CPU neither (the ranks share the cores with training): framework.data.loader_settings
+    num_workers: Any = "auto"  # auto | an int >= 0
+    pin_memory: Any = "auto"  # auto | true | false (true: CUDA only)
     persistent_workers: bool = False
     prefetch_factor: int | None = None  # only with num_workers > 0 (torch's default: 2)
     drop_last: bool = True
@@ -159,8 +164,30 @@ class VarlenDataConfig(LoaderFields):
 
 
 @dataclass
-class GPTConfig:
-    name: str = "gpt"
+class ModelConfig:
+    """What every model choice has (framework/contract.py); the rest are its factory's arguments."""
+
+    name: str | None = None  # the choice's name (display only)
+    _target_: str = MISSING  # the model's class or factory, e.g. pkg.module.MyModel
+    task: str | None = None  # lm | classify; null: what the model declares (else lm)
+    blocks: str | None = None  # attribute path of the repeated layers; null: declared or found
+    tp_plan: dict[str, str] | None = None  # tensor-parallel plan {submodule pattern: style}; null: declared
+    pretrained: str | None = None  # a folder of *.safetensors to load (model=hf; models with a state-dict adapter)
+
+
+@dataclass
+class CustomDataConfig(LoaderFields):
+    """data=custom: your own map-style Dataset by `_target_`; the keys beside it are its arguments."""
+
+    name: str = "custom"
+    _target_: str = MISSING  # a Dataset class or factory, e.g. pkg.module.MyDataset
+    seq_len: int | None = None  # lm data: tokens per sample, where the model checks its block size
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    name: str | None = "gpt"
+    _target_: str = "models.gpt.GPT"
     vocab_size: int = 256
     block_size: int = 128  # longest sequence the model accepts
     n_layer: int = 4
@@ -171,8 +198,9 @@ class GPTConfig:
 
 
 @dataclass
-class MLPConfig:
-    name: str = "mlp"
+class MLPConfig(ModelConfig):
+    name: str | None = "mlp"
+    _target_: str = "models.mlp.MLP"
     in_dim: int = 32
     hidden: int = 256
     depth: int = 3
@@ -181,22 +209,35 @@ class MLPConfig:
 
 
 @dataclass
-class ResNetConfig:
-    name: str = "resnet"
+class ResNetConfig(ModelConfig):
+    name: str | None = "resnet"
+    _target_: str = "models.resnet.ResNet"
     arch: str = "resnet18"  # any torchvision.models resnet builder name
     num_classes: int = 10
     small_input: bool = True  # 3x3 stem without max-pool, for 32x32 images
 
 
 @dataclass
-class LSTMConfig:
-    name: str = "lstm"
+class LSTMConfig(ModelConfig):
+    name: str | None = "lstm"
+    _target_: str = "models.lstm.LSTMClassifier"
     vocab_size: int = 32
     embed_dim: int = 64
     hidden: int = 128
     num_layers: int = 1
     num_classes: int = 4
     bidirectional: bool = False
+
+
+@dataclass
+class HFConfig(ModelConfig):
+    """A Hugging Face causal LM: built from a config.json on the meta device (framework/hf.py)."""
+
+    name: str | None = "hf"
+    _target_: str = "framework.hf.from_config"
+    config: str = MISSING  # a folder with config.json
+    trust_remote_code: bool = False  # run the folder's own modelling code (off unless named here)
+    attn_implementation: str = "sdpa"  # sdpa | eager
 
 
 @dataclass
@@ -244,6 +285,8 @@ class CheckpointConfig:
     async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
     preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
     export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
+    verify: str = "full"  # full | size | off: what a resume checks against the manifest (framework/integrity.py)
+    on_error: str = "stop"  # stop | warn: a failed save (a full disk) stops the run, or warns and retries next time
     monitor: str | None = None  # val_loss: keep a complete checkpoint of the best evaluation (<root>/best)
 
 
@@ -339,8 +382,16 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "images": ImagesDataConfig,
         "vectors": VectorsDataConfig,
         "varlen": VarlenDataConfig,
+        "custom": CustomDataConfig,
     },
-    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "resnet": ResNetConfig, "lstm": LSTMConfig},
+    "model": {
+        "base": ModelConfig,
+        "gpt": GPTConfig,
+        "mlp": MLPConfig,
+        "resnet": ResNetConfig,
+        "lstm": LSTMConfig,
+        "hf": HFConfig,
+    },
     "optim": {"base": OptimConfig},
     "logger": {"base": LoggerConfig},
 }

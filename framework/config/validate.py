@@ -10,18 +10,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from framework.config.resolve import resolve_device, resolve_nproc, world_size_of
+from framework.config.errors import ConfigError
+from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 from framework.memory import HOST_ALLOCATORS
 from framework.parallel.pipeline import SCHEDULES
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run. ``key`` is the dotted config key at fault."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"{key}: {message}")
-
 
 # ----------------------------------------------------------------------------- validation
 
@@ -45,14 +37,8 @@ ALLOWED = {
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
     "launch.start_method": ("spawn", "fork", "forkserver"),
     "nonfinite": ("stop", "skip"),
-}
-
-# Which data each model can train on: (model, data) pairs that make a task.
-MODEL_DATA = {
-    "gpt": ("text", "varlen"),
-    "mlp": ("vectors",),
-    "resnet": ("images",),
-    "lstm": ("varlen",),
+    "checkpoint.verify": ("full", "size", "off"),
+    "checkpoint.on_error": ("stop", "warn"),
 }
 
 
@@ -89,7 +75,10 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "steps", 1)
     _at_least(cfg, "accumulation_steps", 1)
     _at_least(cfg, "data.batch_size", 1)
-    _at_least(cfg, "data.num_workers", 0)
+    workers, pin = cfg.data.num_workers, cfg.data.pin_memory
+    _require(workers == "auto" or (isinstance(workers, int) and workers >= 0), "data.num_workers",
+             f"got {workers!r}; allowed: auto or an integer >= 0")  # fmt: skip
+    _require(pin in ("auto", True, False), "data.pin_memory", f"got {pin!r}; allowed: auto, true, false")
     _at_least(cfg, "backend.timeout_s", 1)
     _at_least(cfg, "launch.max_restarts", 0)
     _at_least(cfg, "checkpoint.every", 0)
@@ -130,13 +119,13 @@ def _check_values(cfg: DictConfig) -> None:
     _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
     if cfg.data.prefetch_factor is not None:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.prefetch_factor",
             "only applies with data.num_workers > 0; set it to null or raise num_workers",
         )
     if cfg.data.persistent_workers:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.persistent_workers",
             "needs data.num_workers > 0",
         )
@@ -144,19 +133,18 @@ def _check_values(cfg: DictConfig) -> None:
 
 def _check_device_and_backend(cfg: DictConfig) -> None:
     """A device and a process-group backend this machine has."""
-    import torch
     import torch.distributed as dist
 
     if cfg.device == "cuda":
         _require(
-            torch.cuda.is_available(),
+            cuda_device_count() > 0,
             "device",
             "cuda requested but no CUDA device is visible; use device=cpu or device=auto",
         )
     backend = cfg.backend.name
     if backend == "nccl":
         _require(
-            torch.cuda.is_available() and dist.is_nccl_available(),
+            cuda_device_count() > 0 and dist.is_nccl_available(),
             "backend",
             "nccl needs CUDA GPUs and a CUDA build of torch; none here. Use backend=gloo (or backend=auto)",
         )
@@ -188,8 +176,6 @@ def _check_device_and_backend(cfg: DictConfig) -> None:
 
 def _check_world(cfg: DictConfig) -> None:
     """How many workers, against the strategy and the visible GPUs."""
-    import torch
-
     nproc = resolve_nproc(cfg)
     _require(
         nproc >= 1,
@@ -205,9 +191,9 @@ def _check_world(cfg: DictConfig) -> None:
         )
     if resolve_device(cfg) == "cuda" and cfg.launch.nproc_per_node is not None:
         _require(
-            nproc <= torch.cuda.device_count(),
+            nproc <= cuda_device_count(),
             "launch.nproc_per_node",
-            f"got {nproc} workers but only {torch.cuda.device_count()} GPUs are visible",
+            f"got {nproc} workers but only {cuda_device_count()} GPUs are visible",
         )
 
 
@@ -225,43 +211,14 @@ def _check_memory(cfg: DictConfig) -> None:
             "FSDP CPU offload moves shards between GPU and CPU memory and needs CUDA; none here. "
             "Use memory=none or memory=checkpoint",
         )
-    if cfg.memory.name == "checkpoint":
-        _require(
-            cfg.model.name != "lstm",
-            "memory",
-            "checkpointing wraps a model's blocks; lstm has none. Use memory=none",
-        )
 
 
 def _check_model_and_data(cfg: DictConfig) -> None:
-    """The model trains on its kind of data, and their shapes agree."""
-    model = cfg.model.name
+    """The model builds (on meta), trains on this data, and their shapes agree."""
+    from framework.config.model import check_model
+
+    check_model(cfg)
     data = cfg.data.name
-    _require(model in MODEL_DATA, "model", f"got {model!r}; allowed: {', '.join(MODEL_DATA)}")
-    _require(
-        data in MODEL_DATA[model],
-        "data",
-        f"model={model} trains on data={'|'.join(MODEL_DATA[model])}, got data={data}; "
-        f"add data={MODEL_DATA[model][0]} (or use experiment={model})",
-    )
-    if model == "gpt":
-        _require(
-            cfg.model.n_embd % cfg.model.n_head == 0,
-            "model.n_head",
-            f"n_embd={cfg.model.n_embd} must divide evenly into n_head={cfg.model.n_head} heads",
-        )
-        _require(
-            cfg.data.seq_len <= cfg.model.block_size,
-            "data.seq_len",
-            f"got {cfg.data.seq_len}; must be <= model.block_size={cfg.model.block_size}",
-        )
-        _require(cfg.data.seq_len >= 2, "data.seq_len", "must be >= 2")
-    if model == "lstm":
-        _require(
-            cfg.data.vocab_size <= cfg.model.vocab_size,
-            "model.vocab_size",
-            f"got {cfg.model.vocab_size}; must be >= data.vocab_size={cfg.data.vocab_size}",
-        )
     if data == "varlen":
         _require(1 <= cfg.data.min_len <= cfg.data.max_len, "data.min_len", "need 1 <= min_len <= max_len")
         _require(
@@ -269,14 +226,6 @@ def _check_model_and_data(cfg: DictConfig) -> None:
             "data.source",
             f"got {cfg.data.source!r}; allowed: synthetic, text",
         )
-        if model == "gpt":
-            _require(cfg.data.min_len >= 2, "data.min_len", "language modelling needs sequences of >= 2 tokens")
-            longest = cfg.data.pack_len if cfg.data.pack else cfg.data.max_len - 1
-            _require(
-                longest <= cfg.model.block_size,
-                "model.block_size",
-                f"got {cfg.model.block_size}; the longest input is {longest} tokens",
-            )
     else:
         _require(
             cfg.data.sampler == "distributed" and not cfg.data.pack,
@@ -287,12 +236,11 @@ def _check_model_and_data(cfg: DictConfig) -> None:
 
 def _check_batching(cfg: DictConfig) -> None:
     """Packing and per-rank batch sizes: where they apply."""
-    model = cfg.model.name
     if cfg.data.pack:
         _require(
-            model == "gpt",
+            "doc_ids" in _forward_args(cfg),
             "data.pack",
-            "packing keeps attention within documents in gpt only; lstm packs with pack_padded_sequence",
+            "packing needs a model whose forward takes doc_ids (attention within documents), as gpt's does",
         )
         _require(
             cfg.parallel.name in ("none", "ddp", "fsdp"),
@@ -316,6 +264,14 @@ def _check_batching(cfg: DictConfig) -> None:
             "data.sampler",
             "rank_batch_sizes makes its own batches: use sampler=distributed",
         )
+
+
+def _forward_args(cfg: DictConfig) -> tuple[str, ...]:
+    import inspect
+
+    from framework.config.model import meta_model
+
+    return tuple(inspect.signature(meta_model(cfg).forward).parameters)
 
 
 def _check_paths(cfg: DictConfig) -> None:
@@ -351,32 +307,32 @@ def _check_paths(cfg: DictConfig) -> None:
 
 def _check_strategy(cfg: DictConfig) -> None:
     """Strategy-specific checks: degrees against the world size and the model's shape."""
-    import torch
-
     from framework.parallel.dims import DimsError, ParallelDims
 
-    p, model = cfg.parallel, cfg.model.name
+    p = cfg.parallel
     if p.name == "dp":
         _require(
-            torch.cuda.is_available() and torch.cuda.device_count() > 1,
+            resolve_device(cfg) == "cuda" and cuda_device_count() > 1,
             "parallel",
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
-            "device; none here. Use parallel=ddp, which is faster anyway",
-        )
-    if p.name in ("tp", "pp", "hybrid"):
-        _require(
-            model == "gpt",
-            "parallel",
-            f"parallel={p.name} splits transformer blocks and heads: model=gpt only, got model={model}",
+            f"device; device={cfg.device} with {cuda_device_count()} here. Use parallel=ddp, which is faster anyway",
         )
     if p.name not in ("fsdp", "tp", "pp", "hybrid"):
         return
-    n_layer, n_head = (cfg.model.n_layer, cfg.model.n_head) if model == "gpt" else (None, None)
+    from framework.config.model import model_dims_of
+
+    n_layer, n_head = model_dims_of(cfg)
     try:
         dims = ParallelDims.from_config(p, world_size_of(cfg), n_layer, n_head)
         dims.check_run(cfg)
     except DimsError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+    from framework.config.model import check_pipeline, check_tensor_parallel
+
+    if dims.tp > 1:
+        check_tensor_parallel(cfg)
+    if dims.pp > 1:
+        check_pipeline(cfg)
 
 
 def _check_eval(cfg: DictConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from framework.data.datasets import (
     PackedSequences,
     SyntheticImages,
     SyntheticVectors,
+    UserDataset,
     VarlenSequences,
 )
 from framework.data.images import DeviceAugment, ImageFiles
@@ -26,6 +28,23 @@ from framework.data.samplers import (
 )
 from framework.data.split import document_split, held_out, text_region
 
+USER_DATA_RESERVED = (
+    "name",
+    "batch_size",
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "drop_last",
+    "shuffle",
+    "sampler",
+    "max_tokens",
+    "rank_batch_sizes",
+    "pack",
+    "pack_len",
+    "seq_len",
+)  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
+
 
 def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str = "train") -> Dataset:
     """The dataset of `cfg` (the `data` group): its training part, or with split="val" its
@@ -33,6 +52,12 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
     Synthetic data depends on `seed` only, never on rank. `task` is what the model does with
     sequences: "lm" (gpt) or "classify" (lstm)."""
     fraction = cfg.get("val_fraction", 0.0)
+    if cfg.get("_target_"):  # the user's own: Hydra's instantiate, its keys beside _target_
+        from hydra.utils import instantiate
+
+        kwargs = {k: v for k, v in cfg.items() if k not in USER_DATA_RESERVED}
+        data = UserDataset(instantiate(kwargs, _convert_="all"), task)
+        return held_out(data, fraction, seed, split) if fraction else data
     if split == "val" and cfg.get("val_path"):
         return ByteTextDataset(cfg.val_path, cfg.seq_len, cfg.max_bytes)
     if split == "val" and not fraction:
@@ -69,9 +94,11 @@ class DataPipeline:
     epoch: int = 0  # the position (see `position`)
     offset: int = 0
 
-    def prepare(self, batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
-        """Move a batch to the device and finish its preprocessing there."""
-        inputs, target = to_device(batch, device, non_blocking)
+    def prepare(self, batch: Batch, device: torch.device, non_blocking: bool | None = None) -> Batch:
+        """Move a batch to the device and finish its preprocessing there (non-blocking by default
+        when the loader pins its batches)."""
+        non_blocking = self.loader.pin_memory if non_blocking is None else non_blocking
+        inputs, target = to_device(batch, device, non_blocking, getattr(self.dataset, "host_inputs", ()))
         if self.device_transform is not None:
             inputs = (self.device_transform(inputs[0]), *inputs[1:])
         return inputs, target
@@ -138,13 +165,15 @@ def build_data(
         batching = {"batch_sampler": sampler}
     else:
         batching = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": cfg.drop_last}
+    workers, pin = loader_settings(cfg.num_workers, cfg.pin_memory, device.type, os.cpu_count() or 1,
+                                   torch.cuda.device_count() if device.type == "cuda" else 0)  # fmt: skip
     loader = DataLoader(
         dataset,
         collate_fn=dataset.collate,
-        num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda",
-        persistent_workers=cfg.persistent_workers and cfg.num_workers > 0,
-        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=cfg.persistent_workers and workers > 0,
+        prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         generator=torch.Generator(),  # seeded per epoch by DataPipeline.batches
         **batching,
     )
@@ -153,6 +182,18 @@ def build_data(
     on_device = cfg.name == "images" and cfg.source != "synthetic" and cfg.transforms_on == "device"
     transform = DeviceAugment(cfg.augment, seed + dp_rank, device) if on_device else None
     return DataPipeline(dataset, sampler, loader, global_batch(cfg, dp_size), seed + dp_rank, transform)
+
+
+def loader_settings(num_workers: int | str, pin_memory: bool | str, device_type: str, cpus: int,
+                    gpus: int) -> tuple[int, bool]:  # fmt: skip
+    """(num_workers, pin_memory) of the DataLoader. `auto` on CUDA: loader processes prepare the
+    next batches while the GPU computes (min(4, cores per GPU - 1), one process per GPU), into
+    pinned memory so the copy to the GPU does not block; on a CPU, none and unpinned: the local
+    ranks already share the cores with training. Pinning applies to CUDA only."""
+    cuda = device_type == "cuda"
+    if num_workers == "auto":
+        num_workers = max(0, min(4, cpus // max(1, gpus) - 1)) if cuda else 0
+    return int(num_workers), cuda and pin_memory in ("auto", True)
 
 
 def global_batch(cfg: DictConfig, dp_size: int) -> str:
@@ -165,12 +206,24 @@ def global_batch(cfg: DictConfig, dp_size: int) -> str:
     return f"{cfg.sampler}: {cfg.batch_size * dp_size} samples"
 
 
-def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
+def to_device(batch: Batch, device: torch.device, non_blocking: bool = False, host: tuple[int, ...] = ()) -> Batch:
+    """The batch on `device`, but for the inputs at positions `host` (the dataset's `host_inputs`:
+    ones the model reads on the host, such as an LSTM's lengths)."""
     inputs, target = batch
-    return tuple(t.to(device, non_blocking=non_blocking) for t in inputs), target.to(device, non_blocking=non_blocking)
+    moved = tuple(t if i in host else t.to(device, non_blocking=non_blocking) for i, t in enumerate(inputs))
+    return moved, target.to(device, non_blocking=non_blocking)
 
 
-def concat_batches(batches: list[Batch]) -> Batch:
-    """Several batches as one (same-shaped inputs; a pipeline step takes its micro-batches whole)."""
-    inputs = tuple(torch.cat(parts) for parts in zip(*(b[0] for b in batches), strict=True))
-    return inputs, torch.cat([b[1] for b in batches])
+def concat_batches(batches: list[Batch], pin: bool = False) -> Batch:
+    """Several batches as one (same-shaped inputs; a pipeline step takes its micro-batches whole).
+    `pin`: concatenated straight into pinned host memory, so that the copy to the GPU can be
+    non-blocking (from pageable memory it waits for the GPU)."""
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        if not pin:
+            return torch.cat(parts)
+        shape = (sum(p.size(0) for p in parts), *parts[0].shape[1:])
+        return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
+
+    inputs = tuple(cat(list(parts)) for parts in zip(*(b[0] for b in batches), strict=True))
+    return inputs, cat([b[1] for b in batches])

@@ -147,6 +147,9 @@ class VarlenSequences(Dataset):
             self.seqs = [torch.randint(1, vocab_size, (int(n),), generator=g) for n in lengths.clamp(min_len, max_len)]
         self.lengths = torch.tensor([len(s) for s in self.seqs])
         self.task = task
+        # classify: the lengths stay in host memory, where pack_padded_sequence reads them (on the
+        # GPU, reading them back would make the host wait once per micro-batch)
+        self.host_inputs = (1,) if task == "classify" else ()
         self.labels = torch.stack([torch.bincount(s % num_classes, minlength=num_classes).argmax() for s in self.seqs])
 
     def __len__(self) -> int:
@@ -208,3 +211,32 @@ class PackedSequences(Dataset):
     @staticmethod
     def slots_in(batch: Batch) -> int:
         return batch[1].numel()
+
+
+class UserDataset(Dataset):
+    """A dataset given by ``data._target_``: any map-style torch Dataset whose items are
+    ``(input, target)`` (or ``(inputs tuple, target)``), in the framework's batch form. Its
+    optional ``lengths`` (a tensor of per-item lengths) enables the length-aware samplers."""
+
+    def __init__(self, dataset: Dataset, task: str):
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ValueError(f"data._target_: {type(dataset).__name__} is not a map-style Dataset "
+                             "(__getitem__ and __len__); iterable datasets are not supported yet")  # fmt: skip
+        self.dataset, self.task = dataset, task
+        if hasattr(dataset, "lengths"):
+            self.lengths = torch.as_tensor(dataset.lengths)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+    def collate(self, items) -> Batch:
+        from torch.utils.data import default_collate
+
+        inputs, target = default_collate(items)
+        return (tuple(inputs) if isinstance(inputs, list | tuple) else (inputs,)), target
+
+    def tokens_in(self, batch: Batch) -> int | None:
+        return batch[1].numel() if self.task == "lm" else None

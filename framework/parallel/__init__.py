@@ -18,6 +18,7 @@ which ranks hold the loss and which read distinct data.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -27,11 +28,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.contract import ModelSpec, blocks_of
 from framework.dist import DistInfo
 from framework.memory import apply_activation_checkpointing
 from framework.modules import map_blocks
 from framework.parallel.dims import Mesh, ParallelDims
-from framework.parallel.pipeline import Pipeline
+from framework.parallel.pipeline import Pipeline, trace_split
 
 
 @dataclass
@@ -50,26 +52,40 @@ class Parallelized:
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
-            self.clip_grad_norm = lambda max_norm: torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+            self.clip_grad_norm = lambda max_norm: clip_local_grad_norm(self.module, max_norm)
 
 
-def model_dims(cfg: DictConfig) -> tuple[int | None, int | None]:
-    """(layers, heads) of the model, where the strategy needs them."""
-    return (cfg.model.n_layer, cfg.model.n_head) if cfg.model.name == "gpt" else (None, None)
+@torch.no_grad()
+def clip_local_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (its two halves, fused foreach kernels, no host sync) for gradients whole on
+    every rank (none, dp, ddp), without its multiply by 1 when no clipping is configured (inf)."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if not math.isinf(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
-def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | None]:
+    """(blocks, attention heads) of the model, where the strategy needs them."""
+    blocks = blocks_of(model, spec)
+    return (len(blocks) or None), spec.heads
+
+
+def parallelize(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
     name = cfg.parallel.name
     if name == "none":
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(model)
     if name == "dp":
-        _checkpoint_and_compile(model, cfg)
-        return Parallelized(nn.DataParallel(model))
+        from framework.parallel.dp import apply_dp
+
+        _checkpoint_and_compile(model, spec, cfg)
+        return Parallelized(apply_dp(model))
     if name == "ddp":
         from framework.parallel.ddp import apply_ddp
 
-        _checkpoint_and_compile(model, cfg)
+        _checkpoint_and_compile(model, spec, cfg)
         ddp = apply_ddp(model, cfg.parallel, info)
         return Parallelized(
             ddp,
@@ -77,64 +93,62 @@ def parallelize(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Paralleliz
             dp_rank=info.rank,
             dp_size=info.world_size,
         )
-    return _parallelize_on_mesh(model, cfg, info)
+    return _parallelize_on_mesh(model, spec, cfg, info)
 
 
-def _checkpoint_and_compile(module: nn.Module, cfg: DictConfig) -> None:
+def _checkpoint_and_compile(module: nn.Module, spec: ModelSpec, cfg: DictConfig) -> None:
     """Steps 3 and 4 of the order, in place: activation checkpointing, then torch.compile of each
     block (`nn.Module.compile`: the module keeps its type and parameter names, so FSDP units,
     state dicts and checkpoints are unchanged), or of the whole module for models without blocks."""
     if cfg.memory.name == "checkpoint":
-        apply_activation_checkpointing(module, cfg.memory.checkpoint_every)
+        apply_activation_checkpointing(module, spec.blocks, cfg.memory.checkpoint_every)
     if cfg.compile:
 
         def compiled(block: nn.Module) -> nn.Module:
             block.compile()
             return block
 
-        if getattr(module, "blocks", None) is not None:
-            map_blocks(module, compiled)
+        if blocks_of(module, spec):
+            map_blocks(module, spec.blocks, compiled)
         else:
             module.compile()
 
 
-def _parallelize_on_mesh(model: nn.Module, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
     """fsdp, tp, pp and hybrid: degrees from the config, one mesh pp x dp_replicate x dp_shard x tp."""
     from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2, fsdp2_grad_sync
     from framework.parallel.pipeline import LocalStages, build_pipeline, build_stages
     from framework.parallel.tensor import apply_tp
 
     parallel_cfg = cfg.parallel
-    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(cfg))
+    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(model, spec))
     mesh = Mesh(dims, dims.build_mesh(info.device.type))
 
     # 1. pipeline split: this rank's stages, each parallelized below like a model of its own
     if dims.pp > 1:
-        stages, stage_ids, n_stages = build_stages(model, parallel_cfg, mesh.pp_rank, dims.pp)
+        split = trace_split(model, spec, cfg.data.seq_len)
+        stages, stage_ids, n_stages = build_stages(model, split, parallel_cfg, mesh.pp_rank, dims.pp)
     else:
         stages = [model]
     for stage in stages:
         # 2. tensor parallel
         if dims.tp > 1:
-            apply_tp(stage, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
+            apply_tp(stage, spec, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
         # 3. activation checkpointing, 4. compile
-        _checkpoint_and_compile(stage, cfg)
+        _checkpoint_and_compile(stage, spec, cfg)
     # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
     # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
     shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
     fsdp_v1 = shard and parallel_cfg.version == 1
     if shard:
         if fsdp_v1:
-            offload = cfg.memory.cpu_offload
-            stages = [
-                apply_fsdp1(p, mesh.dp_mesh, parallel_cfg, cfg.precision.name, info.device, offload) for p in stages
-            ]
+            stages = [apply_fsdp1(p, blocks_of(p, spec), mesh.dp_mesh, cfg, info.device) for p in stages]
         else:
             for stage in stages:
-                apply_fsdp2(stage, mesh.dp_mesh, parallel_cfg, cfg.precision.name, cfg.memory.cpu_offload)
+                apply_fsdp2(stage, blocks_of(stage, spec), mesh.dp_mesh, cfg)
 
     par = Parallelized(
-        module=stages[0] if dims.pp == 1 else LocalStages(stages),
+        module=stages[0] if dims.pp == 1 else LocalStages(stages, spec.blocks),
         mesh=mesh,
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
@@ -178,7 +192,8 @@ def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:
 def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Global gradient norm over parameters sharded or replicated in any way (FSDP, TP, PP), with
     one all-reduce: each rank sums the squares of its local gradient shards, each divided by how
-    many ranks hold that shard, so the world-wide sum counts every element once."""
+    many ranks hold that shard, so the world-wide sum counts every element once. Then the
+    gradients are scaled in place (`max_norm` inf: not at all). No host sync."""
     grads = []
     for p in module.parameters():
         if p.grad is None:
@@ -187,15 +202,36 @@ def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDim
             # e.g. a sequence-parallel norm's weight: each tp rank holds a partial sum of its
             # gradient until someone asks; reduce it now, into the parameter's own layout.
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        grads.append((p.grad, _replicas(p.grad, dims)))
-    device = next(module.parameters()).device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g, replicas in grads:
-        local = g.to_local() if hasattr(g, "to_local") else g
-        total += local.float().pow(2).sum() / replicas
+        grads.append((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, _replicas(p.grad, dims)))
+    total = local_squared_norm(grads, next(module.parameters()).device)
     dist.all_reduce(total)
     norm = total.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g, _ in grads:
-        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.dtype))
+    scale_grads_(grads, norm, max_norm)
     return norm
+
+
+def local_squared_norm(grads: list[tuple[torch.Tensor, int]], device: torch.device) -> torch.Tensor:
+    """Sum over (local gradient, holders) of its squared norm / holders, in fp32: one fused
+    `_foreach_norm` per (holders, device, dtype) group instead of a few kernels per tensor."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, replicas in grads:
+        groups[(replicas, g.device, g.dtype)].append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (replicas, _, _), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        total += torch.stack(norms).to(device).pow(2).sum() / replicas
+    return total
+
+
+def scale_grads_(grads: list[tuple[torch.Tensor, int]], norm: torch.Tensor, max_norm: float) -> None:
+    """Clip the gradients to `max_norm` given their global `norm` (a device tensor: no sync):
+    multiplied by min(1, max_norm / norm) in fused `_foreach_mul_` per (device, dtype); with
+    `max_norm` inf (no clipping configured) no multiply at all."""
+    if math.isinf(max_norm):
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, _ in grads:
+        groups[(g.device, g.dtype)].append(g)
+    for (device, dtype), tensors in groups.items():
+        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))

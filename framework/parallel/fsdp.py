@@ -21,7 +21,6 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from framework.modules import model_blocks
 from framework.precision import DTYPES
 
 
@@ -31,18 +30,19 @@ def mixed_precision_dtypes(precision: str, reduce_dtype: str) -> tuple[torch.dty
     return param, torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
 
 
-def apply_fsdp2(model: nn.Module, dp_mesh, cfg: DictConfig, precision: str, cpu_offload: bool = False) -> nn.Module:
+def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictConfig) -> nn.Module:
+    """One unit per block, and the root for the rest. `cfg`: the run's config."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    param_dtype, reduce_dtype = mixed_precision_dtypes(precision, cfg.reduce_dtype)
+    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.reduce_dtype)
     kwargs = {
         "mesh": dp_mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         # offload: shards (and so the optimizer step) live in CPU memory, copied in unit by unit
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cfg.memory.cpu_offload else OffloadPolicy(),
     }
-    for block in model_blocks(model):
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=cfg.parallel.reshard_after_forward, **kwargs)
     # The root unit holds what is left (embeddings, head); it is needed again at once by the
     # backward, so it is never resharded after forward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
@@ -75,24 +75,18 @@ def fsdp2_grad_sync(model: nn.Module, enabled: bool, cfg: DictConfig) -> Iterato
             unit.set_reshard_after_forward(cfg.reshard_after_forward and unit is not model, recurse=False)
 
 
-def apply_fsdp1(
-    model: nn.Module,
-    dp_mesh,
-    cfg: DictConfig,
-    precision: str,
-    device: torch.device,
-    cpu_offload: bool = False,
-) -> nn.Module:
+def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictConfig, device: torch.device) -> nn.Module:
+    """A transformer auto-wrap policy over the blocks' class. `cfg`: the run's config."""
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    param_dtype, reduce_dtype = mixed_precision_dtypes(precision, cfg.reduce_dtype)
-    block_classes = {type(b) for b in model_blocks(model)}
+    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.reduce_dtype)
+    block_classes = {type(b) for b in blocks}
     policy = (
         functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=block_classes) if block_classes else None
     )
-    strategy = ShardingStrategy[cfg.sharding_strategy]
+    strategy = ShardingStrategy[cfg.parallel.sharding_strategy]
     return FSDP(
         model,
         auto_wrap_policy=policy,
@@ -103,5 +97,5 @@ def apply_fsdp1(
         device_id=device,  # also on CPU: FSDP1 otherwise looks for an accelerator
         device_mesh=dp_mesh,
         use_orig_params=True,
-        cpu_offload=CPUOffload(offload_params=cpu_offload),
+        cpu_offload=CPUOffload(offload_params=cfg.memory.cpu_offload),
     )

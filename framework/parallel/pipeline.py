@@ -1,4 +1,4 @@
-"""Pipeline parallelism for `gpt` with torch.distributed.pipelining.
+"""Pipeline parallelism with torch.distributed.pipelining, for any model whose blocks split cleanly.
 
 The blocks are split into stages (12 layers over 2 ranks: 6 and 6, the article's example); each
 rank runs its stage(s) and passes activations forward and gradients back to its neighbours.
@@ -11,12 +11,15 @@ input gradients to fill the bubble).
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from framework.contract import ContractError, ModelSpec, blocks_of, logits_of
 from framework.loss import cross_entropy
 
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
@@ -36,29 +39,94 @@ def stages_per_rank(cfg: DictConfig) -> int:
     return max(2, cfg.stages_per_rank)
 
 
-class GPTStage(nn.Module):
-    """A contiguous range of a GPT's layers (plus the embeddings on the first stage and the final
-    norm and head on the last). Submodules keep the full model's names (``blocks.7.attn.q``), so
-    state dicts of all stages together are the full model's."""
+@dataclass(frozen=True)
+class Split:
+    """Where a model divides around its blocks: the top-level modules called before the first
+    block and after the last (traced), and the model's own ``embed``/``head`` when it has them
+    (else the before and after modules run as a chain)."""
 
-    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool):
-        super().__init__()
-        self.tok_emb = model.tok_emb if first else None
-        self.pos_emb = model.pos_emb if first else None
-        self.drop = model.drop if first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        self.ln_f = model.ln_f if last else None
-        self.lm_head = model.lm_head if last else None
+    blocks: str
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    embed: Callable | None = None
+    head: Callable | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_emb is not None:  # token ids in
-            pos = torch.arange(x.size(1), device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.lm_head is not None:  # logits out
-            x = self.lm_head(self.ln_f(x))
-        return x
+
+def trace_split(model: nn.Module, spec: ModelSpec, seq_len: int) -> Split:
+    """Run the model once on a (1, seq_len) batch of token 0, recording which top-level modules run
+    before and after the blocks, and whether each feeds the next (a chain)."""
+    if spec.blocks is None or "." in spec.blocks:
+        raise ContractError(
+            "model.blocks", f"{spec.blocks!r}: a pipeline splits blocks that are a direct child of the model"
+        )
+    calls: list[tuple[str, int, int]] = []  # (top-level name, id(input), id(output)) in call order
+
+    def record(name):
+        return lambda mod, args, out: calls.append((name, id(args[0]) if args else 0, id(out)))
+
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_children() if n != spec.blocks]
+    hooks += [b.register_forward_hook(record(spec.blocks)) for b in blocks_of(model, spec)]
+    device = next(model.parameters()).device
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            out = logits_of(model(tokens))
+    finally:
+        for h in hooks:
+            h.remove()
+    names = [c[0] for c in calls]
+    first, last = names.index(spec.blocks), len(names) - 1 - names[::-1].index(spec.blocks)
+    if spec.blocks in names[first : last + 1] and set(names[first : last + 1]) != {spec.blocks}:
+        raise ContractError("parallel", f"pp: {type(model).__name__} runs other modules between its blocks")
+    before, after = tuple(dict.fromkeys(names[:first])), tuple(dict.fromkeys(names[last + 1 :]))
+    if spec.embed is None or spec.head is None:
+        chain = [(id(tokens), None)] + [(c[1], c[2]) for c in calls] + [(id(out), None)]
+        if any(nxt[0] != prev[1] for prev, nxt in zip(chain[1:-1], chain[2:], strict=False)) or chain[1][0] != id(
+            tokens
+        ):
+            raise ContractError(
+                "parallel", f"pp: {type(model).__name__}'s forward is not a plain chain around its blocks; "
+                "declare embed(tokens) -> hidden and head(hidden) -> logits"
+            )  # fmt: skip
+    return Split(spec.blocks, before, after, spec.embed, spec.head)
+
+
+def make_stage(model: nn.Module, split: Split, layers: list[int], first: bool, last: bool) -> nn.Module:
+    """The model with only `layers` of its blocks (and the modules before them on the first
+    stage, after them on the last). Submodules keep the full model's names (``blocks.7.attn.q``),
+    so the state dicts of all stages together are the full model's; nothing is copied."""
+    stage = type(model).__new__(type(model))
+    nn.Module.__init__(stage)  # hooks of its own
+    internals = set(stage.__dict__)
+    stage.__dict__.update({k: v for k, v in model.__dict__.items() if k not in internals})
+    stage._parameters, stage._buffers = dict(model._parameters), dict(model._buffers)
+    stage._modules = dict(model._modules)
+    blocks = model.get_submodule(split.blocks)
+    stage._modules[split.blocks] = nn.ModuleDict({str(i): blocks[i] for i in layers})
+    for name in split.before if not first else ():
+        stage._modules[name] = None
+    for name in split.after if not last else ():
+        stage._modules[name] = None
+    stage.pipeline_role = (split, first, last)
+    stage.forward = types.MethodType(_stage_forward, stage)
+    return stage
+
+
+def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    split, first, last = self.pipeline_role
+    if first:  # token ids in
+        x = split.embed(self, x) if split.embed else _chain(self, split.before, x)
+    for block in self.get_submodule(split.blocks).values():
+        x = block(x)
+    if last:  # logits out
+        x = split.head(self, x) if split.head else _chain(self, split.after, x)
+    return x
+
+
+def _chain(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
+    for name in names:
+        x = getattr(module, name)(x)
+    return x
 
 
 def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
@@ -103,12 +171,14 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def build_stages(model: nn.Module, cfg: DictConfig, pp_rank: int, pp: int) -> tuple[list[GPTStage], list[int], int]:
+def build_stages(
+    model: nn.Module, split: Split, cfg: DictConfig, pp_rank: int, pp: int
+) -> tuple[list[nn.Module], list[int], int]:
     per_rank = stages_per_rank(cfg)
     n_stages = pp * per_rank
-    layers = split_layers(len(model.blocks), n_stages)
+    layers = split_layers(len(model.get_submodule(split.blocks)), n_stages)
     ids = stage_ids(pp_rank, pp, per_rank, cfg.schedule)
-    stages = [GPTStage(model, layers[s], first=s == 0, last=s == n_stages - 1) for s in ids]
+    stages = [make_stage(model, split, layers[s], first=s == 0, last=s == n_stages - 1) for s in ids]
     return stages, ids, n_stages
 
 
@@ -132,12 +202,13 @@ class LocalStages(nn.Module):
     """All the stages this rank runs, as one module whose parameter names are the full model's
     (for the optimizer, clipping, memory accounting and checkpoints)."""
 
-    def __init__(self, stages: list[GPTStage]):
+    def __init__(self, stages: list[nn.Module], blocks: str):
         super().__init__()
-        first = next((s for s in stages if s.tok_emb is not None), None)
-        last = next((s for s in stages if s.lm_head is not None), None)
-        self.tok_emb = first.tok_emb if first else None
-        self.pos_emb = first.pos_emb if first else None
-        self.blocks = nn.ModuleDict({k: b for s in stages for k, b in s.blocks.items()})
-        self.ln_f = last.ln_f if last else None
-        self.lm_head = last.lm_head if last else None
+        merged = nn.ModuleDict()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if name == blocks:
+                    merged.update(child)
+                elif name not in self._modules:
+                    self.add_module(name, child)
+        self.add_module(blocks, merged)

@@ -1,14 +1,16 @@
-"""Tensor parallelism for `gpt` with DTensor (Megatron-style).
+"""Tensor parallelism with DTensor (Megatron-style), from the plan a model declares in plain
+strings (framework/contract.py), turned here into DTensor's parallel styles.
 
-In each block q/k/v and the MLP's first linear are split by output features (column-wise: each
-rank computes whole attention heads and a slice of the MLP's hidden units) and the two output
-projections by input features (row-wise: partial sums combined by one all-reduce, or a
-reduce-scatter with sequence parallelism). Two collectives per block forward, two backward.
+A column-wise linear is split by output features (each rank computes whole attention heads, a
+slice of an MLP's hidden units), a row-wise one by input features (partial sums combined by one
+all-reduce, or a reduce-scatter under sequence parallelism). gpt's plan: two collectives per block
+forward, two backward.
 
-Sequence parallel (``parallel.sequence_parallel``) also splits the layer norms, dropouts and
-residual stream along the sequence, so activations outside the matmuls are 1/tp per rank.
-Loss parallel (``parallel.loss_parallel``) keeps the logits split over the vocabulary and computes
-the cross-entropy on the shards, never gathering the (B, T, vocab) logits.
+Sequence parallel (``parallel.sequence_parallel``) also splits the norms, dropouts and residual
+stream along the sequence, so activations outside the matmuls are 1/tp per rank: the embeddings
+come out split along the sequence, ``gather_input`` modules gather it back, row-wise outputs are
+reduce-scattered into it. Loss parallel (``parallel.loss_parallel``) keeps the logits split over the
+vocabulary and computes the cross-entropy on the shards, never gathering the (B, T, vocab) logits.
 """
 
 from __future__ import annotations
@@ -24,45 +26,57 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from framework.modules import model_blocks
+from framework.contract import ModelSpec, expand_plan
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
+class GatherSequence(PrepareModuleInput):
+    """Gather the first input (split along the sequence) before the module runs; any further
+    inputs (a document mask, ``None``) pass through as they are."""
+
+    def __init__(self):
+        super().__init__(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+    def _prepare_input_fn(self, inputs, device_mesh):
+        first, rest = (inputs[0], inputs[1:]) if isinstance(inputs, tuple) else (inputs, ())
+        gathered = super()._prepare_input_fn((first,), device_mesh)
+        return (*gathered, *rest)
+
+
+def tp_style(style: str, sequence_parallel: bool, loss_parallel: bool):
+    """The DTensor style for one entry of a model's plan (None: nothing to do in this setting)."""
     residual = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
-    for block in model_blocks(model):
-        plan = {
-            "attn.q": ColwiseParallel(),
-            "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=residual),
-            "mlp.fc": ColwiseParallel(),
-            "mlp.proj": RowwiseParallel(output_layouts=residual),
-        }
-        if sequence_parallel:
-            # gather the sequence back before attention (its second input, a document mask, is None
-            # here: packing is not combined with tensor parallel) and before the MLP
-            attn_in = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-            mlp_in = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            plan |= {"ln_1": SequenceParallel(), "attn": attn_in, "ln_2": SequenceParallel(), "mlp": mlp_in}
-        parallelize_module(block, tp_mesh, plan)
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=residual)
+    if style == "output":
+        return ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if style == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if not sequence_parallel:
+        return None  # the rest are sequence parallel's
+    if style == "sequence_parallel":
+        return SequenceParallel()
+    if style == "gather_input":
+        return GatherSequence()
+    if style == "embedding":  # (B, T) ids in, split along the sequence out
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if style == "position_embedding":  # (T,) positions in: the sequence is dim 0
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
 
-    head = ColwiseParallel(
-        input_layouts=residual,
-        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-        use_local_output=not loss_parallel,
-    )
+
+def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
     plan = {}
-    if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = head
-    if sequence_parallel:
-        if getattr(model, "tok_emb", None) is not None:
-            # token and position embeddings come out split along the sequence, to be added shard to shard
-            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-            plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
-        if getattr(model, "ln_f", None) is not None:
-            plan["ln_f"] = SequenceParallel()
-    if plan:
-        parallelize_module(model, tp_mesh, plan)
+    for path, style in expand_plan(model, spec).items():
+        dtensor_style = tp_style(style, sequence_parallel, loss_parallel)
+        if dtensor_style is not None:
+            plan[path] = dtensor_style
+    parallelize_module(model, tp_mesh, plan)
     # The model's output leaves tensor parallel as a local tensor, a view of the DTensor it came
     # from. FSDP, applied next, hooks its pre-backward all-gather on the output, and an in-place
     # op on a view would drop that hook: give the output a storage of its own (a hook registered

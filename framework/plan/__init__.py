@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.config.model import model_dims_of, model_spec
 from framework.plan.model import Layout, activation_bytes, layout_of, model_shapes, state_bytes
 from framework.plan.profile import Profile, machine_profile
 from framework.plan.traffic import traffic
@@ -39,8 +40,7 @@ def bubble(layout: Layout) -> float:
 def predict(cfg: DictConfig, world: int, profile: Profile | None = None) -> dict[str, Any]:
     """Per-rank memory by kind, collectives per step, the bubble and (with a profile) the step time
     of the strategy `cfg.parallel` at `world` ranks."""
-    gpt = cfg.model.name == "gpt"
-    layout = layout_of(cfg.parallel, world, cfg.model.n_layer if gpt else None, cfg.model.n_head if gpt else None)
+    layout = layout_of(cfg.parallel, world, *model_dims_of(cfg))
     shapes = model_shapes(cfg, layout)
     memory = state_bytes(shapes, layout, cfg)
     memory["activation_bytes"] = activation_bytes(shapes, cfg, layout)
@@ -172,7 +172,7 @@ def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
     Every candidate trains the same job: the global batch stays data.batch_size x world (what
     ddp reads), so a layout with fewer data-parallel ranks takes a larger batch per rank."""
     options: list[tuple[str, dict[str, Any]]] = [("ddp", {}), ("fsdp", {}), ("fsdp", {"reshard_after_forward": False})]
-    if cfg.model.name == "gpt" and not cfg.data.rank_batch_sizes:
+    if model_spec(cfg).tp_plan and not cfg.data.rank_batch_sizes:
         options += [("tp", {"sequence_parallel": cfg.data.seq_len % world == 0})]
         options += [
             ("pp", {"schedule": s})
@@ -195,7 +195,7 @@ def _candidate(cfg: DictConfig, world: int, name: str, settings: dict[str, Any])
 
     parallel = parallel_group(name, settings)
     try:
-        dims = ParallelDims.from_config(parallel, world, cfg.model.get("n_layer"), cfg.model.get("n_head"))
+        dims = ParallelDims.from_config(parallel, world, *model_dims_of(cfg))
     except ValueError:
         return None
     global_batch = cfg.data.batch_size * world
@@ -301,7 +301,7 @@ def choose(cfg: DictConfig, world: int, measure: str = "probe") -> tuple[Ranked,
     budget = memory_budget_bytes(cfg, world)
     ranked = rank(cfg, world, profile, budget)
     if not ranked:
-        raise ConfigError("parallel", f"parallel=auto: no layout runs {cfg.model.name} on {world} ranks")
+        raise ConfigError("parallel", f"parallel=auto: no layout runs {cfg.model._target_} on {world} ranks")
     if not ranked[0].fits:
         smallest = min(ranked, key=lambda r: r.prediction["total_bytes"])
         raise ConfigError(

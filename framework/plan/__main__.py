@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{cfg.model.name} at {world} ranks: {len(ranked)} layouts; per rank, per optimizer step")
+    print(f"{cfg.model._target_} at {world} ranks: {len(ranked)} layouts; per rank, per optimizer step")
     print(table(ranked, budget))
     print(f"parallel=auto would run: {best.prediction['layout']}  ({' '.join(best.candidate.overrides)})")
     return 0

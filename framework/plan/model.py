@@ -25,12 +25,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-import torch
-from omegaconf import DictConfig, OmegaConf
-
-COLWISE = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc.")  # split by output features (dim 0)
-ROWWISE = ("attn.proj.", "mlp.proj.")  # split by input features (dim 1; bias replicated)
+from omegaconf import DictConfig
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -102,63 +100,103 @@ class Param:
     stage: int  # pipeline stage that holds it (0 without a pipeline)
     unit: str  # FSDP unit: "blocks.<i>" or "root"
     tp_dim: int | None  # the dim tensor parallel splits (None: replicated)
+    style: str | None = None  # its module's entry in the tensor-parallel plan
+
+
+@dataclass(frozen=True)
+class TPShape:
+    """What tensor parallel's traffic depends on, read from the model's declared plan."""
+
+    hidden: int  # the residual stream's width (the first linear's input features in a block)
+    vocab: int  # the output head's rows (0: no head in the plan)
+    per_block: dict[str, int]  # style -> modules of a block
+    top: dict[str, int]  # style -> top-level modules
+    block_norm_params: list[int]  # elements of each sequence-parallel norm parameter of a block
+    top_norm_params: list[int]
 
 
 @dataclass(frozen=True)
 class Shapes:
-    """The model as the planner sees it: its parameters, and for gpt its dimensions."""
+    """The model as the planner sees it: its parameters, and what its plan and blocks declare."""
 
     params: list[Param]
-    gpt: dict[str, int] | None  # n_layer, n_head, n_embd, vocab_size
+    gpt: dict[str, int] | None  # the model's planner_shape (a gpt-like block): n_layer, n_head, n_embd, vocab_size
     flops_per_token: float | None  # model FLOPs (matmuls), forward + backward
     hardware_flops_per_token: float | None  # with checkpointing's recomputation
     stage_layers: list[list[int]] = field(default_factory=list)
     buffers: dict[str, int] = field(default_factory=dict)  # bytes of the model's buffers, by dtype
+    hidden: int | None = None  # the residual stream's width (what a pipeline stage sends)
+    tp: TPShape | None = None
 
 
 def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
-    """Parameter shapes from the model built on the meta device (no memory)."""
-    from framework.parallel.pipeline import split_layers
-    from models import build_model
+    """Parameter shapes from the model built on the meta device (no memory) and its contract."""
+    from framework.config.model import meta_model, model_spec
+    from framework.contract import block_index, blocks_of, expand_plan
+    from framework.metrics import model_flops, recomputed_blocks
+    from framework.parallel.pipeline import split_layers, trace_split
 
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    with torch.device("meta"):
-        model = build_model(cfg.model.name, **kwargs)
-    gpt = cfg.model.name == "gpt"
-    layers = split_layers(cfg.model.n_layer, layout.stages) if gpt else [[]]
+    model, spec = meta_model(cfg), model_spec(cfg)
+    n_blocks = len(blocks_of(model, spec))
+    layers = split_layers(n_blocks, layout.stages) if n_blocks else [[]]
     stage_of = {i: s for s, ids in enumerate(layers) for i in ids}
+    first_stage = set(trace_split(model, spec, 2).before) if layout.pp > 1 else set()
+    plan = expand_plan(model, spec) if layout.tp > 1 else {}
     params = []
     for name, p in model.named_parameters():
-        block = name.startswith("blocks.")
-        layer = int(name.split(".")[1]) if block else None
-        if not gpt:
-            stage = 0
-        elif block:
+        layer = block_index(name, spec)
+        if layer is not None:
             stage = stage_of[layer]
         else:
-            stage = 0 if name.startswith(("tok_emb", "pos_emb")) else layout.stages - 1
-        params.append(Param(name, tuple(p.shape), stage, f"blocks.{layer}" if block else "root", _tp_dim(name, layout)))
-    seq = cfg.data.get("seq_len")
-    recomputed = (
-        -(-cfg.model.get("n_layer", 0) // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
-    )
-    fpt = model.flops_per_token(seq) if gpt else None
-    hfpt = model.flops_per_token(seq, recomputed) if gpt and recomputed else fpt
-    dims = {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size")} if gpt else None
+            stage = 0 if name.split(".", 1)[0] in first_stage or layout.pp == 1 else layout.stages - 1
+        unit = f"{spec.blocks}.{layer}" if layer is not None else "root"
+        style = plan.get(name.rpartition(".")[0])
+        params.append(Param(name, tuple(p.shape), stage, unit, _tp_dim(name, plan, layout), style))
+    counted = model_flops(model, spec, cfg.data.get("seq_len"), recomputed_blocks(cfg, n_blocks))
     buffers: dict[str, int] = defaultdict(int)
     for b in model.buffers():
         buffers[str(b.dtype)] += b.numel() * b.element_size()
-    return Shapes(params, dims, fpt, hfpt, layers, dict(buffers))
+    hidden = residual_width(model, spec)
+    tp = tp_shape(model, spec, plan, hidden) if plan else None
+    return Shapes(params, spec.planner_shape, *(counted or (None, None)), layers, dict(buffers), hidden, tp)
 
 
-def _tp_dim(name: str, layout: Layout) -> int | None:
-    if layout.tp == 1:
-        return None
-    if any(k in name for k in COLWISE) or name.startswith("lm_head."):
+def residual_width(model: nn.Module, spec) -> int | None:
+    """The input features of the first linear of the first block: the residual stream's width."""
+    from framework.contract import blocks_of
+
+    blocks = blocks_of(model, spec)
+    linear = next((m for m in blocks[0].modules() if isinstance(m, nn.Linear)), None) if blocks else None
+    return linear.in_features if linear is not None else None
+
+
+def tp_shape(model: nn.Module, spec, plan: dict[str, str], hidden: int | None) -> TPShape:
+    first = f"{spec.blocks}.0."
+    per_block: dict[str, int] = defaultdict(int)
+    top: dict[str, int] = defaultdict(int)
+    block_norms, top_norms, vocab = [], [], 0
+    for path, style in plan.items():
+        in_block = path.startswith(first)
+        if spec.blocks and path.startswith(spec.blocks + ".") and not in_block:
+            continue  # other blocks: the same as the first
+        (per_block if in_block else top)[style] += 1
+        if style == "sequence_parallel":
+            sizes = [p.numel() for p in model.get_submodule(path).parameters()]
+            (block_norms if in_block else top_norms).extend(sizes)
+        if style == "output":
+            vocab = model.get_submodule(path).weight.shape[0]
+    return TPShape(hidden or 0, vocab, dict(per_block), dict(top), block_norms, top_norms)
+
+
+def _tp_dim(name: str, plan: dict[str, str], layout: Layout) -> int | None:
+    """The dim tensor parallel splits parameter `name` along (None: replicated)."""
+    module, _, kind = name.rpartition(".")
+    style = plan.get(module)
+    if style in ("colwise", "output"):
         return 0
-    if any(k in name for k in ROWWISE):
-        return 1 if name.endswith("weight") else None
-    if layout.sequence_parallel and name.startswith(("tok_emb.", "pos_emb.")):
+    if style == "rowwise":
+        return 1 if kind == "weight" else None
+    if style == "vocab_embedding" or (style in ("embedding", "position_embedding") and layout.sequence_parallel):
         return 0
     return None
 
@@ -201,7 +239,11 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
         local = _tp_local(p, layout.tp)
         rank = stage_rank(p.stage, layout)
         per_rank[rank][1] += 1
-        if p.tp_dim is not None and p.name.startswith(("tok_emb.", "pos_emb.")) and not layout.fsdp:
+        if (
+            p.tp_dim is not None
+            and p.style in ("embedding", "position_embedding", "vocab_embedding")
+            and not layout.fsdp
+        ):
             # a row-wise (vocabulary-split) embedding's gradient comes back whole-size from
             # DTensor's embedding backward: a tp rank holds all of it
             per_rank[rank][2] += _numel(p.shape) - _numel(local)
@@ -241,9 +283,9 @@ def _casts(cfg: DictConfig, layout: Layout) -> bool:
     return cfg.precision.name != "fp32" and not layout.fsdp
 
 
-def block_activation_bytes(b: int, cfg: DictConfig, layout: Layout, checkpointed: bool) -> float:
-    """Bytes one gpt block saves for backward for a micro-batch of `b` samples."""
-    g, T = cfg.model, cfg.data.seq_len
+def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout, checkpointed: bool) -> float:
+    """Bytes one gpt block (dims `g`: the model's planner_shape) saves for backward for a micro-batch of `b` samples."""
+    T = cfg.data.seq_len
     u = b * T * g.n_embd  # elements of the residual stream
     tp, seq_split = layout.tp, (layout.tp if layout.sequence_parallel else 1)
     e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
@@ -260,9 +302,9 @@ def block_activation_bytes(b: int, cfg: DictConfig, layout: Layout, checkpointed
     return 4 * u * 2 / seq_split + 2 * u * 12 / tp + casts + small
 
 
-def head_activation_bytes(b: int, cfg: DictConfig, layout: Layout) -> float:
+def head_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
     """The final norm, the output head and the fp32 log-softmax, for `b` samples."""
-    g, T = cfg.model, cfg.data.seq_len
+    T = cfg.data.seq_len
     u, seq_split = b * T * g.n_embd, (layout.tp if layout.sequence_parallel else 1)
     vocab_split = layout.tp if layout.loss_parallel else 1
     e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2
@@ -298,18 +340,19 @@ def _interleaved_in_flight(stage: int, layout: Layout) -> int:
 
 
 def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | None:
-    """Peak bytes saved for backward on the rank holding most (gpt; None for other models)."""
+    """Peak bytes saved for backward on the rank holding most: for models that declare a gpt-like
+    block (``planner_shape``); None (not predicted) for others."""
     if shapes.gpt is None:
         return None
-    b = micro_batch(cfg, layout)
+    b, g = micro_batch(cfg, layout), SimpleNamespace(**shapes.gpt)
     every = cfg.memory.checkpoint_every if cfg.memory.name == "checkpoint" else 0
     per_rank: dict[int, float] = defaultdict(float)
     for stage, layers in enumerate(shapes.stage_layers):
         checkpointed = set(layers[::every]) if every else set()
-        saved = sum(block_activation_bytes(b, cfg, layout, i in checkpointed) for i in layers)
+        saved = sum(block_activation_bytes(b, g, cfg, layout, i in checkpointed) for i in layers)
         if stage == 0:
             saved += 8 * b * cfg.data.seq_len + 8 * cfg.data.seq_len  # token and position indices
         if stage == layout.stages - 1:
-            saved += head_activation_bytes(b, cfg, layout)
+            saved += head_activation_bytes(b, g, cfg, layout)
         per_rank[stage_rank(stage, layout)] += saved * in_flight(stage, layout)
     return round(max(per_rank.values()))

@@ -124,42 +124,56 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
 
 
 def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
-    g, T, tp = cfg.model, cfg.data.seq_len, layout.tp
+    """Each plan entry's collectives (DTensor's styles): a row-wise linear all-reduces its output
+    forward (reduce-scatters it under sequence parallel, and all-gathers its output gradient
+    backward); a column-wise one all-reduces its input gradient backward, each on its own;
+    under sequence parallel a gather point all-gathers the sequence forward and reduce-scatters its
+    gradient backward, and each norm parameter's partial gradient is all-reduced once."""
+    tps, T, tp = shapes.tp, cfg.data.seq_len, layout.tp
     mb = micro_batch(cfg, layout)
     n_micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
     out_bytes = 4 if cfg.precision.name == "fp32" else 2  # a linear's output under autocast
-    stream = mb * T * g.n_embd  # residual-stream elements of one micro-batch
+    stream = mb * T * tps.hidden  # residual-stream elements of one micro-batch
+    rows, cols, gathers = (tps.per_block.get(k, 0) for k in ("rowwise", "colwise", "gather_input"))
     for stage, layers in enumerate(shapes.stage_layers):
         t = ranks[stage_rank(stage, layout)]
         blocks = len(layers) * n_micro
+        norms = []
         if layout.sequence_parallel:
-            # forward: gather before attention and MLP, scatter their outputs; backward: the reverse
-            t.add("all_gather", blocks * 2 * stream * (4 + out_bytes), tp, calls=4 * blocks)
-            t.add("reduce_scatter", blocks * 2 * stream * (out_bytes + 4), tp, calls=4 * blocks)
-            norms = 2 * len(layers)
+            t.add("all_gather", blocks * stream * (gathers * 4 + rows * out_bytes), tp, calls=(gathers + rows) * blocks)
+            t.add(
+                "reduce_scatter",
+                blocks * stream * (rows * out_bytes + gathers * 4),
+                tp,
+                calls=(gathers + rows) * blocks,
+            )
+            norms = tps.block_norm_params * len(layers)
         else:
-            # forward: all-reduce the two row-wise outputs; backward: the input gradients of q, k, v
-            # and the MLP's first linear, each reduced on its own
-            t.add("all_reduce", blocks * stream * (2 * out_bytes + 4 * 4), tp, calls=6 * blocks)
-            norms = 0
+            t.add("all_reduce", blocks * stream * (rows * out_bytes + cols * 4), tp, calls=(rows + cols) * blocks)
+        vocab_split = tps.top.get("vocab_embedding", 0)
+        if stage == 0 and vocab_split and not layout.sequence_parallel:  # partial lookups summed
+            t.add("all_reduce", n_micro * 4 * stream * vocab_split, tp, calls=n_micro * vocab_split)
         if stage == 0 and layout.sequence_parallel:  # embeddings leave split along the sequence
-            t.add("reduce_scatter", n_micro * 4 * (stream + T * g.n_embd), tp, calls=2 * n_micro)
-            t.add("all_gather", n_micro * 4 * (stream + T * g.n_embd), tp, calls=2 * n_micro)  # their gradients
-        if stage == layout.stages - 1:
+            lookups = tps.top.get("embedding", 0) + vocab_split
+            embedded = lookups * stream + tps.top.get("position_embedding", 0) * T * tps.hidden
+            calls = (lookups + tps.top.get("position_embedding", 0)) * n_micro
+            t.add("reduce_scatter", n_micro * 4 * embedded, tp, calls=calls)
+            t.add("all_gather", n_micro * 4 * embedded, tp, calls=calls)  # their gradients
+        if stage == layout.stages - 1 and tps.top.get("output"):
             if layout.sequence_parallel:
                 t.add("all_gather", n_micro * 4 * stream, tp, calls=n_micro)
                 t.add("reduce_scatter", n_micro * 4 * stream, tp, calls=n_micro)
-                norms += 1
+                norms = norms + tps.top_norm_params
             else:
                 t.add("all_reduce", n_micro * 4 * stream, tp, calls=n_micro)
             if not layout.loss_parallel:
-                t.add("all_gather", n_micro * out_bytes * mb * T * g.vocab_size, tp, calls=n_micro)
-        t.add("all_reduce", norms * 4 * g.n_embd, tp, calls=norms)  # partial norm-weight gradients
+                t.add("all_gather", n_micro * out_bytes * mb * T * tps.vocab, tp, calls=n_micro)
+        t.add("all_reduce", 4 * sum(norms), tp, calls=len(norms))  # partial norm-parameter gradients
 
 
 def _pipeline(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
     seq_split = layout.tp if layout.sequence_parallel else 1
-    activation = 4 * micro_batch(cfg, layout) * cfg.data.seq_len * cfg.model.n_embd // seq_split
+    activation = 4 * micro_batch(cfg, layout) * cfg.data.seq_len * shapes.hidden // seq_split
     m = layout.n_microbatches
     for stage in range(layout.stages):
         rank = stage_rank(stage, layout)

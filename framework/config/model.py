@@ -1,0 +1,169 @@
+"""The model's part of validation: the ``model`` group names something that imports, takes the
+keys given to it, builds on the meta device, and declares what the chosen strategy needs
+(framework/contract.py). Every problem is one ConfigError naming the key and what to declare."""
+
+from __future__ import annotations
+
+import inspect
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from framework.config.errors import ConfigError
+from framework.contract import (
+    LM_DATA,
+    RESERVED_KEYS,
+    ContractError,
+    ModelSpec,
+    blocks_of,
+    build_model,
+    check_plan,
+    locate_target,
+    spec_of,
+)
+
+_BUILT: dict[str, tuple[nn.Module, ModelSpec]] = {}  # one meta build per model config
+
+
+def meta_model(cfg: DictConfig) -> nn.Module:
+    return _meta(cfg)[0]
+
+
+def model_spec(cfg: DictConfig) -> ModelSpec:
+    return _meta(cfg)[1]
+
+
+def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
+    key = OmegaConf.to_yaml(cfg.model, resolve=True)
+    if key not in _BUILT:
+        target = locate_target(cfg.model)
+        try:
+            model = build_model(cfg.model, "meta")
+        except Exception as err:
+            err = err.__cause__ or err  # Hydra's InstantiationException wraps the factory's own
+            arg, _, rest = str(err).partition(": ")
+            if arg in cfg.model and rest:  # the factory named its argument
+                raise ConfigError(f"model.{arg}", rest) from None
+            raise ConfigError("model", f"{cfg.model._target_} does not build: {type(err).__name__}: {err}") from None
+        _BUILT.clear()
+        _BUILT[key] = model, _spec(model, cfg, target)
+    return _BUILT[key]
+
+
+def _spec(model: nn.Module, cfg: DictConfig, target) -> ModelSpec:
+    try:
+        return spec_of(model, cfg.model)
+    except ContractError as err:
+        raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+
+
+def model_dims_of(cfg: DictConfig) -> tuple[int | None, int | None]:
+    """(blocks, attention heads) of the configured model, for the parallel degrees' checks."""
+    model, spec = _meta(cfg)
+    return len(blocks_of(model, spec)) or None, spec.heads
+
+
+def check_model(cfg: DictConfig) -> None:
+    """Before any worker starts: the model imports, takes its keys, builds, suits the data."""
+    try:
+        target = locate_target(cfg.model)
+    except ContractError as err:
+        raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+    if cfg.model._target_ == "framework.hf.from_config":
+        from framework.hf import check_config_folder
+
+        problem = check_config_folder(cfg.model.get("config"))
+        if problem:
+            raise ConfigError("model.config", problem)
+    declared = getattr(target, "trains_on", None)  # read before building: its keys may point into data
+    if declared is not None and cfg.data.name not in (*declared, "custom"):
+        raise ConfigError("data", f"{cfg.model._target_} trains on data={'|'.join(declared)}, got data={cfg.data.name}")
+    _check_arguments(cfg, target)
+    if cfg.model.get("pretrained") is not None:
+        from framework.hf import check_pretrained_folder
+
+        problem = check_pretrained_folder(cfg.model.pretrained)
+        if problem:
+            raise ConfigError("model.pretrained", problem)
+    model, spec = _meta(cfg)
+    data = cfg.data.name
+    trains_on = spec.trains_on or (LM_DATA if spec.task == "lm" else None)
+    if trains_on is not None and data not in (*trains_on, "custom"):
+        raise ConfigError("data", f"{cfg.model._target_} trains on data={'|'.join(trains_on)}, got data={data}")
+    if spec.task == "lm" and data in LM_DATA and cfg.data.get("seq_len") is not None:
+        _check_sequence(cfg, model)
+    if cfg.memory.name == "checkpoint" and not blocks_of(model, spec):
+        raise ConfigError(
+            "memory",
+            f"checkpointing wraps a model's blocks; {type(model).__name__} has none found "
+            "(declare blocks_path or set model.blocks=<path>). Use memory=none",
+        )
+
+
+def _check_arguments(cfg: DictConfig, target) -> None:
+    """Every key of the group is an argument of the factory (or the framework's own)."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in cfg.model:
+        if key not in RESERVED_KEYS and key != "_target_" and key not in params:
+            accepted = ", ".join(n for n in params if n != "self") or "none"
+            raise ConfigError(f"model.{key}", f"{cfg.model._target_} takes no argument {key!r}; it takes: {accepted}")
+
+
+def _check_sequence(cfg: DictConfig, model: nn.Module) -> None:
+    seq_len = cfg.data.seq_len
+    if cfg.data.name == "varlen":
+        seq_len = cfg.data.pack_len if cfg.data.pack else cfg.data.max_len - 1
+        if cfg.data.min_len < 2:
+            raise ConfigError("data.min_len", "language modelling needs sequences of >= 2 tokens")
+    elif seq_len < 2:
+        raise ConfigError("data.seq_len", "must be >= 2")
+    longest = getattr(model, "block_size", None)
+    if longest is not None and seq_len > longest:
+        key = "model.block_size" if cfg.data.name == "varlen" else "data.seq_len"
+        raise ConfigError(key, f"the longest input is {seq_len} tokens; the model takes at most block_size={longest}")
+
+
+def check_tensor_parallel(cfg: DictConfig) -> None:
+    """parallel with tp > 1: the model declares a plan whose submodules exist."""
+    model, spec = _meta(cfg)
+    if not spec.tp_plan:
+        raise ConfigError(
+            "parallel.tp",
+            f"tensor parallel needs the model's plan; {type(model).__name__} declares none. Declare tp_plan "
+            "(submodule pattern -> colwise|rowwise|...) or set model.tp_plan",
+        )
+    try:
+        check_plan(model, spec)
+    except ContractError as err:
+        raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+    styles = set(spec.tp_plan.values())
+    if cfg.parallel.sequence_parallel and not (
+        {"embedding", "vocab_embedding"} & styles and "sequence_parallel" in styles
+    ):
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            f"{type(model).__name__}'s plan has no sequence-parallel entries (embedding, sequence_parallel "
+            "norms); set parallel.sequence_parallel=false or declare them",
+        )
+
+
+def check_pipeline(cfg: DictConfig) -> None:
+    """parallel with pp > 1: the model has blocks and splits cleanly around them."""
+    from framework.parallel.pipeline import trace_split
+
+    model, spec = _meta(cfg)
+    if spec.task != "lm" or not blocks_of(model, spec):
+        raise ConfigError(
+            "parallel.pp",
+            f"a pipeline splits a language model's blocks; {type(model).__name__} has none found "
+            "(declare blocks_path or set model.blocks=<path>)",
+        )
+    try:
+        trace_split(model, spec, 2)
+    except ContractError as err:
+        raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None

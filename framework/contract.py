@@ -1,0 +1,226 @@
+"""The model contract: what a model may declare, and what the framework does when it declares nothing.
+
+Any ``nn.Module`` trains under every strategy. Each declaration below is optional; a model in
+``models/`` (or a user's own file) declares it as a plain attribute or method, with no import of
+torch.distributed or of this framework:
+
+=================  =========================================  =========================================
+declaration        meaning                                    without it
+=================  =========================================  =========================================
+``task``           ``"lm"``: tokens (B, T) -> logits          config ``model.task``, else ``"lm"``
+                   (B, T, V); ``"classify"``: inputs ->
+                   logits (B, C)
+``blocks_path``    attribute path of the repeated layers      config ``model.blocks``, else the longest
+                   (``"layers"``, ``"model.layers"``)         ModuleList of modules of one class
+``tp_plan``        {submodule path: style}, ``*`` for a       config ``model.tp_plan``; none: no
+                   block's index (Hugging Face's              ``parallel=tp``
+                   ``base_model_tp_plan`` form); styles in
+                   ``TP_STYLES``
+``init_rule``      ``(name, dim) -> ("normal", std) |          built on the device, then parallelized
+                   ("ones", 0) | ("zeros", 0)``: row-seeded   (each rank holds the whole model for a
+                   (models/init.py), so it is built on meta   moment)
+                   and each rank fills its own shard
+``flops_per_token`` ``(seq_len, recomputed_blocks=0)``        counted once with FlopCounterMode on the
+                                                              meta device
+``embed``/``head`` what runs before the first block and      traced: the top-level modules called
+                   after the last (pipeline stages)           before and after the blocks, as a chain
+``trains_on``      data choices it trains on                  by task: lm on sequence data, classify
+                                                              on any
+=================  =========================================  =========================================
+
+A model's output may be a tensor, a tuple whose first item is the logits, or an object with
+``.logits`` (Hugging Face). ``ModelSpec`` is the framework's normalised view of one model.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+TASKS = ("lm", "classify")
+# colwise/rowwise: a linear split by output/input features; output: the LM head (colwise over the
+# vocabulary, gathered unless loss parallel); sequence_parallel: a norm run on sequence shards;
+# gather_input: gather the sequence before this module (an attention or MLP container);
+# embedding / position_embedding: split over their rows, output split along the sequence
+# (sequence parallel only; replicated otherwise); vocab_embedding: a token embedding split over its
+# rows in every setting (its output all-reduced, or reduce-scattered under sequence parallel)
+TP_STYLES = ("colwise", "rowwise", "output", "sequence_parallel", "gather_input", "embedding", "position_embedding",
+             "vocab_embedding")  # fmt: skip
+# Hugging Face's plan strings, in ours
+HF_STYLES = {"colwise_rep": "output", "colwise_gather_output": "output", "embedding_rowwise": "vocab_embedding"}
+# keys of the `model` group that configure the framework, not the model's factory
+RESERVED_KEYS = ("name", "task", "blocks", "tp_plan", "pretrained")
+LM_DATA = ("text", "varlen", "tokens")
+
+
+class ContractError(ValueError):
+    """A model that does not give a strategy what it needs. ``key`` is the config key to fix."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass
+class ModelSpec:
+    task: str
+    blocks: str | None  # attribute path of the blocks (None: the model has none)
+    tp_plan: dict[str, str] = field(default_factory=dict)  # as declared: patterns -> styles
+    init_rule: Callable[[str, int], tuple[str, float]] | None = None
+    flops_per_token: Callable[..., float] | None = None
+    trains_on: tuple[str, ...] | None = None
+    embed: Callable | None = None  # unbound: embed(module, tokens) -> hidden
+    head: Callable | None = None  # unbound: head(module, hidden) -> logits
+    heads: int | None = None  # attention heads, where the model says (tensor parallel splits whole heads)
+    planner_shape: dict[str, int] | None = None  # gpt-like dims for the planner's activation formula
+
+    @property
+    def on_meta(self) -> bool:
+        """Built on the meta device and initialised shard by shard."""
+        return self.init_rule is not None
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def factory_kwargs(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The factory's keyword arguments: the group's keys less the framework's own."""
+    return {k: v for k, v in model_cfg.items() if k not in RESERVED_KEYS}
+
+
+def build_model(model_cfg: Any, device: torch.device | str = "meta") -> nn.Module:
+    """Instantiate ``model._target_`` with its keyword arguments (Hydra's instantiate: nested
+    ``_target_`` and ``_partial_`` work) under ``device``."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    with torch.device(device):
+        return instantiate(factory_kwargs(node), _convert_="all")
+
+
+def locate_target(model_cfg: Any) -> Any:
+    """The class or function ``model._target_`` names; ContractError when it cannot be imported."""
+    from hydra.utils import get_object
+
+    target = model_cfg.get("_target_")
+    if not target:
+        raise ContractError("model._target_", "not set: name the model's class or factory, e.g. pkg.module.MyModel")
+    try:
+        return get_object(target)
+    except Exception as err:  # hydra wraps ImportError/AttributeError in its own
+        cause = str(err).splitlines()[0]
+        raise ContractError(
+            "model._target_", f"cannot import {target!r} ({cause}); is its folder on PYTHONPATH?"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+def spec_of(model: nn.Module, model_cfg: Mapping[str, Any]) -> ModelSpec:
+    """What `model` declares, overridden by the config's ``task``, ``blocks`` and ``tp_plan``."""
+    task = model_cfg.get("task") or getattr(model, "task", None) or "lm"
+    if task not in TASKS:
+        raise ContractError("model.task", f"got {task!r}; allowed: {', '.join(TASKS)}")
+    blocks = model_cfg.get("blocks") or getattr(model, "blocks_path", None) or find_blocks(model)
+    if blocks is not None:
+        container = get_path(model, blocks, "model.blocks")
+        if not isinstance(container, nn.ModuleList | nn.ModuleDict):
+            raise ContractError("model.blocks", f"{blocks!r} is a {type(container).__name__}, not a ModuleList")
+    plan = dict(model_cfg.get("tp_plan") or getattr(model, "tp_plan", None) or {})
+    return ModelSpec(
+        task=task,
+        blocks=blocks,
+        tp_plan={k: HF_STYLES.get(v, v) for k, v in plan.items()},
+        init_rule=getattr(model, "init_rule", None),
+        flops_per_token=getattr(model, "flops_per_token", None),
+        trains_on=getattr(model, "trains_on", None),
+        embed=getattr(type(model), "embed", None),
+        head=getattr(type(model), "head", None),
+        heads=getattr(model, "n_heads", None) or getattr(model, "n_head", None),
+        planner_shape=model.planner_shape() if hasattr(model, "planner_shape") else None,
+    )
+
+
+def find_blocks(model: nn.Module) -> str | None:
+    """The path of the longest ModuleList (or Sequential) whose modules share one class."""
+    best, best_len = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential) and len(module) > best_len:
+            if len({type(m) for m in module}) == 1:
+                best, best_len = name, len(module)
+    return best
+
+
+def get_path(model: nn.Module, path: str, key: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise ContractError(key, f"{type(model).__name__} has no submodule {path!r}") from None
+
+
+def blocks_of(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
+    """The model's blocks in order (a pipeline stage: its own), none for a model without them."""
+    if spec.blocks is None:
+        return []
+    try:
+        container = model.get_submodule(spec.blocks)
+    except AttributeError:
+        return []
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
+def block_index(name: str, spec: ModelSpec) -> int | None:
+    """The block a parameter name belongs to (``layers.3.attention.wq.weight`` -> 3), else None."""
+    if spec.blocks is None or not name.startswith(spec.blocks + "."):
+        return None
+    return int(name[len(spec.blocks) + 1 :].split(".", 1)[0])
+
+
+def expand_plan(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
+    """The tensor-parallel plan on this model's (or stage's) submodules: each pattern matched
+    against every submodule path (``*`` matches one name). A pattern that matches nothing in the
+    full model is an error; in a pipeline stage, other stages' blocks are simply absent."""
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, str] = {}
+    for pattern, style in spec.tp_plan.items():
+        if style not in TP_STYLES:
+            raise ContractError("model.tp_plan", f"{pattern}: style {style!r}; allowed: {', '.join(TP_STYLES)}")
+        for name in names:
+            if name.count(".") == pattern.count(".") and fnmatch.fnmatchcase(name, pattern):
+                out[name] = style
+    return out
+
+
+def check_plan(model: nn.Module, spec: ModelSpec) -> None:
+    """Every pattern of the plan names a submodule that exists."""
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern in spec.tp_plan:
+        if not any(n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ContractError("model.tp_plan", f"{pattern!r} names no submodule of {type(model).__name__}")
+    expand_plan(model, spec)  # the styles
+
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model (wrappers' prefixes removed)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, a tuple's first item, or ``.logits``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    return output[0]

@@ -1,0 +1,128 @@
+"""Hugging Face models by config: a tiny LlamaForCausalLM from a config.json the test writes
+trains under none, ddp, fsdp and tp with the single-process losses; its safetensors load into
+each rank's own shards, with Hugging Face's own first loss, and no rank holds the full model."""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from framework.sweep import run_configs
+from tests.helpers import losses, run_workers, world_config, write_tiny_llama_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+STEPS, GLOBAL_BATCH = 4, 8
+
+
+def base(folder, *extra) -> list[str]:
+    return ["experiment=smoke", "logger=none", f"steps={STEPS}", "model=hf", f"model.config={folder}",
+            "optim.grad_clip=0", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A config folder, and a pretrained folder with its weights in three safetensors shards."""
+    from transformers import LlamaForCausalLM
+
+    config = write_tiny_llama_config(tmp_path_factory.mktemp("llama_config"), hidden_size=64, intermediate_size=128)
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(config))
+    pretrained = tmp_path_factory.mktemp("llama_weights")
+    model.save_pretrained(pretrained, max_shard_size="60KB")
+    assert (pretrained / "model.safetensors.index.json").exists()  # sharded
+    return config, pretrained, model
+
+
+def test_hf_llama_matches_one_process_under_every_strategy(llama, tmp_path):
+    from framework.trainer import run
+
+    config, _, _ = llama
+    cfg = OmegaConf.create(world_config([*base(config), "parallel=none", f"data.batch_size={GLOBAL_BATCH}"], 1))
+    assert run(cfg, str(tmp_path / "none"), {"parallel": "none"})["status"] == "ok"
+    reference = losses(tmp_path / "none")
+    assert len(reference) == STEPS and reference[-1] < reference[0]
+    strategies = {
+        "ddp": ["parallel=ddp", "data.batch_size=4"],
+        "fsdp": ["parallel=fsdp", "data.batch_size=4"],
+        "tp": ["parallel=tp", "parallel.sequence_parallel=false", "data.batch_size=8"],
+        "fsdp_checkpointed": ["parallel=fsdp", "memory=checkpoint", "data.batch_size=4"],
+    }
+    configs = {name: world_config([*base(config), *args], 2) for name, args in strategies.items()}
+    summaries = run_configs(configs, 2, str(tmp_path))
+    for name, summary in summaries.items():
+        assert summary["status"] == "ok" and summary["mfu"] is not None, name
+        for step, (a, b) in enumerate(zip(losses(tmp_path / name), reference, strict=True), start=1):
+            assert abs(a - b) / abs(b) <= 1e-4, f"{name} step {step}: {a} vs one process {b}"
+
+
+def _first_global_batch(cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    from framework.data import build_data
+
+    parts = [next(build_data(cfg.data, r, 2, torch.device("cpu"), cfg.seed, "lm").batches(0, 0))[1] for r in range(2)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def test_pretrained_loads_into_fsdp_shards_with_hf_first_loss(llama, tmp_path):
+    config, pretrained, model = llama
+    overrides = [*base(config), "parallel=fsdp", "data.batch_size=4", f"model.pretrained={pretrained}"]
+    summary = run_configs({"fsdp": world_config(overrides, 2)}, 2, str(tmp_path))["fsdp"]
+    inputs, target = _first_global_batch(OmegaConf.create(world_config(overrides, 2)))
+    with torch.no_grad():
+        logits = model(inputs).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()).item()
+    assert summary["first_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def _load_probe(rank: int, world: int, overrides: list[str]) -> tuple[int, int, int]:
+    """The peak bytes of plain tensors alive at once while the weights load, this rank's shard
+    bytes, and the largest full-size parameter's bytes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import framework.modules
+    from framework.dist import DistInfo
+    from framework.trainer import build
+
+    class Live(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live, self.peak = {}, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta and t._base is None:
+                    key = id(t)
+                    self.live[key] = t.numel() * t.element_size()
+                    weakref.finalize(t, self.live.pop, key, None)
+                    self.peak = max(self.peak, sum(self.live.values()))
+            return out
+
+    probe = Live()
+    load = framework.modules.load_pretrained
+
+    def probed(module, folder, device):
+        with probe:
+            return load(module, folder, device)
+
+    framework.modules.load_pretrained = probed
+    cfg = OmegaConf.create(world_config(overrides, world))
+    setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
+    params = list(setup.par.module.parameters())
+    shards = sum(p.to_local().numel() * p.element_size() for p in params)
+    largest = max(p.numel() * p.element_size() for p in params)
+    return probe.peak, shards, largest
+
+
+def test_loading_holds_one_full_size_tensor_at_a_time(llama):
+    config, pretrained, model = llama
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    overrides = [*base(config), "parallel=fsdp", "data.batch_size=4", f"model.pretrained={pretrained}"]
+    for peak, shards, largest in run_workers(_load_probe, 2, overrides).values():
+        assert shards < total * 0.6  # fsdp x2: about half the model per rank
+        assert peak <= largest * 1.5, f"{peak} bytes alive while loading; one full parameter is {largest}"
