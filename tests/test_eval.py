@@ -15,7 +15,16 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.sweep import run_configs
-from tests.helpers import ROOT, compose_config, losses, read_metrics, read_summary, train_cli, world_config
+from tests.helpers import (
+    ROOT,
+    compose_config,
+    is_png_with_content,
+    losses,
+    read_metrics,
+    read_summary,
+    train_cli,
+    world_config,
+)
 
 STEPS = 3
 GPT = ["experiment=smoke", "logger=none", f"steps={STEPS}", "model.n_layer=4", "data.max_bytes=40000",
@@ -251,3 +260,5 @@ def test_optimize_val_loss_in_a_three_trial_optuna_search(tmp_path):
     best = float((sweep / "optimization_results.yaml").read_text().split("best_value:")[1])
     found = [read_summary(d)["eval"]["loss"] for d in sweep.iterdir() if (d / "summary.json").exists()]
     assert len(found) == 3 and best == pytest.approx(min(found))
+    # the sweep report: a val loss column and the validation curves
+    assert "val loss" in (sweep / "report.md").read_text() and is_png_with_content(sweep / "val_loss.png")
