@@ -167,6 +167,11 @@ def test_best_checkpoint_is_the_argmin_and_resume_best_continues_exactly(tmp_pat
     proc = train_cli([*base, "parallel=none", "steps=6", "checkpoint.resume=best"], resumed)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(resumed) == losses(straight) and len(losses(resumed)) == 6  # exact continuation
+    # the resumed run went on from the best so far: its best is still the argmin of everything logged
+    logged = [(m["step"], m["val_loss"]) for m in read_metrics(resumed) if "val_loss" in m]
+    best_step = min(logged, key=lambda s: s[1])[0]
+    assert [s for s, _ in logged] == [2, 4, 6] and read_summary(resumed)["eval"]["best_step"] == best_step
+    assert sorted(p.name for p in (resumed / "checkpoints" / "best").iterdir()) == [f"step-{best_step:06d}"]
 
 
 def test_patience_stops_every_rank_after_the_same_step(tmp_path):
