@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e ".[dev]"
+	$(VENV)/bin/pip install -q -e ".[dev,hf]"
 	touch $(STAMP)
 
 train: $(STAMP)

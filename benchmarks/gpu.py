@@ -51,6 +51,9 @@ CHECKS: dict[str, list[str]] = {
     "eager bf16": [*SMALL, "backend=nccl", "parallel=ddp", "precision=bf16"],
     "compile bf16": [*SMALL, "backend=nccl", "parallel=ddp", "precision=bf16", "compile=true"],
 }
+CP = ["model=gpt", "data=text", "model.n_layer=8", "model.n_embd=512", "model.n_head=8", "data.seq_len=4096",
+      "data.batch_size=4", "steps=10", "parallel=cp", "precision=bf16", "launch.nproc_per_node=2"]  # fmt: skip
+CP_IMPLS = ("ring", "torch")
 TESTS = {  # name: pytest arguments (the first row: fails fast, before any GPU job)
     "config composition (pytest)": ["tests/test_config.py", "tests/test_gpu_ready.py", "-k", "compose or composes"],
     "gpu-marked tests (pytest -m gpu)": ["-m", "gpu", "tests/test_gpu_ready.py"],
@@ -180,7 +183,33 @@ def run_checks(out: Path, timeout: float, no_compile: str | None, deadline: floa
         print(f"{name}: {rows[-1][1]} ({rows[-1][3]} s)", flush=True)
     why = skipped("1B", no_compile)
     rows.append(["gpt 1B bf16 compile", "skipped", why, 0] if why else big_row(out, timeout, deadline))
+    rows.append(cp_row(out, timeout) if time.time() < deadline else ["cp=2 ring vs torch", "skipped", "time budget", 0])
     return rows
+
+
+def cp_row(out: Path, timeout: float) -> list:
+    """Our ring against torch's context_parallel, same config: per-step losses and tokens/s."""
+    import torch
+
+    name = "cp=2 ring vs torch (bf16)"
+    if torch.cuda.device_count() < 2:
+        return [name, "skipped", f"needs 2 GPUs, {torch.cuda.device_count()} visible", 0]
+    runs, losses = {}, {}
+    for impl in CP_IMPLS:
+        runs[impl] = train([*CP, "backend=nccl", f"parallel.cp_impl={impl}"], out / f"cp_{impl}", timeout)
+        path = out / f"cp_{impl}" / "metrics.jsonl"
+        losses[impl] = [json.loads(x)["loss"] for x in path.read_text().splitlines()] if path.exists() else []
+    if any(s.get("status") != "ok" for s in runs.values()):
+        return [name, "failed", "; ".join(f"{i}: {s.get('error', s.get('status'))}" for i, s in runs.items()), 0]
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses["ring"], losses["torch"], strict=True))
+    speed = ", ".join(f"{i} {runs[i]['throughput']['tokens_per_s']:,.0f} tokens/s" for i in CP_IMPLS)
+    status = "ok" if diff <= 1e-3 else "failed"
+    return [
+        name,
+        status,
+        f"{speed}; losses within {diff:.1e} (<= 1e-3)",
+        round(sum(s["wall_s"] for s in runs.values())),
+    ]
 
 
 def dry_run(out: Path, no_compile: str | None) -> list[list]:

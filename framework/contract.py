@@ -78,6 +78,8 @@ class ModelSpec:
     head: Callable | None = None  # unbound: head(module, hidden) -> logits
     heads: int | None = None  # attention heads, where the model says (tensor parallel splits whole heads)
     planner_shape: dict[str, int] | None = None  # gpt-like dims for the planner's activation formula
+    # checkpoint name -> (our name, layout change): a state-dict adapter for model.pretrained (models/llama.py)
+    from_hf_name: Callable | None = None
 
     @property
     def on_meta(self) -> bool:
@@ -145,6 +147,7 @@ def spec_of(model: nn.Module, model_cfg: Mapping[str, Any]) -> ModelSpec:
         head=getattr(type(model), "head", None),
         heads=getattr(model, "n_heads", None) or getattr(model, "n_head", None),
         planner_shape=model.planner_shape() if hasattr(model, "planner_shape") else None,
+        from_hf_name=getattr(model, "from_hf_name", None),
     )
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from framework.contract import canonical_name
+
+Rename = Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 
 
 def check_config_folder(folder: str | None, key: str = "model.config") -> str | None:
@@ -95,10 +97,12 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 @torch.no_grad()
-def load_pretrained(module: nn.Module, folder: str, device: torch.device) -> list[str]:
+def load_pretrained(module: nn.Module, folder: str, device: torch.device, rename: Rename | None = None) -> list[str]:
     """Copy the folder's weights into `module`'s parameters, each rank into its own shards
     (DTensors) or whole tensors. Every rank takes part (a collective per tensor when a process
-    group is up). Returns the module's parameter names the folder did not have."""
+    group is up). `rename`: checkpoint name -> (the module's name, a layout change), for a model
+    whose state dict differs from the checkpoint's (models/llama_hf.py). Returns the module's
+    parameter names the folder did not have; a shape that differs is a ValueError naming it."""
     params = {canonical_name(n): p for n, p in module.named_parameters()}
     distributed = dist.is_available() and dist.is_initialized()
     main = not distributed or dist.get_rank() == 0
@@ -111,12 +115,26 @@ def load_pretrained(module: nn.Module, folder: str, device: torch.device) -> lis
         full = next(reader)[1].to(device) if main else torch.empty(shape, dtype=dtype, device=device)
         if distributed:
             dist.broadcast(full, src=0)
-        target = params.get(name)
+        ours, full = rename_tensor(rename, name, full)
+        target = params.get(ours)
         if target is not None:
+            if tuple(target.shape) != tuple(full.shape):
+                raise ValueError(f"model.pretrained: {name} is {list(full.shape)} in {folder}, "
+                                 f"{ours} is {list(target.shape)} in the model")  # fmt: skip
             _copy_into(target, full)
-            loaded.add(name)
+            loaded.add(ours)
         del full  # one full-size tensor at a time
     return sorted(set(params) - loaded)
+
+
+def rename_tensor(rename: Rename | None, name: str, full: torch.Tensor) -> tuple[str, torch.Tensor]:
+    if rename is None:
+        return name, full
+    try:
+        ours, transform = rename(name)
+    except KeyError:  # a tensor the model has no place for: left out (and named by the missing check)
+        return name, full
+    return ours, transform(full)
 
 
 def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -193,10 +193,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 def host_allocator(configured: str, parallel: str) -> str:
     """The host allocator policy a run uses: `auto` is lean where FSDP gathers and frees each
-    unit's parameters (fsdp, hybrid), steady elsewhere."""
+    unit's parameters (fsdp, hybrid, cp), steady elsewhere."""
     if configured != "auto":
         return configured
-    return "lean" if parallel in ("fsdp", "hybrid") else "steady"
+    return "lean" if parallel in ("fsdp", "hybrid", "cp") else "steady"
 
 
 def set_host_allocator(policy: str) -> bool:

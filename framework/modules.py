@@ -35,7 +35,7 @@ def materialize(module: nn.Module, device: torch.device, rule: Callable[[str, in
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    module.to_empty(device=device)
+    to_empty(module, device)
     for name, p in module.named_parameters():
         name = canonical_name(name)
         if isinstance(p, DTensor):
@@ -51,14 +51,40 @@ def materialize_model(module: nn.Module, spec, cfg, device: torch.device) -> Non
     if spec.init_rule is not None:
         materialize(module, device, spec.init_rule, cfg.seed)
     else:
-        module.to_empty(device=device)
+        to_empty(module, device)
     restore_buffers(module, device)
     for sub in module.modules():
         if hasattr(sub, "init_buffers"):
             sub.init_buffers()
     folder = cfg.model.get("pretrained")
     if folder is not None:
-        missing = load_pretrained(module, folder, device)
-        if missing and spec.init_rule is None:
+        # a model whose names or layouts differ from the checkpoint's maps them (models/llama.py)
+        missing = load_pretrained(module, folder, device, spec.from_hf_name)
+        if missing and (spec.init_rule is None or spec.from_hf_name is not None):
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise ValueError(f"model.pretrained: {folder} has no weights for {len(missing)} parameters ({shown})")
+
+
+def to_empty(module: nn.Module, device: torch.device) -> None:
+    """module.to_empty, keeping tied parameters tied (it gives each holder of a plain parameter
+    a tensor of its own, which would untie an output head from its token embedding)."""
+    ties = tied_parameters(module)
+    module.to_empty(device=device)
+    for owner, attr, source, source_attr in ties:
+        setattr(owner, attr, getattr(source, source_attr))
+
+
+def tied_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, attribute, first holder, its attribute) for each parameter held a second time,
+    e.g. an output head tied to the token embedding."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                ties.append((mod, attr, *first[id(p)]))
+            else:
+                first[id(p)] = (mod, attr)
+    return ties

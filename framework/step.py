@@ -95,15 +95,16 @@ def forward_backward(
         inputs, target = data.prepare(concat_batches([b for _, b in step_batches], cuda), info.device, cuda)
         with precision.autocast(), meter.measure() if meter else nullcontext():
             return par.pipeline.step(inputs[0], target)
-    scale = par.dp_size / step_elements(cfg, info, setup, step_batches)
+    scale = par.dp_size * par.cp_size / step_elements(cfg, info, setup, step_batches)  # FSDP averages over dp x cp
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
         inputs, target = data.prepare(batch, info.device)  # non-blocking from the loader's pinned memory
+        inputs, kwargs, target = par.split_batch(inputs, target)  # context parallel: this rank's part
         measure = meter.measure() if meter and micro == 0 else nullcontext()
         # Gradients are synchronised on the last micro-batch only: once per step.
         with par.grad_sync(micro == accum - 1), par.loss_context():
             with precision.autocast(), measure, forward_timer:
-                loss = cross_entropy(logits_of(par.module(*inputs)), target, reduction="sum")
+                loss = cross_entropy(logits_of(par.module(*inputs, **kwargs)), target, reduction="sum")
                 if poison:  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan)
                     loss = loss * float("nan")
             precision.scaler.scale(loss * scale).backward()
@@ -116,7 +117,10 @@ def step_elements(cfg: DictConfig, info: DistInfo, setup: Setup, step_batches: l
     """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
     config; variable-length (and the user's own) data counts it with one small all-reduce (a
     device tensor: the loss is scaled by it without a host sync)."""
-    if cfg.data.name not in ("varlen", "custom"):  # every target counts: seq_len per sample (text), or 1
+    packed_tokens = cfg.data.name == "tokens" and cfg.data.pack  # document boundaries: not counted
+    if (
+        cfg.data.name not in ("varlen", "custom") and not packed_tokens
+    ):  # every target counts: seq_len per sample (text), or 1
         per_sample = cfg.data.seq_len if setup.task == "lm" else 1
         sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * setup.par.dp_size
         return sum(sizes) * len(step_batches) * per_sample
@@ -159,12 +163,13 @@ def reduce_step_figures(
     rank got a signal. The figures stay on the device (`pending`, with the gradient norm and the
     loss scale) until framework.ledger settles them: reading them is a host sync, once per logged step."""
     par, data = setup.par, setup.data
-    counting = float(par.counts_data)  # tp and pp peers read the same batch: count it once
+    counting = float(par.counts_data)  # tp, pp and cp peers read the same batch: count it once
     tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting
     samples = sum(b[1].size(0) for _, b in step_batches) * counting
     if par.pipeline is None:
         terms = sum(loss_elements(b[1]) for _, b in step_batches) * counting
-        weight, terms = counting, terms
+        # cp ranks each hold a part of the loss of the batch they all read (counted once)
+        weight, terms = float(par.counts_loss), terms
     else:
         weight = terms = float(par.holds_loss)
     counts = host_values([terms, tokens, samples, float(signalled)], info.device)

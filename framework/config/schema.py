@@ -12,6 +12,16 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from framework.config.model_schema import (
+    GPTConfig,
+    HFConfig,
+    LlamaConfig,
+    LSTMConfig,
+    MLPConfig,
+    ModelConfig,
+    ResNetConfig,
+)
+
 # ----------------------------------------------------------------------------- groups
 
 
@@ -75,6 +85,9 @@ class ParallelConfig:
     schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble
     n_microbatches: int = 4
     stages_per_rank: int = 0  # 0: auto (1 for GPipe/1F1B, 2 for interleaved and V schedules)
+    # context parallel: each sequence split over cp ranks (zigzag), attention by a ring of sends
+    cp: int = 1
+    cp_impl: str = "ring"  # ring (ours: any device, gloo or NCCL) | torch (torch's context_parallel, CUDA only)
 
 
 @dataclass
@@ -125,6 +138,18 @@ class TextDataConfig(LoaderFields):
     path: str | None = None  # file or folder of text; null: this Python's standard library source
     seq_len: int = 128
     max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
+    tokenizer: str = "bytes"  # bytes (ids 0..255) | <path to a tokenizer.json> (bpe: prepare shards, data=tokens)
+
+
+@dataclass
+class TokensDataConfig(LoaderFields):
+    """Token shards written by `python -m framework.data.prepare` (memory-mapped, never read whole)."""
+
+    name: str = "tokens"
+    path: str = MISSING  # the shards' folder (index.json + shard-*.bin)
+    seq_len: int = 128
+    split: str = "train"  # train | val (the shards prepare --val-fraction set aside)
+    tokenizer: str | None = None  # null: the shards' own; else checked against it (bytes | bpe | a tokenizer.json)
 
 
 @dataclass
@@ -164,80 +189,12 @@ class VarlenDataConfig(LoaderFields):
 
 
 @dataclass
-class ModelConfig:
-    """What every model choice has (framework/contract.py); the rest are its factory's arguments."""
-
-    name: str | None = None  # the choice's name (display only)
-    _target_: str = MISSING  # the model's class or factory, e.g. pkg.module.MyModel
-    task: str | None = None  # lm | classify; null: what the model declares (else lm)
-    blocks: str | None = None  # attribute path of the repeated layers; null: declared or found
-    tp_plan: dict[str, str] | None = None  # tensor-parallel plan {submodule pattern: style}; null: declared
-    pretrained: str | None = None  # a folder of *.safetensors to load (model=hf; models with a state-dict adapter)
-
-
-@dataclass
 class CustomDataConfig(LoaderFields):
     """data=custom: your own map-style Dataset by `_target_`; the keys beside it are its arguments."""
 
     name: str = "custom"
     _target_: str = MISSING  # a Dataset class or factory, e.g. pkg.module.MyDataset
     seq_len: int | None = None  # lm data: tokens per sample, where the model checks its block size
-
-
-@dataclass
-class GPTConfig(ModelConfig):
-    name: str | None = "gpt"
-    _target_: str = "models.gpt.GPT"
-    vocab_size: int = 256
-    block_size: int = 128  # longest sequence the model accepts
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-
-
-@dataclass
-class MLPConfig(ModelConfig):
-    name: str | None = "mlp"
-    _target_: str = "models.mlp.MLP"
-    in_dim: int = 32
-    hidden: int = 256
-    depth: int = 3
-    num_classes: int = 8
-    dropout: float = 0.0
-
-
-@dataclass
-class ResNetConfig(ModelConfig):
-    name: str | None = "resnet"
-    _target_: str = "models.resnet.ResNet"
-    arch: str = "resnet18"  # any torchvision.models resnet builder name
-    num_classes: int = 10
-    small_input: bool = True  # 3x3 stem without max-pool, for 32x32 images
-
-
-@dataclass
-class LSTMConfig(ModelConfig):
-    name: str | None = "lstm"
-    _target_: str = "models.lstm.LSTMClassifier"
-    vocab_size: int = 32
-    embed_dim: int = 64
-    hidden: int = 128
-    num_layers: int = 1
-    num_classes: int = 4
-    bidirectional: bool = False
-
-
-@dataclass
-class HFConfig(ModelConfig):
-    """A Hugging Face causal LM: built from a config.json on the meta device (framework/hf.py)."""
-
-    name: str | None = "hf"
-    _target_: str = "framework.hf.from_config"
-    config: str = MISSING  # a folder with config.json
-    trust_remote_code: bool = False  # run the folder's own modelling code (off unless named here)
-    attn_implementation: str = "sdpa"  # sdpa | eager
 
 
 @dataclass
@@ -383,10 +340,12 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "vectors": VectorsDataConfig,
         "varlen": VarlenDataConfig,
         "custom": CustomDataConfig,
+        "tokens": TokensDataConfig,
     },
     "model": {
         "base": ModelConfig,
         "gpt": GPTConfig,
+        "llama": LlamaConfig,
         "mlp": MLPConfig,
         "resnet": ResNetConfig,
         "lstm": LSTMConfig,

@@ -19,7 +19,7 @@ from framework.parallel.pipeline import SCHEDULES
 
 ALLOWED = {
     "backend.name": ("auto", "gloo", "nccl", "mpi"),
-    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"),
+    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"),
     "parallel.version": (1, 2),
     "parallel.reduce_dtype": ("fp32", "bf16"),
     "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
@@ -228,7 +228,7 @@ def _check_model_and_data(cfg: DictConfig) -> None:
         )
     else:
         _require(
-            cfg.data.sampler == "distributed" and not cfg.data.pack,
+            cfg.data.sampler == "distributed" and (not cfg.data.pack or data == "tokens"),
             "data.sampler" if cfg.data.sampler != "distributed" else "data.pack",
             "length grouping, token budgets and packing are for variable-length data: use data=varlen",
         )
@@ -297,6 +297,7 @@ def _check_paths(cfg: DictConfig) -> None:
             _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
+    _check_tokenizer(cfg)
     if cfg.checkpoint.resume not in (None, "auto", "best"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),
@@ -317,7 +318,7 @@ def _check_strategy(cfg: DictConfig) -> None:
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
             f"device; device={cfg.device} with {cuda_device_count()} here. Use parallel=ddp, which is faster anyway",
         )
-    if p.name not in ("fsdp", "tp", "pp", "hybrid"):
+    if p.name not in ("fsdp", "tp", "pp", "hybrid", "cp"):
         return
     from framework.config.model import model_dims_of
 
@@ -329,6 +330,11 @@ def _check_strategy(cfg: DictConfig) -> None:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
     from framework.config.model import check_pipeline, check_tensor_parallel
 
+    _require(
+        dims.cp == 1 or p.get("cp_impl", "ring") != "torch" or resolve_device(cfg) == "cuda",
+        "parallel.cp_impl",
+        "torch's context_parallel runs CUDA SDPA kernels only; on CPU use parallel.cp_impl=ring",
+    )
     if dims.tp > 1:
         check_tensor_parallel(cfg)
     if dims.pp > 1:
@@ -351,3 +357,12 @@ def _check_eval(cfg: DictConfig) -> None:
     for key, used in (("eval.patience", e.patience), ("checkpoint.monitor", cfg.checkpoint.monitor),
                       ("optimize", cfg.optimize == "val_loss")):  # fmt: skip
         _require(not used or e.every > 0, key, "needs evaluation during training: set eval.every=N (> 0)")
+
+
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """Token shards, tokenizers and a pretrained model's vocabulary (framework.data.tokens)."""
+    from framework.data.tokens import config_problem
+
+    problem = config_problem(cfg)
+    if problem is not None:
+        raise ConfigError(*problem)

@@ -43,7 +43,12 @@ USER_DATA_RESERVED = (
     "pack",
     "pack_len",
     "seq_len",
+    "val_fraction",
+    "val_path",
+    "tokenizer",
 )  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
+
+from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 
 
 def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str = "train") -> Dataset:
@@ -58,13 +63,15 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
         kwargs = {k: v for k, v in cfg.items() if k not in USER_DATA_RESERVED}
         data = UserDataset(instantiate(kwargs, _convert_="all"), task)
         return held_out(data, fraction, seed, split) if fraction else data
+    if cfg.name == "tokens":  # the shards prepare set aside are the validation split
+        return TokenShards(cfg.path, cfg.seq_len, "val" if split == "val" else cfg.split, cfg.pack)
     if split == "val" and cfg.get("val_path"):
-        return ByteTextDataset(cfg.val_path, cfg.seq_len, cfg.max_bytes)
+        return ByteTextDataset(cfg.val_path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
     if split == "val" and not fraction:
         raise ValueError("data.val_fraction: no validation split; set data.val_fraction (0 < f < 1) or data.val_path")
     held = fraction if split == "val" or not cfg.get("val_path") else 0.0  # val_path: train on all of data.path
     if cfg.name == "text":
-        data = ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes)
+        data = ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
         return text_region(data, held, split) if held else data
     if cfg.name == "varlen":
         data = VarlenSequences(cfg.num_samples, cfg.vocab_size, cfg.num_classes, cfg.min_len, cfg.max_len,

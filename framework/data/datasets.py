@@ -47,11 +47,17 @@ def read_corpus(path: str | None, max_bytes: int) -> bytes:
 class ByteTextDataset(Dataset):
     """Next-byte prediction over consecutive, non-overlapping windows of the corpus."""
 
-    def __init__(self, path: str | None, seq_len: int, max_bytes: int):
+    def __init__(self, path: str | None, seq_len: int, max_bytes: int, tokenizer: str = "bytes"):
         raw = read_corpus(path, max_bytes)
-        if len(raw) < seq_len + 1:
-            raise ValueError(f"data.path: corpus holds {len(raw)} bytes, fewer than seq_len+1={seq_len + 1}")
-        self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if tokenizer == "bytes":
+            self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        else:  # data.tokenizer=<tokenizer.json>: the corpus as that tokenizer's ids
+            from framework.data.tokenizer import load_tokenizer
+
+            ids = load_tokenizer(tokenizer).encode(raw.decode("utf-8", errors="replace"))
+            self.data = torch.tensor(ids, dtype=torch.int32)
+        if len(self.data) < seq_len + 1:
+            raise ValueError(f"data.path: corpus holds {len(self.data)} tokens, fewer than seq_len+1={seq_len + 1}")
         self.seq_len = seq_len
 
     def __len__(self) -> int:

@@ -1,10 +1,12 @@
 """Parallel strategies. ``parallelize`` applies them to a plain model in the one fixed order:
 
-    pipeline split -> tensor parallel -> activation checkpointing -> compile -> FSDP / DDP
+    pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile
+    -> FSDP / DDP
 
 Tensor parallelism first, because its plan names the model's own submodules (``attn.q``) and
 checkpointing wraps them; checkpointing before FSDP so that FSDP's units are the (wrapped)
-blocks and a block's parameters are gathered again for its recomputation; compilation per block
+blocks and a block's parameters are gathered again for its recomputation; context parallel
+wraps nothing (it shards the batch and routes attention to a ring, also in the recomputation); compilation per block
 after checkpointing (the recomputation is compiled too) and before FSDP, whose hooks and
 collectives stay outside the compiled graphs; the data-parallel wrapper last, over the final
 parameters. A pipeline split comes before all of them: each stage is
@@ -12,7 +14,8 @@ then parallelized like a model of its own.
 
 The result, ``Parallelized``, is what the trainer needs of any strategy: the module to run, a
 gradient-sync switch for accumulation, gradient clipping that knows how gradients are sharded,
-which ranks hold the loss and which read distinct data.
+which ranks hold the loss and which read distinct data, and (context parallel) which part of
+each sequence a rank computes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +52,10 @@ class Parallelized:
     holds_loss: bool = True  # this rank computes the loss (a pipeline's last stage)
     counts_data: bool = True  # one rank per data-parallel group counts samples and tokens
     pp_group: object = field(default=None, repr=False)
+    # context parallel: (inputs, target) of the batch -> (this rank's inputs, forward kwargs, target)
+    split_batch: Callable[[tuple, torch.Tensor], tuple[tuple, dict, torch.Tensor]] = lambda i, t: (i, {}, t)
+    cp_size: int = 1  # ranks that split each sequence: gradients are averaged over dp x cp
+    counts_loss: bool = True  # this rank's loss is a part of the step's (tp peers hold the same one)
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
@@ -134,11 +141,13 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         # 2. tensor parallel
         if dims.tp > 1:
             apply_tp(stage, spec, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
-        # 3. activation checkpointing, 4. compile
+        # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
+        # 4. activation checkpointing, 5. compile
         _checkpoint_and_compile(stage, spec, cfg)
-    # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
-    # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
-    shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
+    # 6. FSDP over the data-parallel axes (HSDP when dp_replicate > 1; dp_shard x cp with context
+    # parallel); parallel=fsdp shards even on one rank, so that a single GPU exercises FSDP's code
+    # path (mixed precision, CPU offload)
+    shard = dims.dp * dims.cp > 1 or cfg.parallel.name == "fsdp"
     fsdp_v1 = shard and parallel_cfg.version == 1
     if shard:
         if fsdp_v1:
@@ -152,8 +161,10 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         mesh=mesh,
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
-        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0,
+        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0 and mesh.cp_rank == 0,
         pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
+        cp_size=dims.cp,
+        counts_loss=mesh.tp_rank == 0 and mesh.pp_rank == 0,
     )
     if dims.pp > 1:
         par.pipeline = build_pipeline(stages, stage_ids, n_stages, parallel_cfg, par.pp_group, info.device)
@@ -174,7 +185,22 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         from torch.distributed.tensor.parallel import loss_parallel
 
         par.loss_context = loss_parallel
+    if dims.cp > 1:
+        from framework.parallel.context import apply_cp
+
+        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], parallel_cfg.cp_impl)
+        par.loss_context = _stacked(par.loss_context, attention)
     return par
+
+
+def _stacked(*contexts: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
+    def enter_all() -> ExitStack:
+        stack = ExitStack()
+        for context in contexts:
+            stack.enter_context(context())
+        return stack
+
+    return enter_all
 
 
 def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:

@@ -1,0 +1,155 @@
+"""Export a checkpoint for use outside this framework:
+`python -m framework.export CHECKPOINT OUT --format hf` writes OUT/config.json and
+OUT/model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads.
+
+CHECKPOINT is a `step-NNNNNN` folder saved under any layout and world size (DCP reshards on
+read). The export streams parameter by parameter: each tensor is read whole from the checkpoint
+(DCP gathers its shards), converted to Hugging Face's name and layout (models/llama_hf.py) and
+written at its place in the safetensors file, whose header is written first from the
+checkpoint's metadata. No more than one full parameter is in memory at a time.
+
+The run's config is read from the run directory above the checkpoint (`.hydra/config.yaml`), or
+from `--config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from framework.contract import factory_kwargs
+from models.llama import Llama
+from models.llama_args import LlamaArgs
+from models.llama_hf import hf_config, hf_names, to_hf_name
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+class ExportError(ValueError):
+    pass
+
+
+def write_safetensors(path: str, entries: Sequence[tuple[str, torch.Size, torch.dtype]],
+                      fetch: Callable[[int], torch.Tensor]) -> None:  # fmt: skip
+    """A safetensors file of `entries` (name, shape, dtype), the header first; tensor i comes
+    from `fetch(i)`, called once each, in order, so only one is held at a time."""
+    header, offset = {}, 0
+    for name, shape, dtype in entries:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for i, (name, shape, dtype) in enumerate(entries):
+            t = fetch(i).to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise ExportError(f"{name}: got shape {list(t.shape)}, the header says {list(shape)}")
+            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    os.replace(tmp, path)
+
+
+def run_config(checkpoint: str, config: str | None):
+    """The config of the run that saved `checkpoint`."""
+    if config is not None:
+        return OmegaConf.load(config)
+    for parent in Path(checkpoint).resolve().parents[:3]:
+        if (parent / ".hydra" / "config.yaml").is_file():
+            return OmegaConf.load(parent / ".hydra" / "config.yaml")
+    raise ExportError(f"CHECKPOINT: no run config (.hydra/config.yaml) above {checkpoint}; pass --config")
+
+
+def checkpoint_tensors(checkpoint: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The model tensors a DCP checkpoint holds (our names), from its metadata only."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(checkpoint).read_metadata()
+    return {k[len("model.") :]: (m.size, m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+            if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
+
+
+def read_tensor(checkpoint: str, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """One whole model tensor from a DCP checkpoint (its shards gathered), on the CPU."""
+    import torch.distributed.checkpoint as dcp
+
+    out = torch.empty(shape, dtype=dtype)
+    dcp.load({"model": {name: out}}, checkpoint_id=checkpoint)
+    return out
+
+
+def llama_args_of(cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> LlamaArgs:
+    if cfg.model.get("_target_") != "models.llama.Llama":
+        raise ExportError(f"--format hf: model={cfg.model.name} has no Hugging Face layout here; model=llama has")
+    cfg.model.vocab_size = int(tensors["tok_embeddings.weight"][0][0])  # what the run trained with
+    kwargs = factory_kwargs(OmegaConf.to_container(cfg.model, resolve=True))
+    kwargs.pop("_target_")
+    with torch.device("meta"):
+        return Llama(**kwargs).args
+
+
+def export_hf(checkpoint: str, out: str, config: str | None = None) -> LlamaArgs:
+    cfg = run_config(checkpoint, config)
+    tensors = checkpoint_tensors(checkpoint)
+    args = llama_args_of(cfg, tensors)
+    names = hf_names(args)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ExportError(f"CHECKPOINT: {checkpoint} lacks {', '.join(missing[:5])}")
+    os.makedirs(out, exist_ok=True)
+    dtype = tensors[names[0]][1]
+    entries = [(to_hf_name(n, args)[0], *tensors[n]) for n in names]
+
+    def fetch(i: int) -> torch.Tensor:
+        return to_hf_name(names[i], args)[1](read_tensor(checkpoint, names[i], *tensors[names[i]]))
+
+    write_safetensors(os.path.join(out, "model.safetensors"), entries, fetch)
+    config_json = hf_config(args, str(dtype).removeprefix("torch."))
+    Path(out, "config.json").write_text(json.dumps(config_json, indent=2))
+    copy_tokenizer(cfg, out)
+    return args
+
+
+def copy_tokenizer(cfg, out: str) -> None:
+    """The run's tokenizer.json beside the weights, when it had one."""
+    d = cfg.data
+    source = Path(d.path, "tokenizer.json") if d.name == "tokens" else None
+    if d.name == "text" and d.get("tokenizer", "bytes") != "bytes":
+        source = Path(d.tokenizer)
+    if source is not None and source.is_file():
+        shutil.copyfile(source, Path(out, "tokenizer.json"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a step-NNNNNN checkpoint folder")
+    p.add_argument("out", help="the folder to write")
+    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors")
+    p.add_argument("--config", default=None, help="the run's config.yaml (default: the run dir's .hydra/config.yaml)")
+    a = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(a.checkpoint, ".metadata")):
+        print(f"error: CHECKPOINT: {a.checkpoint} is not a complete checkpoint (no .metadata)", file=sys.stderr)
+        return 2
+    try:
+        args = export_hf(a.checkpoint, a.out, a.config)
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{a.out}: Hugging Face Llama ({args.n_layers} layers, dim {args.dim}, vocabulary {args.vocab_size})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

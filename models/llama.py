@@ -1,0 +1,240 @@
+"""A Llama-3-family decoder (torchtitan's `llama3` in plain single-device code, no torch.distributed).
+
+RMSNorm, rotary position embeddings (`rope_theta`, optional Llama-3.1 frequency scaling), a
+SwiGLU MLP, grouped-query attention (`n_kv_heads` key/value heads shared by `n_heads` query
+heads) and optionally an output head tied to the token embedding. The weights are in Meta's
+layout (rotary pairs interleaved, as the original checkpoints); `models/llama_hf.py` maps them
+to and from Hugging Face's `LlamaForCausalLM`.
+
+Its blocks sit in ``self.layers`` and its forward is the plain chain tok_embeddings -> layers ->
+norm -> output, which the framework splits into pipeline stages. Nothing is kept in buffers
+(the rotary tables are recomputed each forward from plain numbers), so a model built on the
+meta device needs only its parameters filled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.init import Rule, fill_
+from models.llama_args import FLAVORS, LlamaArgs
+from models.llama_hf import args_from_hf_config, from_hf_name
+
+
+def rope_frequencies(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
+    """The (head_dim / 2,) inverse frequencies, with Llama-3.1 scaling when `rope_factor` is set:
+    wavelengths above original_max_pos / low_freq_factor divided by the factor, below
+    original_max_pos / high_freq_factor kept, and smoothly interpolated in between."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
+    if args.rope_factor is None:
+        return inv
+    factor, low, high, old = (
+        args.rope_factor,
+        args.rope_low_freq_factor,
+        args.rope_high_freq_factor,
+        args.rope_original_max_pos,
+    )
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x (B, heads, T, head_dim) by the angles whose
+    cos and sin are (B or 1, 1, T, head_dim / 2)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 (as Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        hd = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.args.head_dim
+        # head counts come from the projections' widths: a tensor-parallel shard has fewer heads
+        q, k, v = (lin(x).view(B, T, -1, hd).transpose(1, 2) for lin in (self.wq, self.wk, self.wv))
+        pos, mask = positions_and_mask(T, doc_ids, x.device)
+        angles = pos[..., None].float() * rope_frequencies(self.args, x.device)  # (B or 1, T, hd/2)
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def positions_and_mask(T: int, doc_ids: torch.Tensor | None, device: torch.device):
+    """Positions (1, T), or for packed sequences (doc_ids (B, T)) positions restarting at each
+    document and a (B, 1, T, T) mask keeping attention causal and within a document."""
+    pos = torch.arange(T, device=device)
+    if doc_ids is None:
+        return pos[None], None
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    pos = pos - torch.cummax(torch.where(starts, pos, 0), dim=1).values
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return pos, (same_doc & torch.ones(T, T, dtype=torch.bool, device=device).tril())[:, None]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), doc_ids)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def llama_args(flavor: str = "debug", hf_config: str | None = None, **overrides) -> LlamaArgs:
+    """The flavour's shape (or that of a Hugging Face folder's config.json), with the non-null overrides."""
+    if hf_config is not None:
+        with open(os.path.join(hf_config, "config.json")) as f:
+            base = args_from_hf_config(json.load(f))
+    elif flavor in FLAVORS:
+        base = FLAVORS[flavor]
+    else:
+        raise ValueError(f"model.flavor: got {flavor!r}; allowed: {', '.join(FLAVORS)}")
+    known = {f.name for f in fields(LlamaArgs)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise TypeError(f"Llama: unknown arguments {sorted(unknown)}")
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class Llama(nn.Module):
+    task = "lm"
+    blocks_path = "layers"
+    # Tensor parallel, in the contract's plain strings (Megatron-style: q/k/v and w1/w3 split by
+    # output features, wo and w2 by input features; norms sequence-parallel; the sequence gathered
+    # before attention and the MLP; the embedding and head split over the vocabulary). n_heads and
+    # n_kv_heads must both divide by the tensor-parallel degree.
+    tp_plan = {
+        "tok_embeddings": "embedding",
+        "layers.*.attention_norm": "sequence_parallel",
+        "layers.*.attention": "gather_input",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.ffn_norm": "sequence_parallel",
+        "layers.*.feed_forward": "gather_input",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "norm": "sequence_parallel",
+        "output": "output",
+    }
+
+    def __init__(self, flavor: str = "debug", hf_config: str | None = None, **overrides):
+        super().__init__()
+        self.args = args = llama_args(flavor, hf_config, **overrides)
+        self.n_heads = args.n_heads  # the contract: tensor parallel splits whole heads
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:  # one parameter (a pipeline needs untied: it lives on two stages)
+            self.output.weight = self.tok_embeddings.weight
+        self.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). doc_ids (B, T): packed documents (see positions_and_mask)."""
+        assert tokens.shape[1] <= self.args.max_seq_len, f"{tokens.shape[1]} tokens > max_seq_len"
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, doc_ids)
+        return self.output(self.norm(h))
+
+    def init_rule(self, name: str, dim: int) -> Rule:
+        """Norm weights 1; matrices normal(0, 0.02), the residual projections (wo, w2) scaled
+        down by depth (GPT-2)."""
+        if dim == 1:
+            return "ones", 0.0
+        deep = name.endswith(("wo.weight", "w2.weight"))
+        return "normal", 0.02 / math.sqrt(2 * self.args.n_layers) if deep else 0.02
+
+    def reset_parameters(self) -> None:
+        """Row-seeded (models/init.py), so a shard filled on its own rank gets the same values;
+        on the meta device there is nothing to fill (the framework does it)."""
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                fill_(p, self.init_rule(name, p.dim()), torch.initial_seed(), name)
+
+    def from_hf_name(self, name: str):
+        """A Hugging Face checkpoint's tensor name -> (ours, the layout change): model.pretrained."""
+        return from_hf_name(name, self.args)
+
+    def planner_shape(self) -> dict[str, int]:
+        """gpt-like dimensions for the planner's activation formula (framework/plan/model.py)."""
+        a = self.args
+        return {"n_layer": a.n_layers, "n_head": a.n_heads, "n_embd": a.dim, "vocab_size": a.vocab_size}
+
+    def flops_per_token(self, seq_len: int, recomputed_blocks: int = 0) -> float:
+        """Training FLOPs per token: 6 per matmul weight (the output head's included, tied or not)
+        plus 12·L·H·Q·T for attention's scores and weighted sum (causal masking not discounted),
+        as in models/gpt.py. recomputed_blocks (activation checkpointing): their forward again,
+        2 per block weight and 4·H·Q·T, less the last projection (w2), which non-reentrant
+        checkpointing does not rerun."""
+        a = self.args
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        attn_width = a.n_heads * a.head_dim
+        model_flops = 6 * sum(m.weight.numel() for m in linears) + 12 * a.n_layers * attn_width * seq_len
+        block = self.layers[0]
+        block_weights = sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+        rerun = block_weights - block.feed_forward.w2.weight.numel()
+        return model_flops + recomputed_blocks * (2 * rerun + 4 * attn_width * seq_len)

@@ -1,0 +1,78 @@
+"""The shape of a Llama (models/llama.py) and its published flavours: plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    vocab_size: int = 256
+    ffn_hidden: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama-3.1 rope scaling (null factor: none): long wavelengths divided by `rope_factor`
+    rope_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_pos: int = 8192
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+_LLAMA31 = {"rope_factor": 8.0, "rope_theta": 500000.0}
+# The published shapes: Llama 3.2 1B, Llama 3.1 8B and 70B (128256-token vocabulary). debug is
+# torchtitan's debug model with grouped-query attention on; 150m is not a published Llama but the
+# GPT-2-small shape in Llama form (12 x 768), a size that trains on one GPU.
+FLAVORS: dict[str, LlamaArgs] = {
+    "debug": LlamaArgs(),
+    "150m": LlamaArgs(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        vocab_size=32000,
+        ffn_hidden=2048,
+        rope_theta=10000.0,
+        max_seq_len=2048,
+    ),  # fmt: skip
+    "1b": LlamaArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=8192,
+        rope_factor=32.0,
+        max_seq_len=131072,
+        tie_embeddings=True,
+    ),  # fmt: skip
+    "8b": LlamaArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=14336,
+        max_seq_len=131072,
+        **_LLAMA31,
+    ),  # fmt: skip
+    "70b": LlamaArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=28672,
+        max_seq_len=131072,
+        **_LLAMA31,
+    ),  # fmt: skip
+}

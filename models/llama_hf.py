@@ -1,0 +1,205 @@
+"""Hugging Face <-> models/llama.py: config, parameter names and layouts, and safetensors reading.
+
+Our Llama keeps Meta's layout: the rotary pairs of wq and wk are interleaved (x[2i], x[2i+1]).
+Hugging Face's LlamaForCausalLM rotates halves instead (x[i], x[i + head_dim/2]), so its q_proj
+and k_proj rows are permuted within each head (transformers' convert_llama_weights_to_hf
+`permute`). Everything else is a rename. The permutation is a reshape and a transpose: exact,
+so import then export gives back the same bits.
+
+Reading streams one tensor at a time (`iter_hf_tensors`), from one model.safetensors or the
+shards a model.safetensors.index.json lists; nothing here holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+
+from models.llama_args import LlamaArgs
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+# our name (layer index as {}) -> Hugging Face's
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}  # fmt: skip
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TO_OURS_TOP = {v: k for k, v in _TOP_NAMES.items()}
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's q/k rows (pairs interleaved per head) -> Hugging Face's (halves per head)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rope_transform(fn, n_heads: int) -> Transform:
+    return lambda t: fn(t, n_heads)
+
+
+def to_hf_name(name: str, args: LlamaArgs) -> tuple[str, Transform]:
+    """Our parameter name -> (Hugging Face's name, the layout change to apply to the tensor)."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name], _identity
+    m = _OURS_LAYER.match(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"llama: no Hugging Face name for parameter {name!r}")
+    hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(m.group(2))
+    return hf, _identity if heads is None else _rope_transform(interleaved_to_halves, heads)
+
+
+def from_hf_name(name: str, args: LlamaArgs) -> tuple[str, Transform]:
+    """Hugging Face's parameter name -> (our name, the layout change to apply to the tensor)."""
+    if name in _HF_TO_OURS_TOP:
+        return _HF_TO_OURS_TOP[name], _identity
+    m = _HF_LAYER.match(name)
+    if m is None or m.group(2) not in _HF_TO_OURS_LAYER:
+        raise KeyError(f"llama: Hugging Face parameter {name!r} has no counterpart here")
+    ours = _HF_TO_OURS_LAYER[m.group(2)]
+    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(ours)
+    return f"layers.{m.group(1)}.{ours}", _identity if heads is None else _rope_transform(halves_to_interleaved, heads)
+
+
+def hf_names(args: LlamaArgs) -> list[str]:
+    """Our parameter names a Hugging Face checkpoint of this shape holds, in our order (a tied
+    head has no lm_head.weight of its own)."""
+    names = ["tok_embeddings.weight"]
+    for i in range(args.n_layers):
+        names += [f"layers.{i}.{k}" for k in _LAYER_NAMES]
+    names.append("norm.weight")
+    return names if args.tie_embeddings else [*names, "output.weight"]
+
+
+def to_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """Our state dict -> Hugging Face's (a tied head's duplicate dropped)."""
+    keep = set(hf_names(args))
+    return {hf: fn(t) for name, t in state.items() if name in keep for hf, fn in [to_hf_name(name, args)]}
+
+
+def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """Hugging Face's state dict -> ours (a tied head gets the embedding)."""
+    out = {ours: fn(t) for name, t in state.items() for ours, fn in [from_hf_name(name, args)]}
+    if args.tie_embeddings:
+        out.pop("output.weight", None)
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def args_from_hf_config(cfg: dict) -> LlamaArgs:
+    """LlamaArgs from a Hugging Face LlamaConfig dict (rope scaling in either the old
+    `rope_theta` + `rope_scaling` form or transformers 5's `rope_parameters`)."""
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"model.pretrained: config.json is a {cfg['model_type']!r} model, not llama")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"model.pretrained: rope type {kind!r} is not supported (default or llama3)")
+    heads = cfg["num_attention_heads"]
+    if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
+        raise ValueError("model.pretrained: head_dim other than hidden_size / num_attention_heads is not supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"model.pretrained: {key}=true is not supported")
+    llama3 = kind == "llama3"
+    return LlamaArgs(
+        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
+        ffn_hidden=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+        rope_factor=float(rope["factor"]) if llama3 else None,
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_pos=int(rope.get("original_max_position_embeddings", 8192)),
+        max_seq_len=cfg.get("max_position_embeddings", 8192), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
+    )  # fmt: skip
+
+
+def hf_config(args: LlamaArgs, dtype: str = "float32") -> dict:
+    """A Hugging Face LlamaConfig dict (old-style rope keys, which every transformers reads)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden, "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": dtype, "rope_scaling": None,
+    }  # fmt: skip
+    if args.rope_factor is not None:
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3", "factor": args.rope_factor, "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_pos,
+        }  # fmt: skip
+    return cfg
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def hf_weight_files(folder: str) -> list[str]:
+    """The safetensors files of a Hugging Face checkpoint folder: the shards its
+    model.safetensors.index.json lists, else its model.safetensors (else every *.safetensors)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    single = os.path.join(folder, "model.safetensors")
+    files = [single] if os.path.exists(single) else sorted(
+        os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))  # fmt: skip
+    if not files:
+        raise FileNotFoundError(f"model.pretrained: no *.safetensors in {folder}")
+    return files
+
+
+def iter_hf_tensors(folder: str, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs, one tensor in memory at a time (safetensors.safe_open
+    maps the file and reads each tensor on demand); `names`: only these."""
+    from safetensors import safe_open
+
+    for path in hf_weight_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if names is None or name in names:
+                    yield name, f.get_tensor(name)
+
+
+def hf_tensor_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, read from the files' headers only."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in hf_weight_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
