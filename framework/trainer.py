@@ -372,7 +372,8 @@ def build_evaluator(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunSta
         checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
     if not cfg.checkpoint.monitor:
         return Evaluator(cfg, info, setup)
-    best = Checkpointer(checkpoint.best_root(root), info.rank, OmegaConf.merge(cfg.checkpoint, {"keep_last": 1}))
+    options = OmegaConf.merge(cfg.checkpoint, {"keep_last": 1, "async_save": False})  # complete before training goes on
+    best = Checkpointer(checkpoint.best_root(root), info.rank, options)
 
     def save_best(done: int) -> None:
         state = trainer_state(cfg, info, setup, stats, done)
