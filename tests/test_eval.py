@@ -242,7 +242,8 @@ def test_generate_is_greedy_and_deterministic_and_refuses_a_classifier(world2):
     ],
 )
 def test_bad_eval_settings_name_their_key(overrides, key):
-    from framework.config import ConfigError, compose_run
+    from framework.compose import compose_run
+    from framework.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
         compose_run(["experiment=smoke", "parallel=none", *overrides])
