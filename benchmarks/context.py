@@ -31,6 +31,7 @@ MB = 2**20
 
 
 def main() -> None:
+    load = os.getloadavg()[0]  # a shared machine: N ranks get about N shares of its cores
     summaries = {}
     for name, (world, args) in ROWS.items():  # one group of workers per world size
         summaries[name] = run({name: args}, world, COMMON)[name]
@@ -49,7 +50,9 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, {time.strftime('%Y-%m-%d')}"
     doc = (
         f"# Context parallel (ring attention), gpt 4 x 128 at T={SEQ}, global batch {BATCH}, fp32, gloo\n\n"
-        f"Made by `{command}` on {machine}.\n\n{text}\n"
+        f"Made by `{command}` on {machine}, load average {load:.1f} at the start.\n\n{text}\n\n"
+        "Saved bytes and sends are exact (counted). Under a load above the core count each process gets about "
+        "one share of the CPU, so runs with more ranks get more of it: tokens/s ratios overstate cp's speed-up.\n"
     )
     out = ROOT / "docs" / "results" / "context.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,13 +36,16 @@ def world_config(overrides: list[str], world: int) -> dict[str, Any]:
     return compose_run(on_cpu([*overrides, f"launch.nproc_per_node={world}"]))
 
 
-def train_cli(args: list[str], run_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def train_cli(
+    args: list[str], run_dir: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a subprocess, as a user runs it (W&B offline, no network)."""
     cmd = [sys.executable, str(ROOT / "train.py"), *on_cpu(args)]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env |= {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env |= {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"} | extra
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

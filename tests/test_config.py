@@ -28,7 +28,7 @@ def test_every_group_has_choices_and_a_schema():
         assert choices(group), group
     for name in ("auto", "gloo", "nccl", "mpi"):
         assert name in choices("backend")
-    assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"} == set(choices("parallel"))
+    assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
     assert {"gpt", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from framework.config import ConfigError, compose_run
+from framework.compose import compose_run
+from framework.config import ConfigError
 from framework.config.resolve import assume_cuda_devices, cuda_device_count, resolve_device
 from tests.helpers import compose_config, world_config
 

@@ -27,6 +27,7 @@ from framework.data.samplers import (
     WeightedBatchSampler,
 )
 from framework.data.split import document_split, held_out, text_region
+from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 
 USER_DATA_RESERVED = (
     "name",
@@ -47,8 +48,6 @@ USER_DATA_RESERVED = (
     "val_path",
     "tokenizer",
 )  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
-
-from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 
 
 def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str = "train") -> Dataset:

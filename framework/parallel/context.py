@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from omegaconf import DictConfig
 from torch import nn
 
 from framework.parallel.ring import ring_attention
@@ -109,6 +110,38 @@ def batch_splitter(cp: int, rank: int) -> Callable:
         return (zigzag_shard(tokens, 1, cp, rank),), {"positions": positions}, zigzag_shard(target, 1, cp, rank)
 
     return split
+
+
+CP_IMPLS = ("ring", "torch")
+
+
+def cp_config_problem(dims, cfg: DictConfig) -> tuple[str, str] | None:
+    """What cp > 1 demands of the run's config (`dims`: its ParallelDims): the (key, message) of
+    the first thing it cannot run with, or None."""
+    from hydra.utils import get_object
+
+    p, cp = cfg.parallel, dims.cp
+    model_cls = get_object(cfg.model._target_)  # the model contract's declarations, read from the class
+    forward = getattr(model_cls, "forward", None)
+    takes_positions = forward is not None and "positions" in inspect.signature(forward).parameters
+    task = cfg.model.get("task") or getattr(model_cls, "task", "lm" if takes_positions else "classify")
+    checks = [
+        (p.get("cp_impl", "ring") in CP_IMPLS, "parallel.cp_impl", f"got {p.get('cp_impl')!r}; one of {CP_IMPLS}"),
+        (task == "lm", "parallel.cp",
+         f"context parallel splits a language model's sequences; {cfg.model._target_} is a classifier"),
+        (takes_positions, "parallel.cp",
+         f"{cfg.model._target_} does not declare context parallel (its forward takes no `positions`)"),
+        (cfg.data.name == "text", "data",
+         f"context parallel takes fixed-length token batches (data=text); got data={cfg.data.name} "
+         "(packing's document masks are not supported across the ring)"),
+        (cfg.data.seq_len % (2 * cp) == 0, "data.seq_len",
+         f"zigzag sharding cuts each sequence into 2 x cp = {2 * cp} chunks; {cfg.data.seq_len} does not divide"),
+        (dims.pp == 1, "parallel.cp", "context parallel is not combined with pipeline parallel; set parallel.pp=1"),
+        (p.version == 2, "parallel.version", "context parallel shards with FSDP2 (version=2) only"),
+        (not cfg.model.get("dropout", 0.0), "model.dropout", "context parallel's attention has no dropout; set 0"),
+        (not cfg.compile, "compile", "context parallel's ring attention is not compiled; set compile=false"),
+    ]  # fmt: skip
+    return next(((key, message) for ok, key, message in checks if not ok), None)
 
 
 def check_cp_model(model: nn.Module) -> None:

@@ -129,7 +129,11 @@ class ParallelDims:
                 f"{cfg.data.seq_len} does not divide",
             )
         if self.cp > 1:
-            check_cp_run(self, cfg)
+            from framework.parallel.context import cp_config_problem
+
+            problem = cp_config_problem(self, cfg)
+            if problem is not None:
+                raise DimsError(*problem)
 
     @property
     def dp(self) -> int:
@@ -152,46 +156,11 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
 
 
-CP_IMPLS = ("ring", "torch")
-
-
 def _rest_of_world(key: str, world_size: int, others: int, names: str) -> int:
     if others < 1 or world_size % others:
         raise DimsError(key, f"-1 takes the ranks left over: world size {world_size} does not divide by {names} "
                              f"= {others} (set the other degrees, none of them -1)")  # fmt: skip
     return world_size // others
-
-
-def check_cp_run(dims: ParallelDims, cfg: DictConfig) -> None:
-    """What cp > 1 demands of the run's config (`dims`: its ParallelDims). Raises DimsError."""
-    import inspect
-
-    from hydra.utils import get_object
-
-    p, cp = cfg.parallel, dims.cp
-    model_cls = get_object(cfg.model._target_)  # the model contract's declarations, read from the class
-    forward = getattr(model_cls, "forward", None)
-    takes_positions = forward is not None and "positions" in inspect.signature(forward).parameters
-    task = cfg.model.get("task") or getattr(model_cls, "task", "lm" if takes_positions else "classify")
-    checks = [
-        (p.get("cp_impl", "ring") in CP_IMPLS, "parallel.cp_impl", f"got {p.get('cp_impl')!r}; one of {CP_IMPLS}"),
-        (task == "lm", "parallel.cp",
-         f"context parallel splits a language model's sequences; {cfg.model._target_} is a classifier"),
-        (takes_positions, "parallel.cp",
-         f"{cfg.model._target_} does not declare context parallel (its forward takes no `positions`)"),
-        (cfg.data.name == "text", "data",
-         f"context parallel takes fixed-length token batches (data=text); got data={cfg.data.name} "
-         "(packing's document masks are not supported across the ring)"),
-        (cfg.data.seq_len % (2 * cp) == 0, "data.seq_len",
-         f"zigzag sharding cuts each sequence into 2 x cp = {2 * cp} chunks; {cfg.data.seq_len} does not divide"),
-        (dims.pp == 1, "parallel.cp", "context parallel is not combined with pipeline parallel; set parallel.pp=1"),
-        (p.version == 2, "parallel.version", "context parallel shards with FSDP2 (version=2) only"),
-        (not cfg.model.get("dropout", 0.0), "model.dropout", "context parallel's attention has no dropout; set 0"),
-        (not cfg.compile, "compile", "context parallel's ring attention is not compiled; set compile=false"),
-    ]  # fmt: skip
-    for ok, key, message in checks:
-        if not ok:
-            raise DimsError(key, message)
 
 
 @dataclass

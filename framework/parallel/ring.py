@@ -118,8 +118,8 @@ def ring_forward(q, k, v, ring: Ring, scale: float) -> tuple[torch.Tensor, torch
         if step == 0:
             out, lse = attend(q, kv[0], kv[1], scale, causal=True)
         elif source < ring.rank:  # every query sees the block's first (earlier) chunk only
-            k, v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
-            _merge(out, lse, *attend(q, k, v, scale, causal=False))
+            first_k, first_v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
+            _merge(out, lse, *attend(q, first_k, first_v, scale, causal=False))
         else:  # only this rank's second (later) chunk sees the block, all of it
             _merge(out[..., half:, :], lse[..., half:], *attend(q[..., half:, :], kv[0], kv[1], scale, causal=False))
         if step + 1 < ring.size:
@@ -137,9 +137,9 @@ def _block_grads(q, kv, dout, out, lse, delta, scale, ring: Ring, step: int):
     if step == 0:
         dq[:], dkv[0], dkv[1] = attend_backward(q, kv[0], kv[1], dout, out, lse, delta, scale, causal=True)
     elif source < ring.rank:
-        k, v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
+        first_k, first_v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
         dq[:], dkv[0, ..., :half, :], dkv[1, ..., :half, :] = attend_backward(
-            q, k, v, dout, out, lse, delta, scale, False
+            q, first_k, first_v, dout, out, lse, delta, scale, False
         )
     else:
         r = slice(half, None)
