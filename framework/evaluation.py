@@ -172,7 +172,9 @@ class Evaluator:
     seconds: float = 0.0
 
     def __post_init__(self):
-        e = self.cfg.eval
+        e, state = self.cfg.eval, self.setup.eval_state
+        if state:  # resumed: the best evaluation before the checkpoint
+            self.best_loss, self.best_step, self.stale = state["best_loss"], state["best_step"], state["stale"]
         if e.every > 0 or e.at_start:
             self.val = build_eval_data(self.cfg, self.setup, self.info.device)
 
@@ -198,14 +200,15 @@ class Evaluator:
             return None
         record = self.run(done)
         loss = record["val_loss"]
-        if loss < self.best_loss - self.cfg.eval.min_delta:
-            self.best_loss, self.best_step, self.stale = loss, done, 0
-            if self.save_best is not None:
-                self.save_best(done)
-        else:
-            self.stale += 1
-            if self.cfg.eval.patience and self.stale >= self.cfg.eval.patience and done < self.cfg.steps:
-                self.stopped_at = done
+        improved = loss < self.best_loss - self.cfg.eval.min_delta
+        self.best_loss, self.best_step = (loss, done) if improved else (self.best_loss, self.best_step)
+        self.stale = 0 if improved else self.stale + 1
+        # checkpointed with the run (a resumed run goes on from its best, not from scratch)
+        self.setup.eval_state = {"best_loss": self.best_loss, "best_step": self.best_step, "stale": self.stale}
+        if improved and self.save_best is not None:
+            self.save_best(done)
+        if self.cfg.eval.patience and self.stale >= self.cfg.eval.patience and done < self.cfg.steps:
+            self.stopped_at = done
         return record
 
     @property

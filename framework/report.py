@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from framework.plotting import curves
+
 MB = 1e6
 MEMORY_KINDS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes")
 CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
@@ -147,6 +149,7 @@ COLUMNS = [
     ("comm wire MB/step", _comm_wire, "min"),
     ("imbalance", lambda s: (s.get("load_balance") or {}).get("imbalance"), "min"),
     ("final loss", lambda s: s.get("final_loss"), "min"),
+    ("val loss", lambda s: (s.get("eval") or {}).get("loss"), "min"),
     ("plan error", _plan_error, None),
 ]
 
@@ -241,7 +244,8 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
 
 
 def plot(runs: list[Run], out_dir: Path) -> list[str]:
-    """The four comparison plots as PNGs in `out_dir`; returns their paths."""
+    """The comparison plots as PNGs in `out_dir` (loss, validation loss with eval on, throughput,
+    memory, communication); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -262,15 +266,10 @@ def plot(runs: list[Run], out_dir: Path) -> list[str]:
         plt.close(fig)
         paths.append(str(path))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for run in runs:
-        if run.losses:
-            steps, values = zip(*run.losses, strict=True)
-            ax.plot(steps, values, label=f"{run.name}: {run.label}"[:60], linestyle="-" if run.ok else ":")
-    ax.set(xlabel="optimizer step", ylabel="loss", title="Loss")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    save(fig, "loss.png")
+    save(curves(plt, runs, [r.losses for r in runs], "Loss"), "loss.png")
+    history = [[(h["step"], h["loss"]) for h in (r.summary.get("eval") or {}).get("history", [])] for r in runs]
+    if any(history):  # runs with eval.every: their validation curves
+        save(curves(plt, runs, history, "Validation loss"), "val_loss.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     unit = "tokens/s" if any((r.summary.get("throughput") or {}).get("tokens_per_s") for r in ok) else "samples/s"

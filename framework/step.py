@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
@@ -34,6 +34,7 @@ class Setup:
     start_step: int = 0  # optimizer steps done (a resumed run: the checkpoint's)
     data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed) to start from
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
+    eval_state: dict = field(default_factory=dict)  # best val_loss and its step, evaluations since (checkpointed)
     rss_baseline_bytes: int | None = None  # this process before the model was built
     verify_s: float = 0.0  # seconds spent verifying checkpoints before resuming
     load_s: float = 0.0  # seconds to resume: verifying and loading

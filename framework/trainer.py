@@ -186,6 +186,7 @@ def resume_from(path: str, setup: Setup, info: DistInfo) -> None:
         setup.precision.scaler.load_state_dict(state.scaler)
     setup.start_step, setup.data_position = state.step, (state.data["epoch"], state.data["offset"])
     setup.skipped_steps = state.counters.get("nonfinite_skipped", 0)
+    setup.eval_state = state.counters.get("eval", {})  # the best evaluation so far, for monitor and patience
     same_ranks = (state.layout["world_size"], state.layout["dp_size"]) == (info.world_size, setup.par.dp_size)
     if rng is not None and same_ranks:
         checkpoint.set_rng_state(rng, generators(setup))
@@ -359,7 +360,7 @@ def trainer_state(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats
         scaler=setup.precision.scaler.state_dict(),
         data=setup.data.position(),
         layout=layout(cfg, info, setup.par),
-        counters={"nonfinite_skipped": stats.skipped_steps},
+        counters={"nonfinite_skipped": stats.skipped_steps, "eval": setup.eval_state},
     )
 
 
@@ -371,7 +372,8 @@ def build_evaluator(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunSta
         checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
     if not cfg.checkpoint.monitor:
         return Evaluator(cfg, info, setup)
-    best = Checkpointer(checkpoint.best_root(root), info.rank, OmegaConf.merge(cfg.checkpoint, {"keep_last": 1}))
+    options = OmegaConf.merge(cfg.checkpoint, {"keep_last": 1, "async_save": False})  # complete before training goes on
+    best = Checkpointer(checkpoint.best_root(root), info.rank, options)
 
     def save_best(done: int) -> None:
         state = trainer_state(cfg, info, setup, stats, done)

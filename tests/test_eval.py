@@ -15,7 +15,16 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.sweep import run_configs
-from tests.helpers import ROOT, compose_config, losses, read_metrics, read_summary, train_cli, world_config
+from tests.helpers import (
+    ROOT,
+    compose_config,
+    is_png_with_content,
+    losses,
+    read_metrics,
+    read_summary,
+    train_cli,
+    world_config,
+)
 
 STEPS = 3
 GPT = ["experiment=smoke", "logger=none", f"steps={STEPS}", "model.n_layer=4", "data.max_bytes=40000",
@@ -158,6 +167,11 @@ def test_best_checkpoint_is_the_argmin_and_resume_best_continues_exactly(tmp_pat
     proc = train_cli([*base, "parallel=none", "steps=6", "checkpoint.resume=best"], resumed)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(resumed) == losses(straight) and len(losses(resumed)) == 6  # exact continuation
+    # the resumed run went on from the best so far: its best is still the argmin of everything logged
+    logged = [(m["step"], m["val_loss"]) for m in read_metrics(resumed) if "val_loss" in m]
+    best_step = min(logged, key=lambda s: s[1])[0]
+    assert [s for s, _ in logged] == [2, 4, 6] and read_summary(resumed)["eval"]["best_step"] == best_step
+    assert sorted(p.name for p in (resumed / "checkpoints" / "best").iterdir()) == [f"step-{best_step:06d}"]
 
 
 def test_patience_stops_every_rank_after_the_same_step(tmp_path):
@@ -252,3 +266,5 @@ def test_optimize_val_loss_in_a_three_trial_optuna_search(tmp_path):
     best = float((sweep / "optimization_results.yaml").read_text().split("best_value:")[1])
     found = [read_summary(d)["eval"]["loss"] for d in sweep.iterdir() if (d / "summary.json").exists()]
     assert len(found) == 3 and best == pytest.approx(min(found))
+    # the sweep report: a val loss column and the validation curves
+    assert "val loss" in (sweep / "report.md").read_text() and is_png_with_content(sweep / "val_loss.png")
