@@ -1,11 +1,12 @@
-# `make train` runs the default job, `make test` the test suite; each sets up .venv first.
+# `make train` runs the default job, `make test` the test suite, `make sabotage` the sabotage checks;
+# each sets up .venv first.
 PY ?= python3
 # torch and torchvision must be a matching pair (a mismatched torchvision fails to import)
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all lint bench clean
+.PHONY: train test test-all sabotage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +22,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "slow or not slow" $(ARGS)
+
+# each one-line sabotage of tests/sabotage.py in a temporary copy, and the test that catches it
+sabotage: $(STAMP)
+	$(VENV)/bin/python tests/sabotage.py $(ARGS)
 
 bench: $(STAMP)
 	cd benchmarks && for b in memory comm data checkpoint plan; do ../$(VENV)/bin/python $$b.py; done

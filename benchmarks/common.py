@@ -11,13 +11,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from framework.config import compose_run  # noqa: E402
+from framework.compose import compose_run  # noqa: E402
 from framework.sweep import run_configs  # noqa: E402
+
+
+def on_cpu(overrides: list[str]) -> list[str]:
+    """The benchmarks measure CPU runs (gloo), also on a machine with GPUs, where device=auto
+    would pick CUDA: pinned unless the overrides choose a device (benchmarks/gpu.py does)."""
+    return overrides if any(o.startswith("device=") for o in overrides) else [*overrides, "device=cpu"]
 
 
 def config(overrides: list[str]) -> dict[str, Any]:
     """Compose and validate like `python train.py OVERRIDES`; a resolved dict."""
-    return compose_run(["logger=none", "progress=false", *overrides])
+    return compose_run(on_cpu(["logger=none", "progress=false", *overrides]))
 
 
 def run(rows: dict[str, list[str]], world: int, common: list[str]) -> dict[str, dict[str, Any]]:
@@ -48,6 +54,8 @@ def write_result(name: str, command: str, header: str, text: str) -> Path:
 
     out = Path(__file__).resolve().parents[1] / "docs" / "results" / f"{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+    )
     out.write_text(f"# {name}\n\n`{command}`\n\nMachine: {machine}\n\n{header}\n\n{text}\n")
     return out

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import ROOT, run, table
+from common import ROOT, on_cpu, run, table
 
 from framework.memory import peak_rss_of
 
@@ -92,7 +92,7 @@ def outside_rss(overrides: list[str]) -> tuple[int, dict]:
     """Peak RSS (bytes) of the largest process of `train.py OVERRIDES`, read from outside, and
     the run's summary."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={out}"]
+        cmd = [sys.executable, str(ROOT / "train.py"), *on_cpu(overrides), f"hydra.run.dir={out}"]
         rss = peak_rss_of(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(f"{out}/summary.json") as f:
             return rss, json.load(f)

@@ -48,7 +48,8 @@ def steady_rate(seconds: list[float], tokens: list[int]) -> float:
 def run_framework(steps: int, precision: str, out: Path, hf_config: str | None = None) -> float:
     model = ([f"model.n_layer={MODEL['n_layer']}", f"model.n_embd={MODEL['n_embd']}", f"model.n_head={MODEL['n_head']}"]
              if hf_config is None else ["model=hf", f"model.config={hf_config}"])  # fmt: skip
-    args = [sys.executable, str(ROOT / "train.py"), f"steps={steps}", f"precision={precision}",
+    # device=cpu: the raw loop it is compared with is a CPU/gloo loop, also on a machine with GPUs
+    args = [sys.executable, str(ROOT / "train.py"), "device=cpu", f"steps={steps}", f"precision={precision}",
             "parallel=ddp", f"launch.nproc_per_node={WORLD}", f"hydra.run.dir={out}", *model,
             f"data.seq_len={MODEL['seq_len']}", f"data.batch_size={MODEL['batch_size']}"]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -103,11 +104,15 @@ def hf_llama_row(pairs: int, steps: int) -> None:
             rows.append([pair + 1, ours, peer, ours / peer])
             print(f"pair {pair + 1}: framework {ours:,.0f} tokens/s, accelerate {peer:,.0f}", flush=True)
     rows.append(["median", "", "", statistics.median(ratios)])
-    text = table(["pair", "framework model=hf ddp tokens/s", "accelerate prepare tokens/s", "framework / accelerate"], rows)
+    text = table(
+        ["pair", "framework model=hf ddp tokens/s", "accelerate prepare tokens/s", "framework / accelerate"], rows
+    )
     header = (f"tiny LlamaForCausalLM 4x128 (GQA 4/2 heads), T={MODEL['seq_len']}, B={MODEL['batch_size']} per rank, "
               f"{WORLD} gloo ranks, DDP, fp32, {steps} steps per run (steady tokens/s, steps 2..N)")  # fmt: skip
     print(f"\n{header}\n\n{text}")
-    write_result("overhead_hf", f"python benchmarks/overhead.py --hf-llama --pairs {pairs} --steps {steps}", header, text)
+    write_result(
+        "overhead_hf", f"python benchmarks/overhead.py --hf-llama --pairs {pairs} --steps {steps}", header, text
+    )
 
 
 def main() -> None:

@@ -55,7 +55,9 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         model = LogitsOnly(hf)
     else:
-        model = GPT(vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        model = GPT(
+            vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     dataset = ByteTextDataset(None, args.seq_len, 4_000_000)
     if args.peer == "fabric":

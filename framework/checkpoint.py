@@ -9,17 +9,23 @@ A checkpoint is one folder `step-NNNNNN` holding
 - `rng-rank<r>.pt` (every rank): that rank's random states (Python, torch CPU and CUDA, the
   device-side augmentation's generator).
 
-The small files are written before DCP's `.metadata`, which DCP writes last: a folder with
-`.metadata` is complete. Loading reads tensors, JSON and plain numbers only (`weights_only`);
-nothing arbitrary is unpickled.
+Every rank writes its small files and its shards, then digests them (framework/integrity.py);
+the coordinator writes `manifest.json` with every rank's entries, and DCP writes `.metadata` last:
+a folder with `.metadata` is complete, and it verifies when its files match the manifest. A save
+that fails (a full disk) leaves a folder without `.metadata`, never taken for a checkpoint.
+Loading reads tensors, JSON and plain numbers only (`weights_only`, and `.metadata` through an
+unpickler that knows DCP's metadata classes only); nothing arbitrary is unpickled.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
+import re
 import shutil
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from framework.integrity import CheckpointError
+
 TRAINER_FILE = "trainer.json"
+STEP_DIR = re.compile(r"step-\d+$")
 
 
 def rng_file(rank: int) -> str:
@@ -45,10 +54,14 @@ def complete(path: str) -> bool:
 
 def checkpoints(root: str) -> list[str]:
     """The complete checkpoints under `root`, oldest first."""
+    return [path for path in step_folders(root) if complete(path)]
+
+
+def step_folders(root: str) -> list[str]:
+    """Every `step-N` folder under `root`, complete or not, oldest first."""
     if not os.path.isdir(root):
         return []
-    names = sorted(d for d in os.listdir(root) if d.startswith("step-"))
-    return [os.path.join(root, d) for d in names if complete(os.path.join(root, d))]
+    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if STEP_DIR.match(d)]
 
 
 def latest(root: str) -> str | None:
@@ -108,51 +121,107 @@ class TrainerState:
     counters: dict[str, Any] = field(default_factory=dict)  # e.g. nonfinite steps skipped so far
 
 
-class Checkpointer:
-    """Saves and loads one rank's part of every checkpoint; `async_save` writes the model and
-    optimizer in a background thread (DCP's async_save, over a gloo group of its own so its
-    collectives never interleave with training's) while training goes on."""
+def save_error(path: str, err: BaseException) -> CheckpointError:
+    """One line naming the folder and the OS error underneath DCP's per-rank wrapping."""
+    causes = [err]
+    if hasattr(err, "failures"):  # DCP's CheckpointException: {rank: (exception, traceback)}
+        causes = [exc for exc, _ in err.failures.values()]
+    cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
+    return CheckpointError(f"saving checkpoint {path} failed: {type(cause).__name__}: {cause}")
 
-    def __init__(self, root: str, rank: int, keep_last: int = 0, async_save: bool = False):
-        self.root, self.rank, self.keep_last, self.async_save = root, rank, keep_last, async_save
+
+def move_aside(path: str) -> str:
+    """Rename an earlier attempt's folder at `path` (a checkpoint that did not verify, a failed
+    save) to `superseded-<name>[-k]`, kept for inspection: a new save never overwrites it."""
+    root, name = os.path.split(path)
+    target, k = os.path.join(root, f"superseded-{name}"), 1
+    while os.path.exists(target):
+        k += 1
+        target = os.path.join(root, f"superseded-{name}-{k}")
+    os.rename(path, target)
+    return target
+
+
+class Checkpointer:
+    """Saves one rank's part of every checkpoint; `options` is the config's `checkpoint` node
+    (keep_last, async_save, verify, on_error). `async_save` writes the model and optimizer in a
+    background thread (DCP's async_save, over a gloo group of its own so its collectives never
+    interleave with training's) while training goes on. A failed save stops the run with a
+    CheckpointError (on_error=stop), or (warn) prints one line and the next save tries again."""
+
+    def __init__(self, root: str, rank: int, options: Any):
+        self.root, self.rank = root, rank
+        self.keep_last, self.async_save = options.keep_last, options.async_save
+        self.digests, self.on_error = options.verify == "full", options.on_error
         self.pending: Future | None = None
+        self.pending_path = ""
+        self.failed = 0  # saves that failed (on_error=warn)
         self._group = None
-        if async_save and dist.is_initialized():
+        if self.async_save and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # collective: every rank builds it
 
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
         generators: dict[str, torch.Generator],
-    ) -> str:  # fmt: skip
-        """Save after `step` optimizer steps (collective: every rank calls it). Returns the folder."""
-        self.wait()  # one save in flight at a time; the previous one is complete after this
+    ) -> str | None:  # fmt: skip
+        """Save after `step` optimizer steps (collective: every rank calls it). Returns the
+        folder, or None when the save failed under on_error=warn (async: when the previous did)."""
+        ok = self.wait()  # one save in flight at a time; the previous one is complete after this
         path = step_dir(self.root, step)
-        os.makedirs(path, exist_ok=True)
-        torch.save(rng_state(generators), os.path.join(path, rng_file(self.rank)))
+        if self.rank == 0 and os.path.exists(path):
+            print(f"checkpoint: {path} is left from an earlier attempt; kept as {move_aside(path)}", flush=True)
+        buffer = io.BytesIO()
+        torch.save(rng_state(generators), buffer)
+        small = {rng_file(self.rank): buffer.getvalue()}
         if self.rank == 0:
-            with open(os.path.join(path, TRAINER_FILE), "w") as f:
-                json.dump(state.__dict__, f, indent=2)
+            small[TRAINER_FILE] = json.dumps(state.__dict__, indent=2).encode()
         import torch.distributed.checkpoint as dcp  # here: a run that never saves never imports it
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from framework.checkpoint_io import VerifiedWriter
+
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        writer = VerifiedWriter(path, small, self.digests)
         tensors = {"model": model_sd, "optim": optim_sd}
-        if self.async_save:
-            self.pending = dcp.async_save(tensors, checkpoint_id=path, process_group=self._group)
-        else:
-            dcp.save(tensors, checkpoint_id=path)
-            self._prune()
+        try:
+            if self.async_save:
+                self.pending, self.pending_path = dcp.async_save(tensors, storage_writer=writer,
+                                                                 process_group=self._group), path  # fmt: skip
+                return path if ok else None
+            dcp.save(tensors, storage_writer=writer)
+        except (Exception, dcp.api.CheckpointException) as err:
+            return self._failed(path, err)
+        self._prune()
         return path
 
-    def wait(self) -> None:
-        """Block until the save in flight (async) is on disk, then prune older checkpoints."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-            self._prune()
+    def wait(self) -> bool:
+        """Block until the save in flight (async) is on disk, then prune older checkpoints.
+        False when it failed (on_error=warn)."""
+        if self.pending is None:
+            return True
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        pending, self.pending = self.pending, None
+        try:
+            pending.result()
+        except (Exception, CheckpointException) as err:
+            self._failed(self.pending_path, err)
+            return False
+        self._prune()
+        return True
+
+    def _failed(self, path: str, err: BaseException) -> None:
+        error = save_error(path, err)
+        if self.on_error == "stop":
+            raise error from None
+        self.failed += 1
+        if self.rank == 0:
+            print(f"warning: {error} (checkpoint.on_error=warn: training goes on; the next save tries again; "
+                  f"newest complete checkpoint: {latest(self.root) or 'none'})", file=sys.stderr, flush=True)  # fmt: skip
+        return None
 
     def _prune(self) -> None:
-        if self.rank == 0:
+        if self.rank == 0:  # after a complete save only: a failed one never costs the last good one
             prune(self.root, self.keep_last)
 
     def close(self) -> None:
@@ -171,13 +240,16 @@ def load(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
 ) -> tuple[TrainerState, dict[str, torch.Tensor] | None]:
     """Load `path` into model and optimizer in place (resharding as needed). Returns the trainer
-    state and this rank's saved random states (None when the checkpoint has none for this rank)."""
+    state and this rank's saved random states (None when the checkpoint has none for this rank).
+    Tensors, plain values and DCP's metadata only: nothing else is unpickled."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from framework.checkpoint_io import SafeLoadPlanner, SafeReader
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": optim_sd}
-    dcp.load(tensors, checkpoint_id=path)
+    dcp.load(tensors, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
     rng_path = os.path.join(path, rng_file(rank))
     rng = torch.load(rng_path, weights_only=True) if os.path.exists(rng_path) else None
@@ -204,3 +276,33 @@ def export(path: str, par, is_main: bool) -> None:
     state = full_model_state_dict(par)
     if is_main:
         torch.save(state, path)
+
+
+# ----------------------------------------------------------------------------- the best checkpoint, the config
+
+CONFIG_FILE = "config.json"  # the run's resolved config, beside its checkpoints
+
+
+def best_root(root: str) -> str:
+    """Where checkpoint.monitor keeps the best evaluation's checkpoint (one `step-NNNNNN` folder)."""
+    return os.path.join(root, "best")
+
+
+def write_config(root: str, config: dict[str, Any]) -> None:
+    """The resolved config beside the checkpoints (rank 0), so that a checkpoint alone says how to
+    build its model: `framework.evaluate` and `framework.generate` read it back."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f"{CONFIG_FILE}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, os.path.join(root, CONFIG_FILE))
+
+
+def find_config(path: str) -> dict[str, Any] | None:
+    """The config saved beside checkpoint `path` (its root, or the root above `best/`), else None."""
+    for folder in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        candidate = os.path.join(folder, CONFIG_FILE)
+        if os.path.exists(candidate):
+            with open(candidate) as f:
+                return json.load(f)
+    return None

@@ -21,13 +21,12 @@ Counting runs Python for every op while active, so the trainer samples a few ste
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections import defaultdict, deque
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 from framework.memory import tensor_bytes
@@ -134,16 +133,18 @@ _CATEGORY: dict[Any, str | None] = {}  # op -> its collective category (None: no
 class CommCounter(TorchDispatchMode):
     """Counts collectives issued while active (use as a context manager).
 
-    A dispatch mode is thread-local, so collectives that run on another thread (a DDP
-    communication hook's future callbacks) are caught at the torch.distributed level instead,
-    and counted there only when they come from another thread: nothing is counted twice."""
+    A dispatch mode is active per thread: where it is, it sees every collective; torch's
+    autograd carries it into the device threads that run a CUDA backward (with DDP's comm hooks
+    and FSDP2's HSDP all-reduce in them). Collectives issued on a thread without it (a comm
+    hook's future callbacks on the backend's threads: PowerSGD's second all-reduce) are caught at
+    the torch.distributed level instead, and counted there only when the mode is not active on
+    the issuing thread: each collective is counted once, on whichever thread it runs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.wire: dict[str, float] = defaultdict(float)
-        self._thread = threading.get_ident()
         self._originals: dict[str, Any] = {}
         self._issued: deque[list] = deque(maxlen=4)  # weak references to recent collectives' tensors
 
@@ -184,12 +185,16 @@ class CommCounter(TorchDispatchMode):
             setattr(dist, name, original)
         return super().__exit__(*exc)
 
+    def active_here(self) -> bool:
+        """Whether this mode is active on the calling thread (it then sees the thread's collectives)."""
+        return any(mode is self for mode in _get_current_dispatch_mode_stack())
+
     def _off_thread_counter(self, original, category: str):
         import torch.distributed as dist
 
         @functools.wraps(original)
         def counted(*args, **kwargs):
-            if threading.get_ident() != self._thread:
+            if not self.active_here():  # else the dispatch mode counts it
                 group = kwargs.get("group")
                 self._record(category, payload_bytes(category, args, kwargs), dist.get_world_size(group))
             return original(*args, **kwargs)

@@ -117,7 +117,9 @@ def locate_target(model_cfg: Any) -> Any:
         return get_object(target)
     except Exception as err:  # hydra wraps ImportError/AttributeError in its own
         cause = str(err).splitlines()[0]
-        raise ContractError("model._target_", f"cannot import {target!r} ({cause}); is its folder on PYTHONPATH?") from None
+        raise ContractError(
+            "model._target_", f"cannot import {target!r} ({cause}); is its folder on PYTHONPATH?"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- the spec

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -76,6 +77,17 @@ def adopt_slurm_env(master_port: int | None = None) -> None:
     env.setdefault("MASTER_PORT", str(master_port or 20000 + int(env["SLURM_JOB_ID"]) % 20000))
 
 
+def cuda_device_index(local_rank: int, visible: int) -> int:
+    """The CUDA ordinal local rank `local_rank` trains on, among the `visible` devices it sees.
+    torchrun (or srun with the node's GPUs visible to every task): one device per local rank, the
+    local rank's own. Under SLURM's per-task binding (`--gpus-per-task=1`, `--gpu-bind`) each task
+    sees only its own device(s), renumbered from 0, so SLURM_LOCALID > 0 is no valid ordinal: the
+    task takes its devices in turn (one visible: device 0)."""
+    if visible < 1:
+        raise RuntimeError("device=cuda but this process sees no CUDA device (check CUDA_VISIBLE_DEVICES)")
+    return local_rank if local_rank < visible else local_rank % visible
+
+
 def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init_method: str = "env") -> DistInfo:
     """Join the process group the launcher set up (RANK/WORLD_SIZE/MASTER_* in the environment).
 
@@ -87,8 +99,8 @@ def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
     if device_kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         # Local workers share the cores: without this each one would start a thread per core.
@@ -133,9 +145,37 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
+def host_values(values: list[float], device: torch.device) -> torch.Tensor:
+    """Python numbers as a float32 tensor on `device`, without a host sync: a plain `tensor(...,
+    device=cuda)` copies from pageable memory and waits for the GPU; from pinned memory the copy
+    is queued on the stream like any kernel."""
+    t = torch.tensor(values, dtype=torch.float32)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def all_gather_object(obj, info: DistInfo) -> list:
     if not info.distributed:
         return [obj]
     out = [None] * info.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def local_launch_config(
+    nproc: int, max_restarts: int = 0, monitor_interval_s: float = 0.1, start_method: str = "spawn"
+):
+    """torch's elastic launcher set up for `nproc` workers on this machine (as `torchrun
+    --standalone` does), used by train.py, the config sweeps of benchmarks and the tests."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"hydradist-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, so concurrent runs never collide
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval_s,
+        start_method=start_method,
+    )

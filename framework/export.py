@@ -92,7 +92,7 @@ def read_tensor(checkpoint: str, name: str, shape: torch.Size, dtype: torch.dtyp
 
 def llama_args_of(cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> LlamaArgs:
     if cfg.model.get("_target_") != "models.llama.Llama":
-        raise ExportError(f"--format hf: model={cfg.model.name} has no Hugging Face layout here; model=llama has")
+        raise ExportError(f"--format hf: {cfg.model.get('_target_')} has no Hugging Face layout here; model=llama has")
     cfg.model.vocab_size = int(tensors["tok_embeddings.weight"][0][0])  # what the run trained with
     kwargs = factory_kwargs(OmegaConf.to_container(cfg.model, resolve=True))
     kwargs.pop("_target_")

@@ -12,7 +12,6 @@ Three ways a process reaches ``main``:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -21,8 +20,6 @@ import shlex
 import signal
 import sys
 import time
-import uuid
-from datetime import datetime
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -30,28 +27,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_nproc, validate, world_size_of
-from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
+from framework.config.run_id import register_resolvers  # noqa: F401  (train.py's import)
+from framework.dist import adopt_slurm_env, launched_as_worker, local_launch_config, slurm_task
+from framework.integrity import CheckpointError
 from framework.resilience import Preempted, exit_code
+from framework.runlock import FolderInUse, RunLock
 
 log = logging.getLogger(__name__)
 
 GROUPS = ("backend", "parallel", "precision", "memory", "data", "model", "optim", "logger")
-
-
-@functools.cache
-def _run_id() -> str:
-    # One run directory per run, never one per rank: every rank of a job resolves the same name
-    # from what its launcher shares (the SLURM job and step, the rendezvous id, else the master
-    # port), never from the clock, which may differ between nodes. A local run uses the time.
-    env = os.environ
-    if slurm_task():
-        return f"jobs/slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
-    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-    if launched_as_worker() and run_id != "none":
-        return f"jobs/torchrun-{run_id}"
-    if launched_as_worker() and "MASTER_PORT" in env:
-        return f"jobs/torchrun-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}"
-    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
 
 
 _SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob
@@ -69,24 +53,6 @@ def export_backend_env(env: dict[str, str]) -> None:
     for key, value in env.items():
         _SHELL_ENV[key] = os.environ.get(key)
         os.environ[key] = value
-
-
-def register_resolvers() -> None:
-    OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
-    # ${data_vocab:}: the ids the configured data holds (its tokenizer's), for a model's vocab_size;
-    # null with model.pretrained (the checkpoint's config.json says)
-    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
-
-
-def _data_vocab(*, _root_) -> int | None:
-    from framework.data import vocab_size_of
-
-    if _root_.model.get("pretrained") is not None:
-        return None
-    try:
-        return vocab_size_of(_root_.data)
-    except (FileNotFoundError, OSError):  # a missing path: validation names it (data.path)
-        return None
 
 
 class RunFailed(RuntimeError):
@@ -130,6 +96,7 @@ def main(cfg: DictConfig) -> float | None:
             print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
             return objective(done, cfg.optimize)
     try:
+        lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/runlock.py)
         if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
             from framework.plan import resolve_auto
 
@@ -140,17 +107,19 @@ def main(cfg: DictConfig) -> float | None:
                 print(f"parallel=auto: {cfg.plan.auto.layout} ({' '.join(cfg.plan.auto.overrides)}): "
                       f"{cfg.plan.auto.why}", flush=True)  # fmt: skip
         validate(cfg)
+        check_best_exists(cfg, run_dir)
         if launched_as_worker() and cfg.parallel.name == "none" and int(os.environ["WORLD_SIZE"]) != 1:
             raise ConfigError(
                 "parallel",
                 f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
             )
-    except ConfigError as err:
+    except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
         if not sweeping:
             sys.exit(2)
-        # one bad job of a sweep: recorded as failed, the others still run
-        write_failed_summary(run_dir, f"ConfigError: {err}", choices)
+        if isinstance(err, ConfigError):  # one bad job of a sweep: recorded as failed, the others still run
+            lock.release()
+            write_failed_summary(run_dir, f"ConfigError: {err}", choices)
         return failed_job(hydra_cfg, err)
 
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -165,7 +134,7 @@ def main(cfg: DictConfig) -> float | None:
     export_backend_env(backend_env(cfg.backend))
     try:
         if launched_as_worker() or cfg.parallel.name == "none":
-            summary = worker_main(config, run_dir, choices)
+            summary = train_here(config, run_dir, choices)
         else:
             summary = launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
     except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
@@ -181,7 +150,35 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)  # parallel=none runs in-process
         return failed_job(hydra_cfg, err)
+    finally:
+        lock.release()
     return None if summary is None else objective(summary, cfg.optimize)
+
+
+def job_id() -> str:
+    """What the processes of one job share (one job is one writer of its run folder): the SLURM
+    job step or torchrun run of a job an outside launcher started, else this process."""
+    env = os.environ
+    if launched_as_worker() and "SLURM_JOB_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
+        return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
+    if launched_as_worker() and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"  # the same through torchrun's restarts
+    if launched_as_worker():
+        return f"torchrun-{env.get('MASTER_ADDR')}-{env.get('MASTER_PORT')}"
+    return f"local-{os.getpid()}"
+
+
+def hold_run_folder(run_dir: str) -> RunLock:
+    """Take the run folder's lock (this process starts the workers, or is rank 0 of an outside
+    launcher's job), or, as another rank of such a job, check that the job holds it."""
+    lock = RunLock(run_dir, job_id())
+    if int(os.environ.get("RANK", 0)) > 0:
+        lock.share()
+    else:
+        line = lock.acquire()
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    return lock
 
 
 def resume_hint(stop: Preempted, run_dir: str, sweeping: bool, overrides: list[str]) -> str:
@@ -203,7 +200,7 @@ def failed_job(hydra_cfg: Any, err: Exception) -> float:
     raise RunFailed(str(err)) from None
 
 
-OBJECTIVES = ("tokens_per_s", "samples_per_s", "final_loss")
+OBJECTIVES = ("tokens_per_s", "samples_per_s", "final_loss", "val_loss")
 
 
 def objective(summary: dict[str, Any], optimize: str) -> float:
@@ -211,8 +208,24 @@ def objective(summary: dict[str, Any], optimize: str) -> float:
     the run does not have (tokens/s of an image model)."""
     if summary.get("status") != "ok":
         return math.nan
-    value = summary["final_loss"] if optimize == "final_loss" else summary["throughput"].get(optimize)
+    if optimize == "val_loss":  # the last evaluation's (summary.eval.loss)
+        value = (summary.get("eval") or {}).get("loss")
+    else:
+        value = summary["final_loss"] if optimize == "final_loss" else summary["throughput"].get(optimize)
     return math.nan if value is None else float(value)
+
+
+def check_best_exists(cfg: DictConfig, run_dir: str) -> None:
+    """checkpoint.resume=best needs a best checkpoint of this run (checkpoint.monitor saves one)."""
+    from framework.checkpoint import best_root, latest
+    from framework.run_files import checkpoint_root
+
+    if cfg.checkpoint.resume == "best":
+        where = best_root(checkpoint_root(cfg, run_dir))
+        if latest(where) is None:
+            raise ConfigError(
+                "checkpoint.resume", f"best: no best checkpoint under {where} (checkpoint.monitor=val_loss saves one)"
+            )
 
 
 def finished_summary(run_dir: str) -> dict[str, Any] | None:
@@ -229,26 +242,6 @@ def write_failed_summary(run_dir: str, error: str, choices: dict[str, str]) -> N
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({"status": "failed", "error": error, "choices": choices}, f, indent=2)
-
-
-def local_launch_config(
-    nproc: int, max_restarts: int = 0, monitor_interval_s: float = 0.1, start_method: str = "spawn"
-):
-    """torch's elastic launcher set up for `nproc` workers on this machine (as `torchrun
-    --standalone` does), used by train.py, the config sweeps of benchmarks and the tests."""
-    from torch.distributed.launcher.api import LaunchConfig
-
-    return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"hydradist-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, so concurrent runs never collide
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval_s,
-        start_method=start_method,
-    )
 
 
 def launch_local_workers(
@@ -277,6 +270,9 @@ def launch_local_workers(
         errors = [f"worker rank {rank} failed (exit code {failure.exitcode}): {_failure_message(failure)}"
                   for rank, failure in sorted(err.failures.items())]  # fmt: skip
         cause = _summary(run_dir).get("error")  # the first failing rank's own error (others may exit first)
+        if cause and cause.startswith(f"{CheckpointError.__name__}: "):  # one line says it all
+            print(f"error: {cause.split(': ', 1)[1]}", file=sys.stderr)
+            raise RunFailed(cause) from None
         for line in errors:
             print(f"error: {line}", file=sys.stderr)
         if cause and not any(cause in line for line in errors):
@@ -311,6 +307,17 @@ def _failure_message(failure: Any) -> str:
     return str(failure.message or "no error file; see the worker's output above")
 
 
+def train_here(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+    """Train in this process (parallel=none; one rank of torchrun or srun). A checkpoint that
+    does not verify, or a failed save, is one line (rank 0's; every rank has the same)."""
+    try:
+        return worker_main(config, run_dir, choices)
+    except CheckpointError as err:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        raise RunFailed(str(err)) from None
+
+
 def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
     """The entrypoint of a worker the local launcher starts: a preempted worker exits with the
     signal's code (no traceback); the launcher reads the rest from summary.json."""
@@ -318,6 +325,8 @@ def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]
         return worker_main(config, run_dir, choices)
     except Preempted as stop:
         sys.exit(exit_code(stop.signum))
+    except CheckpointError:
+        sys.exit(1)  # the launcher prints its one line
 
 
 def worker_main(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:

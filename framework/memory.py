@@ -64,18 +64,30 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Parameter, gradient and optimizer-state bytes held by this rank."""
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, device: torch.device | None = None
+) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes held by this rank, wherever they live; with
+    `device` (the compute device), also `offloaded_bytes`: the part of them held elsewhere (FSDP
+    CPU offload keeps shards, gradients and optimizer state in host memory)."""
     params = list(model.parameters())
-    optim_bytes = 0
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            optim_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return {
+    grads = [p.grad for p in params if p.grad is not None]
+    optim = [v for st in (optimizer.state.values() if optimizer is not None else ()) for v in st.values()
+             if isinstance(v, torch.Tensor)]  # fmt: skip
+    state = {
         "param_bytes": sum(tensor_bytes(p) for p in params),
-        "grad_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
-        "optim_bytes": optim_bytes,
+        "grad_bytes": sum(tensor_bytes(g) for g in grads),
+        "optim_bytes": sum(tensor_bytes(v) for v in optim),
     }
+    if device is not None:
+        state["offloaded_bytes"] = sum(tensor_bytes(t) for t in (*params, *grads, *optim) if not lives_on(t, device))
+    return state
+
+
+def lives_on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether (the local part of) `t` is held in `device`'s memory: what that device's memory
+    reading (the CUDA allocator's, or the process RSS for the CPU) contains."""
+    return _local(t).device.type == device.type
 
 
 class SavedActivationMeter:
@@ -181,10 +193,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 def host_allocator(configured: str, parallel: str) -> str:
     """The host allocator policy a run uses: `auto` is lean where FSDP gathers and frees each
-    unit's parameters (fsdp, hybrid), steady elsewhere."""
+    unit's parameters (fsdp, hybrid, cp), steady elsewhere."""
     if configured != "auto":
         return configured
-    return "lean" if parallel in ("fsdp", "hybrid") else "steady"
+    return "lean" if parallel in ("fsdp", "hybrid", "cp") else "steady"
 
 
 def set_host_allocator(policy: str) -> bool:
@@ -262,6 +274,15 @@ def peak_rss_of(cmd: list[str], **popen: Any) -> int:
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     return usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
+
+
+def reset_peaks(device: torch.device) -> None:
+    """Start this run's peaks from now, should the process have trained before (a multirun's
+    in-process jobs, run_configs): the RSS peak, and on CUDA the allocator's peak statistics
+    (`max_memory_allocated` and `max_memory_reserved` would otherwise keep an earlier job's)."""
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def reset_peak_rss() -> None:

@@ -4,15 +4,15 @@ MFU = achieved model FLOP/s / peak FLOP/s of the devices used. Model FLOPs per t
 model's own count (GPT: 6N over its matmul weights + 12·L·H·Q·T for attention, PaLM appendix B,
 as nanoGPT), taken from the plain model before any sharding, so every strategy divides the same
 work. HFU also counts the forward passes that activation checkpointing recomputes. The peak is
-a known GPU's datasheet figure, `metrics.peak_tflops` when set, or on a CPU a short matmul probe
-in the run's compute dtype, measured once per machine and cached.
+`metrics.peak_tflops` when set, a known GPU's datasheet figure for the run's compute dtype
+(framework.datasheet: bf16, fp16, TF32 or fp32), or on a CPU a short matmul probe in the run's
+compute dtype, measured once per machine and cached.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,35 +20,25 @@ from typing import Any
 
 import torch
 
-# Dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendor datasheets, no sparsity).
-# Matched as whole words of the device name, longest first: an "L40" is not an "L4".
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "L40": 181.0,
-    "A10G": 125.0,
-    "L4": 121.0,
-    "V100": 125.0,
-}
+from framework.datasheet import datasheet_tflops
 
 
-def gpu_peak_tflops(name: str) -> float | None:
-    """The table's peak for a CUDA device name ("NVIDIA H100 80GB HBM3"), or None."""
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if re.search(rf"(?<![A-Za-z0-9]){key}(?![A-Za-z0-9])", name):
-            return PEAK_TFLOPS[key]
-    return None
+def gpu_peak_tflops(name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = False) -> float | None:
+    """The datasheet's dense peak for a CUDA device name ("NVIDIA H100 80GB HBM3") computing in
+    `dtype` (fp32: TF32 when `tf32`), or None (framework.datasheet)."""
+    return datasheet_tflops(name, dtype, tf32)
 
 
-def peak_flops(device: torch.device, override_tflops: float | None, dtype: torch.dtype = torch.float32) -> float | None:
-    """Per-device peak FLOP/s: the configured figure, else a known GPU's datasheet, else (CPU)
-    the cached matmul probe; None for an unknown GPU."""
+def peak_flops(
+    device: torch.device, override_tflops: float | None, dtype: torch.dtype = torch.float32, tf32: bool = False
+) -> float | None:
+    """Per-device peak FLOP/s: the configured figure, else a known GPU's datasheet for the run's
+    compute dtype (fp32 runs: the TF32 peak when `tf32`, matmuls allowed TF32), else (CPU) the
+    cached matmul probe; None for an unknown GPU."""
     if override_tflops is not None:
         return override_tflops * 1e12
     if device.type == "cuda":
-        tflops = gpu_peak_tflops(torch.cuda.get_device_name(device))
+        tflops = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype, tf32)
         return tflops * 1e12 if tflops else None
     if device.type == "cpu":
         return cpu_peak_flops(dtype)
@@ -118,7 +108,9 @@ def recomputed_blocks(cfg: Any, n_blocks: int) -> int:
     return -(-n_blocks // cfg.memory.checkpoint_every) if cfg.memory.name == "checkpoint" else 0
 
 
-def model_flops(model: torch.nn.Module, spec: Any, seq_len: int | None, recomputed: int = 0) -> tuple[float, float] | None:
+def model_flops(
+    model: torch.nn.Module, spec: Any, seq_len: int | None, recomputed: int = 0
+) -> tuple[float, float] | None:
     """(model, hardware) training FLOPs per token of an lm: declared by the model
     (``flops_per_token``), else counted once with FlopCounterMode on a (1, seq_len) batch of the
     model built on the meta device (nothing is allocated); a checkpointed block adds its forward."""
@@ -216,13 +208,16 @@ class Throughput:
 
 
 class ForwardTimer:
-    """Accumulates forward time over a step's micro-batches (a context manager around each).
-    On CUDA with events, read after the step's own sync point: no extra synchronisation."""
+    """Accumulates forward time over a step's micro-batches (a context manager around each);
+    `end_step` closes a step. On CUDA with events, read (`pop_steps`) after a sync point that
+    follows them: no extra synchronisation. Every rank pops its steps, also those whose times
+    are not reported (tensor-parallel peers): events left pending would pile up."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pending: list = []
         self.seconds = 0.0
+        self.steps: list[tuple[float, list]] = []  # closed steps not yet popped
 
     def __enter__(self):
         if self.cuda:
@@ -239,11 +234,15 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - self.t0
         return False
 
-    def pop_seconds(self) -> float:
-        """This step's forward seconds (and reset)."""
-        seconds = self.seconds + sum(a.elapsed_time(b) / 1000 for a, b in self.pending)
+    def end_step(self) -> None:
+        self.steps.append((self.seconds, self.pending))
         self.seconds, self.pending = 0.0, []
-        return seconds
+
+    def pop_steps(self) -> list[float]:
+        """The forward seconds of each step closed since the last pop (and forget them)."""
+        out = [seconds + sum(a.elapsed_time(b) / 1000 for a, b in events) for seconds, events in self.steps]
+        self.steps = []
+        return out
 
 
 def max_over_mean(values: list[float] | tuple[float, ...]) -> float:

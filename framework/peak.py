@@ -72,31 +72,37 @@ class PeakProbe:
         if self._fixed is None or self._fixed[2] != states:
             seen: set[int] = set()
             optim = [v for st in list(self._optimizer.state.values()) for v in st.values() if torch.is_tensor(v)]
-            total = _size(self._params, seen) + _size(optim, seen)
+            total = self._size(self._params, seen) + self._size(optim, seen)
             self._fixed = (total, seen, states)
         return self._fixed[0], self._fixed[1]
+
+    def _size(self, tensors, seen: set[int]) -> int:
+        return storage_bytes(tensors, seen, self._device)
 
     def _take(self, in_flight) -> dict[str, int]:
         fixed, fixed_storages = self._fixed_parts()
         seen = set(fixed_storages)
-        state = fixed + _size([p.grad for p in self._params if p.grad is not None], seen)
+        state = fixed + self._size([p.grad for p in self._params if p.grad is not None], seen)
         unsharded = [fp for g in self._fsdp2 for fp in g.fsdp_params]
-        gathered = _size([t for fp in unsharded for t in fp.all_gather_outputs], seen)
-        gathered += _size([p.grad for fp in unsharded if (p := getattr(fp, "_unsharded_param", None)) is not None
+        gathered = self._size([t for fp in unsharded for t in fp.all_gather_outputs], seen)
+        gathered += self._size([p.grad for fp in unsharded if (p := getattr(fp, "_unsharded_param", None)) is not None
                            and p.grad is not None], seen)  # fmt: skip
-        gathered += _size([f._full_param_padded for f in self._fsdp1 if hasattr(f, "_full_param_padded")], seen)
+        gathered += self._size([f._full_param_padded for f in self._fsdp1 if hasattr(f, "_full_param_padded")], seen)
         pending = [r.all_gather_output for g in self._fsdp2 if (r := g._all_gather_result) is not None]
-        comm = _size(pending, seen) + _size(in_flight, seen)
+        comm = self._size(pending, seen) + self._size(in_flight, seen)
         return {"state_bytes": state, "activation_bytes": self._meter.live, "gathered_bytes": gathered,
                 "comm_bytes": comm}  # fmt: skip
 
 
-def _size(tensors, seen: set[int]) -> int:
-    """Bytes of the storages under `tensors` not in `seen` (which it extends)."""
+def storage_bytes(tensors, seen: set[int], device: torch.device) -> int:
+    """Bytes of the storages under `tensors` that live on `device` (the memory a reading
+    measures: the CUDA allocator's, or on a CPU the RSS) and are not in `seen` (which it
+    extends). Under FSDP CPU offload the shards and optimizer state live in host memory: they
+    are not part of a CUDA reading, and counting them there made `unexplained_bytes` negative."""
     total = 0
     for t in tensors:
         for s in _storages(t):
-            if s.data_ptr() not in seen and s.nbytes() > 0:
+            if s.device.type == device.type and s.data_ptr() not in seen and s.nbytes() > 0:
                 seen.add(s.data_ptr())
                 total += s.nbytes()
     return total

@@ -5,7 +5,7 @@ discarded: the profiler's own start-up) and `profiler.active` (recorded). Each r
 `<run dir>/profile/rank<N>.trace.json` (open it in https://ui.perfetto.dev or chrome://tracing),
 with Python stacks and the collectives as events (gloo's and NCCL's ops show under their own
 names, e.g. `gloo:all_reduce`, `nccl:all_gather`). On CUDA, `profiler.memory=true` also records
-the allocator's history and writes `rank<N>.memory.pickle`, which PyTorch's memory visualiser
+the allocator's history over the active steps (Python stacks) and writes `rank<N>.memory.pickle`, which PyTorch's memory visualiser
 (https://pytorch.org/memory_viz) opens.
 """
 
@@ -46,26 +46,49 @@ def build_profiler(enabled: bool, cfg: DictConfig, run_dir: str, rank: int, devi
         profile_memory=cfg.memory,
     )
     if cfg.memory and device.type == "cuda":
-        return _WithMemoryHistory(prof, os.path.join(out, f"rank{rank}.memory.pickle"))
+        return _WithMemoryHistory(prof, os.path.join(out, f"rank{rank}.memory.pickle"), memory_window(cfg))
     return prof
 
 
-class _WithMemoryHistory(AbstractContextManager):
-    """The profiler plus CUDA's allocator history (a snapshot for the memory visualiser)."""
+def memory_window(cfg: DictConfig) -> tuple[int, int]:
+    """(first, end) optimizer steps whose allocations the memory history records: the profiler's
+    active steps. Recording the whole loop, with C++ stacks, made the history huge and its dump
+    take minutes."""
+    first = cfg.wait + cfg.warmup
+    return first, first + cfg.active
 
-    def __init__(self, prof: Any, path: str):
-        self.prof, self.path = prof, path
+
+class _WithMemoryHistory(AbstractContextManager):
+    """The profiler plus CUDA's allocator history over the profiler's window, with Python stacks
+    (a snapshot for the memory visualiser), dumped when the window closes."""
+
+    def __init__(self, prof: Any, path: str, window: tuple[int, int]):
+        self.prof, self.path, self.window, self.steps, self.recording = prof, path, window, 0, False
 
     def __enter__(self):
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.prof.__enter__()
+        self._at_step()
         return self
+
+    def _at_step(self) -> None:
+        if self.steps == self.window[0] and not self.recording:
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+            self.recording = True
+        elif self.steps >= self.window[1] and self.recording:
+            self._dump()
+
+    def _dump(self) -> None:
+        torch.cuda.memory._dump_snapshot(self.path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording = False
 
     def step(self) -> None:
         self.prof.step()
+        self.steps += 1
+        self._at_step()
 
     def __exit__(self, *exc):
         self.prof.__exit__(*exc)
-        torch.cuda.memory._dump_snapshot(self.path)
-        torch.cuda.memory._record_memory_history(enabled=None)
+        if self.recording:  # a run shorter than the window: what it recorded
+            self._dump()
         return False

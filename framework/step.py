@@ -3,6 +3,7 @@ over the data-parallel ranks), the update, and the step's figures in one small a
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from omegaconf import DictConfig
 
 from framework.contract import logits_of
 from framework.data import DataPipeline, concat_batches
-from framework.dist import DistInfo, all_reduce_sum
+from framework.dist import DistInfo, all_reduce_sum, host_values
 from framework.loss import cross_entropy, loss_elements
 from framework.memory import SavedActivationMeter
 from framework.metrics import Flops, ForwardTimer
@@ -34,6 +35,8 @@ class Setup:
     data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed) to start from
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
     rss_baseline_bytes: int | None = None  # this process before the model was built
+    verify_s: float = 0.0  # seconds spent verifying checkpoints before resuming
+    load_s: float = 0.0  # seconds to resume: verifying and loading
 
 
 @dataclass
@@ -48,6 +51,21 @@ class StepFigures:
     preempt: bool  # some rank got a signal: every rank stops after this step
     sampled: bool = False  # memory and communication were measured
     applied: bool = True  # the update was applied (not skipped for non-finite gradients)
+    loss_scale: float | None = None  # amp: the scaler's scale after this step's update
+    # Until settled (framework.ledger), the figures above wait on the device: `pending` holds them
+    # (reading it is a host sync, done once per logged step), `applied` may be a device bool.
+    pending: torch.Tensor | None = None
+
+    def settle(self, values: list[float], sequence_data: bool) -> None:
+        """Fill the figures from `pending`'s values, read (with the other waiting steps') in one sync."""
+        loss_sum, terms, tokens, samples, signalled, grad_norm, applied, scale = values
+        self.loss, self.samples, self.preempt = loss_sum / terms, round(samples), signalled > 0
+        self.tokens = round(tokens) if sequence_data else None
+        self.grad_norm, self.applied = grad_norm, applied > 0
+        self.loss_scale = scale if math.isfinite(scale) else None
+        self.pending = None
+
+    val: dict | None = None  # an evaluation after this step: val_loss, ... (framework.evaluation)
 
 
 def forward_backward(
@@ -72,18 +90,20 @@ def forward_backward(
     if par.pipeline is not None:
         # A pipeline runs the step's micro-batches itself, in its schedule's order: the
         # accumulated batches go in as one batch of accumulation_steps x batch_size.
-        inputs, target = data.prepare(concat_batches([b for _, b in step_batches]), info.device)
+        cuda = info.device.type == "cuda"  # from pinned memory, the copy does not wait for the GPU
+        inputs, target = data.prepare(concat_batches([b for _, b in step_batches], cuda), info.device, cuda)
         with precision.autocast(), meter.measure() if meter else nullcontext():
             return par.pipeline.step(inputs[0], target)
-    scale = par.dp_size / step_elements(cfg, info, setup, step_batches)
+    scale = par.dp_size * par.cp_size / step_elements(cfg, info, setup, step_batches)  # FSDP averages over dp x cp
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
-        inputs, target = data.prepare(batch, info.device, non_blocking=cfg.data.pin_memory)
+        inputs, target = data.prepare(batch, info.device)  # non-blocking from the loader's pinned memory
+        inputs, kwargs, target = par.split_batch(inputs, target)  # context parallel: this rank's part
         measure = meter.measure() if meter and micro == 0 else nullcontext()
         # Gradients are synchronised on the last micro-batch only: once per step.
         with par.grad_sync(micro == accum - 1), par.loss_context():
             with precision.autocast(), measure, forward_timer:
-                loss = cross_entropy(logits_of(par.module(*inputs)), target, reduction="sum")
+                loss = cross_entropy(logits_of(par.module(*inputs, **kwargs)), target, reduction="sum")
                 if poison:  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan)
                     loss = loss * float("nan")
             precision.scaler.scale(loss * scale).backward()
@@ -92,31 +112,35 @@ def forward_backward(
     return loss_sum
 
 
-def step_elements(cfg: DictConfig, info: DistInfo, setup: Setup, step_batches: list) -> int:
+def step_elements(cfg: DictConfig, info: DistInfo, setup: Setup, step_batches: list) -> int | torch.Tensor:
     """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
-    config; variable-length data counts it with one small all-reduce (a sync point)."""
+    config; variable-length (and the user's own) data counts it with one small all-reduce (a
+    device tensor: the loss is scaled by it without a host sync)."""
     packed_tokens = cfg.data.name == "tokens" and cfg.data.pack  # document boundaries: not counted
-    if cfg.data.name not in ("varlen", "custom") and not packed_tokens:  # every target counts: seq_len per sample (text), or 1
+    if (
+        cfg.data.name not in ("varlen", "custom") and not packed_tokens
+    ):  # every target counts: seq_len per sample (text), or 1
         per_sample = cfg.data.seq_len if setup.task == "lm" else 1
         sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * setup.par.dp_size
         return sum(sizes) * len(step_batches) * per_sample
     local = sum(loss_elements(batch[1]) for _, batch in step_batches) if setup.par.counts_data else 0
-    return int(all_reduce_sum(torch.tensor(local, device=info.device), info).item())
+    return all_reduce_sum(host_values([local], info.device), info)[0]
 
 
-def optimizer_step(setup: Setup, grad_clip: float, skip_nonfinite: bool) -> tuple[torch.Tensor, bool]:
+def optimizer_step(setup: Setup, grad_clip: float, skip_nonfinite: bool) -> tuple[torch.Tensor, bool | torch.Tensor]:
     """Clip the true (unscaled) gradients by their global norm and step. Returns the norm and
     whether the update was applied: amp's scaler skips steps with inf/nan gradients (and lowers
     its scale); with `skip_nonfinite` so does every precision. The norm is global, so every
-    rank decides the same."""
+    rank decides the same. Under amp, "applied" is a device bool (the scale did not drop):
+    `get_scale()` would be a host sync."""
     scaler = setup.precision.scaler
     scaler.unscale_(setup.optimizer)
     norm = setup.par.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
     if scaler.is_enabled():
-        scale = scaler.get_scale()
+        before = scaler._scale.clone()
         scaler.step(setup.optimizer)
         scaler.update()
-        return norm, scaler.get_scale() >= scale
+        return norm, scaler._scale >= before
     if skip_nonfinite and not torch.isfinite(norm):  # a sync point, under nonfinite=skip only
         return norm, False
     setup.optimizer.step()
@@ -135,26 +159,23 @@ def reduce_step_figures(
     """One small all-reduce for the step's figures: the loss (summed losses over summed loss terms,
     one rank per data-parallel group; a pipeline: the mean over the ranks that hold a loss, its
     last stage), tokens and samples summed over one rank per data-parallel group, and whether any
-    rank got a signal. `.tolist()` is a sync point that ends the step, so the step's time is its
-    true time."""
+    rank got a signal. The figures stay on the device (`pending`, with the gradient norm and the
+    loss scale) until framework.ledger settles them: reading them is a host sync, once per logged step."""
     par, data = setup.par, setup.data
-    counting = float(par.counts_data)  # tp and pp peers read the same batch: count it once
+    counting = float(par.counts_data)  # tp, pp and cp peers read the same batch: count it once
     tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting
     samples = sum(b[1].size(0) for _, b in step_batches) * counting
     if par.pipeline is None:
         terms = sum(loss_elements(b[1]) for _, b in step_batches) * counting
-        local = torch.stack([step_loss.float() * counting, step_loss.new_tensor(terms, dtype=torch.float32)])
+        # cp ranks each hold a part of the loss of the batch they all read (counted once)
+        weight, terms = float(par.counts_loss), terms
     else:
-        holds = float(par.holds_loss)
-        local = torch.stack([step_loss.float() * holds, step_loss.new_tensor(holds, dtype=torch.float32)])
-    local = torch.cat([local, local.new_tensor([tokens, samples, float(signalled)])])
-    totals = all_reduce_sum(local, info).tolist()
-    sequence_data = cfg.data.name in ("text", "varlen") or setup.task == "lm"  # report tokens/s
-    return StepFigures(
-        loss=totals[0] / totals[1],
-        tokens=round(totals[2]) if sequence_data else None,
-        samples=round(totals[3]),
-        grad_norm=float(grad_norm),
-        seconds=0.0,
-        preempt=totals[4] > 0,
-    )
+        weight = terms = float(par.holds_loss)
+    counts = host_values([terms, tokens, samples, float(signalled)], info.device)
+    totals = all_reduce_sum(torch.cat([(step_loss.float() * weight).reshape(1), counts]), info)
+    scaler = setup.precision.scaler
+    scale = scaler._scale.reshape(1).float() if scaler.is_enabled() else totals.new_full((1,), math.nan)
+    applied = totals.new_ones(1)  # settled by the caller (train_step) from optimizer_step's answer
+    pending = torch.cat([totals, grad_norm.detach().float().reshape(1).to(totals.device), applied, scale])
+    return StepFigures(loss=math.nan, tokens=None, samples=0, grad_norm=math.nan, seconds=0.0, preempt=False,
+                       pending=pending)  # fmt: skip

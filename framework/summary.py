@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.comm import mean_totals
@@ -35,6 +36,7 @@ class RunStats:
     startup_s: float | None = None  # process start to the end of the first optimizer step
     checkpoint_saves: int = 0
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
+    checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
     skipped_steps: int = 0
     rss_baseline_bytes: int | None = (
         None  # after imports and process-group set-up, before the model  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
@@ -92,7 +94,7 @@ def summarize(
         "per_step": per_step,
         "steps": cfg.steps,
         "nonfinite_skipped": stats.skipped_steps,
-        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s)},
+        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s), **stats.checkpoint_io},
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
         "throughput": throughput,
@@ -104,6 +106,8 @@ def summarize(
         "hfu": mfu(flops.hardware, tokens_per_s, peak, flops.devices),
         "flops_per_token": flops.model,
         "peak_tflops_per_device": peak / 1e12 if peak else None,
+        # fp32 matmuls on TF32 tensor cores (precision.tf32 on CUDA): the peak above is TF32's
+        "tf32": info.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
         "tflops_per_device": achieved,
         "memory": memory,
         # the rank that communicates most (pipeline stages differ), per optimizer step
@@ -151,6 +155,7 @@ MEMORY_KEYS = (
     "param_bytes",
     "grad_bytes",
     "optim_bytes",
+    "offloaded_bytes",  # of the three above, the bytes in host memory (FSDP CPU offload), not the device's
     "activation_bytes",
     "device_peak_bytes",
     "device_reserved_bytes",

@@ -19,18 +19,31 @@ def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: st
     """{name: summary} for every config, each run in `out_dir/name` on `world_size` workers."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from framework.launch import local_launch_config
+    from framework.dist import local_launch_config
 
-    return elastic_launch(local_launch_config(world_size), _train_each)(configs, out_dir)[0]
+    place = device_and_backend(configs)
+    return elastic_launch(local_launch_config(world_size), _train_each)(configs, out_dir, place)[0]
 
 
-def _train_each(configs: dict[str, dict[str, Any]], out_dir: str) -> dict[str, dict[str, Any]]:
+def device_and_backend(configs: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """The device and process-group backend of the configs, as train.py resolves them (on a GPU
+    machine, device=auto is CUDA and NCCL): one group of workers runs configs that agree on both."""
+    from framework.config import resolve_backend, resolve_device
+
+    each = {name: (resolve_device(c), resolve_backend(c)) for name, c in
+            ((name, OmegaConf.create(config)) for name, config in configs.items())}  # fmt: skip
+    if len(set(each.values())) > 1:
+        raise ValueError(f"run_configs: one group of workers runs configs of one device and backend; got {each}")
+    return next(iter(each.values()))
+
+
+def _train_each(configs: dict[str, dict[str, Any]], out_dir: str, place: tuple[str, str]) -> dict[str, dict[str, Any]]:
     from framework.dist import destroy_distributed, init_distributed
     from framework.resilience import Guard
     from framework.run_files import RunFiles
     from framework.trainer import train
 
-    info = init_distributed("cpu", "gloo", timeout_s=300)
+    info = init_distributed(*place, timeout_s=300)
     summaries = {}
     try:
         for name, config in configs.items():

@@ -19,29 +19,31 @@ from framework import checkpoint
 from framework.checkpoint import Checkpointer, TrainerState
 from framework.comm import CommCounter
 from framework.config import resolve_backend, resolve_device
-from framework.data import DataPipeline, build_data
+from framework.contract import build_model, spec_of
+from framework.data import build_data
 from framework.dist import (
     DistInfo,
     destroy_distributed,
     init_distributed,
     restart_count,
 )
+from framework.evaluation import Evaluator
+from framework.integrity import CheckpointError
+from framework.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
 from framework.memory import (
     SavedActivationMeter,
     current_rss_bytes,
     host_allocator,
     model_state_bytes,
     release_cached_memory,
-    reset_peak_rss,
+    reset_peaks,
     set_host_allocator,
 )
 from framework.metrics import (
     ForwardTimer,
     count_flops,
-    mfu,
     peak_flops,
 )
-from framework.contract import build_model, spec_of
 from framework.modules import materialize_model
 from framework.optim import build_optimizer, build_scheduler
 from framework.parallel import Parallelized, parallelize
@@ -57,18 +59,11 @@ from framework.resilience import (
     inject_fault,
     is_collective_failure,
 )
+from framework.resume import choose as choose_resume
 from framework.run_files import RunFiles, checkpoint_root
 from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
 from framework.summary import RunStats, report, summarize
 from framework.tracking import Tracker, build_tracker
-
-
-def is_sampled(step: int, start: int, total: int, every: int) -> bool:
-    """Steps whose memory and communication are measured (measuring slows a step, so only a few):
-    the third step run (the first steady one: DDP re-buckets during the second; the last of a
-    shorter run), then every `every` steps. every=0: never."""
-    k = step - start
-    return every > 0 and (k == min(2, total - start - 1) or (k > 2 and (k - 2) % every == 0))
 
 
 def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
@@ -87,6 +82,9 @@ def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any
                 raise
             except Aborted:
                 raise  # the failing rank wrote the summary
+            except CheckpointError as err:  # every rank has it (a collective verdict): no abort
+                files.write_summary({"status": "failed", "error": f"CheckpointError: {err}", "choices": choices})
+                raise
             except BaseException as err:
                 # any failing rank writes it (rank 0 may be the one left waiting), then tells the others
                 files.write_summary({"status": "failed", "error": f"{type(err).__name__}: {err}", "choices": choices},
@@ -101,17 +99,6 @@ def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def resume_path(cfg: DictConfig, run_dir: str) -> str | None:
-    """The checkpoint to start from: `checkpoint.resume` (a folder), or with `auto` the run's
-    newest complete checkpoint (none yet: a fresh start). After the elastic agent restarts the
-    workers (a worker died; launch.max_restarts), also the newest, if the run saved one."""
-    if cfg.checkpoint.resume not in (None, "auto"):
-        return cfg.checkpoint.resume
-    if cfg.checkpoint.resume == "auto" or restart_count() > 0:
-        return checkpoint.latest(checkpoint_root(cfg, run_dir))
-    return None
 
 
 def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
@@ -148,12 +135,18 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, spec.task)
     precision = build_precision(cfg.precision, info.device, sharded=fsdp_v1(cfg))
     setup = Setup(flops, par, optimizer, scheduler, data, precision, spec.task)
-    resume = resume_path(cfg, run_dir)
+    # the checkpoint to continue from (checkpoint.resume, or the newest after an elastic restart),
+    # verified first: framework/resume.py
+    resume, setup.verify_s = choose_resume(cfg, checkpoint_root(cfg, run_dir), info)
     if restart_count() > 0 and info.is_main:
         print(f"restart {restart_count()} of launch.max_restarts={cfg.launch.max_restarts} after a worker failed: "
               f"continuing from {resume or 'the start (no checkpoint yet)'}", flush=True)  # fmt: skip
     if resume:
+        t0 = time.perf_counter()
         resume_from(resume, setup, info)
+        setup.load_s = setup.verify_s + time.perf_counter() - t0
+        if info.is_main:  # a resumed run says so, and from where
+            print(f"resumed from step {setup.start_step} (checkpoint {resume})", flush=True)
     return setup
 
 
@@ -204,7 +197,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
     set_host_allocator(host_allocator(cfg.memory.host_allocator, cfg.parallel.name))
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it anyway: count it in the baseline)
 
-    reset_peak_rss()  # this run's own peak, should the process have trained before
+    reset_peaks(info.device)  # this run's own peaks (RSS, CUDA allocator), should the process have trained before
     baseline = current_rss_bytes()  # imports and the process group, before the model and W&B
     # The tracker first: W&B's service starts in the background while the model is built, not
     # while the first steps run (on a small machine it competes with them for the cores).
@@ -235,11 +228,14 @@ def loop(
     # this rank's forward time per step: compute with no gradient communication in it (DDP and
     # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
     forward_timer = ForwardTimer(info.device)
-    peak = peak_flops(info.device, cfg.metrics.peak_tflops, setup.precision.dtype) if setup.flops.model else None
+    dtype, tf32 = setup.precision.dtype, setup.precision.tf32
+    peak = peak_flops(info.device, cfg.metrics.peak_tflops, dtype, tf32) if setup.flops.model else None
     profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
-    saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint.keep_last,
-                         cfg.checkpoint.async_save)  # fmt: skip
-    batches = data.batches(*setup.data_position)
+    saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint)
+    sequence_data = cfg.data.name in ("text", "varlen") or setup.task == "lm"  # report tokens/s
+    evaluator = build_evaluator(cfg, info, setup, stats, saver.root)
+    evaluator.at_start(tracker)
+    batches, ledger = data.batches(*setup.data_position), Ledger(sequence_data)
     progress = tqdm(  # rank 0 only
         total=cfg.steps, initial=setup.start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
     )
@@ -257,25 +253,35 @@ def loop(
                 if info.distributed and is_collective_failure(err):
                     raise diagnose(err, guard, step + 1) from None
                 raise
-            figures.seconds = time.perf_counter() - t0  # after the step's all-reduce, a sync point
+            figures.seconds = time.perf_counter() - t0  # the host's time: on CUDA the GPU may still run it
+            forward_timer.end_step()
+            ledger.add(figures, step, step_batches, data)
             if step == setup.start_step:
                 guard.shorten_timeout(cfg.backend.step_timeout_s)
-            record_step(stats, figures, par.counts_data, data, step_batches, forward_timer)
-            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps:
-                log_step(step, figures, stats, setup, peak, step_batches[-1][0], files, tracker)
-            progress.set_postfix(loss=f"{figures.loss:.4f}", refresh=False)
             progress.update(1)
             profiler.step()
-            end_of_step(cfg, info, setup, stats, figures, step + 1, saver, guard)
+            figures.val = evaluator.after_step(step + 1)  # after the step's time is taken: not in throughput
+            if not (syncs_after(cfg, step, setup.start_step) or figures.val):
+                continue  # its figures wait on the device (framework.ledger): no host sync
+            settled = ledger.settle()  # the one host sync of these steps
+            record_steps(stats, settled, par.counts_data, forward_timer)
+            if is_logged(cfg, step) or figures.val:
+                log_step(settled[-1], stats, setup, peak, files, tracker)
+            progress.set_postfix(loss=f"{settled[-1].figures.loss:.4f}", refresh=False)
+            end_of_step(cfg, info, setup, stats, [e.figures for e in settled], step + 1, saver, guard)
+            if evaluator.stop:  # eval.patience: every rank decides alike, after the same step
+                break
         if saver.pending is not None:  # the last async save: training has ended, but the run waits for it
             t0 = time.perf_counter()
             saver.wait()
             stats.checkpoint_s.append(time.perf_counter() - t0)
+    stats.checkpoint_io = {"verify_s": setup.verify_s, "load_s": setup.load_s, "failed_saves": saver.failed}
     progress.close()
     if cfg.checkpoint.export:
         checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
 
     summary = summarize(cfg, info, par, choices, stats, (meter, probe), setup.flops, peak)
+    summary |= {"eval": evaluator.summary(), "stopped_early": evaluator.stopped_at}
     files.write_summary(summary)  # rank 0 only
     return summary
 
@@ -302,7 +308,8 @@ def train_step(
         step_loss = forward_backward(cfg, info, setup, step_batches, meter if sampled else None, forward_timer, poison)
         grad_norm, applied = optimizer_step(setup, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")
     if sampled:
-        stats.state_bytes = model_state_bytes(setup.par.module, setup.optimizer)  # before zero_grad frees grads
+        # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
+        stats.state_bytes = model_state_bytes(setup.par.module, setup.optimizer, info.device)
         stats.comm.append(counter.totals())
     setup.optimizer.zero_grad(set_to_none=True)
     setup.scheduler.step()
@@ -314,86 +321,60 @@ def train_step(
 
 
 def end_of_step(
-    cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, figures: StepFigures, done: int,
+    cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, settled: list[StepFigures], done: int,
     saver: Checkpointer, guard: Guard,
 ) -> None:  # fmt: skip
-    """After step `done`: stop on a non-finite step (nonfinite=stop), save when due, and stop
-    with a checkpoint when any rank got a signal (every rank sees it after the same step)."""
-    bad = not math.isfinite(figures.loss) or (
-        not math.isfinite(figures.grad_norm) and not setup.precision.scaler.is_enabled()
-    )
-    if bad and cfg.nonfinite == "stop":
-        last = checkpoint.latest(saver.root)
-        raise NonFiniteLoss(
-            f"step {done}: loss {figures.loss}, gradient norm {figures.grad_norm} (nonfinite=stop; nonfinite=skip "
-            f"leaves such steps out). Last good checkpoint: {last or 'none (checkpoint.every=0)'}"
+    """After step `done`, the last of the steps just settled: stop on a non-finite step among them
+    (nonfinite=stop), save when due, and stop with a checkpoint when any rank got a signal (every
+    rank sees it after the same step)."""
+    for k, figures in enumerate(settled):
+        bad = not math.isfinite(figures.loss) or (
+            not math.isfinite(figures.grad_norm) and not setup.precision.scaler.is_enabled()
         )
+        if bad and cfg.nonfinite == "stop":
+            raise NonFiniteLoss(
+                f"step {done - len(settled) + 1 + k}: loss {figures.loss}, gradient norm {figures.grad_norm} "
+                "(nonfinite=stop; nonfinite=skip leaves such steps out). Last good checkpoint: "
+                f"{checkpoint.latest(saver.root) or 'none (checkpoint.every=0)'}"
+            )
+    figures = settled[-1]
     due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
     if due or figures.preempt:
-        state = TrainerState(
-            step=done,
-            scheduler=setup.scheduler.state_dict(),
-            scaler=setup.precision.scaler.state_dict(),
-            data=setup.data.position(),
-            layout=layout(cfg, info, setup.par),
-            counters={"nonfinite_skipped": stats.skipped_steps},
-        )
+        state = trainer_state(cfg, info, setup, stats, done)
         t0 = time.perf_counter()
         path = saver.save(done, setup.par.module, setup.optimizer, state, generators(setup))
         stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
         stats.checkpoint_saves += 1
     if figures.preempt:
-        saver.wait()  # on disk before the process exits
+        if not saver.wait() or path is None:  # on disk before the process exits
+            raise CheckpointError(f"preempted after step {done}; its checkpoint could not be saved (see above)")
         raise Preempted(guard.signum or signal.SIGTERM, done, path)
 
 
-def record_step(
-    stats: RunStats,
-    figures: StepFigures,
-    counts_data: bool,
-    data: DataPipeline,
-    step_batches: list,
-    forward_timer: ForwardTimer,
-) -> None:
-    stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
-    stats.losses.append(figures.loss)
-    stats.skipped_steps += not figures.applied
-    if stats.first_step_s is None:
-        stats.first_step_s = figures.seconds
-        stats.startup_s = time.time() - float(os.environ.get("HYDRADIST_START", time.time()))
-    if counts_data:
-        stats.work.append(sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches))
-        stats.slots += sum(data.slots_in(b) or 0 for _, b in step_batches)
-        stats.forward_s.append(forward_timer.pop_seconds())
+def trainer_state(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, done: int) -> TrainerState:
+    """What a checkpoint after step `done` holds besides the model and optimizer."""
+    return TrainerState(
+        step=done,
+        scheduler=setup.scheduler.state_dict(),
+        scaler=setup.precision.scaler.state_dict(),
+        data=setup.data.position(),
+        layout=layout(cfg, info, setup.par),
+        counters={"nonfinite_skipped": stats.skipped_steps},
+    )
 
 
-def log_step(
-    step: int,
-    figures: StepFigures,
-    stats: RunStats,
-    setup: Setup,
-    peak: float | None,
-    epoch: int,
-    files: RunFiles,
-    tracker: Tracker,
-) -> None:
-    """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
-    scaler, seconds, sampled = setup.precision.scaler, figures.seconds, figures.sampled
-    tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None
-    record = {
-        "step": step + 1,
-        "loss": figures.loss,
-        "lr": setup.scheduler.get_last_lr()[0],
-        "grad_norm": figures.grad_norm,
-        "step_time_s": seconds,
-        "samples_per_s": figures.samples / seconds,
-        "tokens_per_s": tokens_per_s,
-        "mfu": mfu(setup.flops.model, tokens_per_s, peak, setup.flops.devices),
-        "epoch": epoch,
-        "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
-        "skipped": not figures.applied,  # non-finite gradients: the update was not applied
-        "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
-        "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
-    }
-    files.log_step(record)
-    tracker.log(record, step=step + 1)
+def build_evaluator(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, root: str) -> Evaluator:
+    """Evaluation during training (framework.evaluation); with checkpoint.monitor=val_loss it
+    keeps one complete checkpoint of the best evaluation under <checkpoint root>/best. The
+    resolved config goes beside the checkpoints, for `framework.evaluate` and `framework.generate`."""
+    if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):
+        checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
+    if not cfg.checkpoint.monitor:
+        return Evaluator(cfg, info, setup)
+    best = Checkpointer(checkpoint.best_root(root), info.rank, OmegaConf.merge(cfg.checkpoint, {"keep_last": 1}))
+
+    def save_best(done: int) -> None:
+        state = trainer_state(cfg, info, setup, stats, done)
+        best.save(done, setup.par.module, setup.optimizer, state, generators(setup))
+
+    return Evaluator(cfg, info, setup, save_best)

@@ -131,11 +131,15 @@ class GPT(nn.Module):
             if not p.is_meta:
                 fill_(p, self.init_rule(name, p.dim()), torch.initial_seed(), name)
 
-    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """idx: (B, T) token ids -> logits (B, T, vocab).
 
         doc_ids: (B, T) document of each position, for packed sequences: attention stays within
-        a document and positions restart at each document's start."""
+        a document and positions restart at each document's start.
+        positions: (T,) the position of each of these tokens in its sequence, where `idx` is a part
+        of it (context parallel: a zigzag shard); default 0..T-1. Not combined with doc_ids."""
         B, T = idx.shape
         assert T <= self.block_size, f"sequence of {T} tokens > block_size {self.block_size}"
         pos = torch.arange(T, device=idx.device)
@@ -147,6 +151,8 @@ class GPT(nn.Module):
             pos = pos - start_pos  # (B, T): position within the document
             same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
             mask = (same_doc & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None]
+        if positions is not None:
+            pos = positions
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x, mask)

@@ -30,7 +30,8 @@ class LSTMClassifier(nn.Module):
         self.head = nn.Linear(hidden * (2 if bidirectional else 1), num_classes)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """tokens: (B, T) padded with 0; lengths: (B,) real lengths -> logits (B, classes)."""
+        """tokens: (B, T) padded with 0; lengths: (B,) real lengths -> logits (B, classes). Lengths
+        in host memory (the framework leaves them there) cost no device-to-host copy."""
         packed = pack_padded_sequence(self.embed(tokens), lengths.cpu(), batch_first=True, enforce_sorted=False)
         _, (h, _) = self.lstm(packed)
         # last layer's final hidden state (both directions if bidirectional)

@@ -11,29 +11,41 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+# The suite's runs are CPU runs, also on a machine with GPUs (where device=auto would pick CUDA,
+# and its 2-worker configs would be refused on one GPU). Tests meant for CUDA set device=cuda
+# (a later override wins) and carry the `gpu` marker.
+CPU = "device=cpu"
+
+
+def on_cpu(overrides: list[str]) -> list[str]:
+    """`overrides` pinned to the CPU unless they choose a device themselves."""
+    return overrides if any(o.startswith("device=") for o in overrides) else [*overrides, CPU]
 
 
 def compose_config(overrides: list[str] | None = None):
     """The config `python train.py OVERRIDES` composes (not validated)."""
     from framework.config import compose
 
-    return compose(overrides)
+    return compose(on_cpu(list(overrides or [])))
 
 
 def world_config(overrides: list[str], world: int) -> dict[str, Any]:
     """Composed, validated and resolved for `world` local workers: what run_configs takes."""
-    from framework.config import compose_run
+    from framework.compose import compose_run
 
-    return compose_run([*overrides, f"launch.nproc_per_node={world}"])
+    return compose_run(on_cpu([*overrides, f"launch.nproc_per_node={world}"]))
 
 
-def train_cli(args: list[str], run_dir: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def train_cli(
+    args: list[str], run_dir: Path | None = None, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a subprocess, as a user runs it (W&B offline, no network)."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    cmd = [sys.executable, str(ROOT / "train.py"), *on_cpu(args)]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env |= {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env |= {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"} | extra
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -65,7 +77,7 @@ def run_workers(fn, world_size: int, *args) -> dict[int, Any]:
     (through torch's elastic launcher, as train.py does); returns each rank's result."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from framework.launch import local_launch_config
+    from framework.dist import local_launch_config
 
     return elastic_launch(local_launch_config(world_size), _worker)(fn, args)
 
@@ -130,23 +142,24 @@ def is_png_with_content(path: Path) -> bool:
     return pixels.ndim == 3 and min(pixels.shape[:2]) > 50 and float(pixels.std()) > 0.01
 
 
-PLAN_TOLERANCE = {  # the planner's floors (issue 10): relative error of each predicted figure
-    "param_bytes": 0.05,
-    "grad_bytes": 0.05,
-    "optim_bytes": 0.05,
-    "wire_bytes": 0.10,
-    "activation_bytes": 0.25,
-}
+PLAN_FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls")
+# The planner counts exactly what the run measures (docs: every figure +0.0%), but one: the
+# zero-bubble schedules hold micro-batches longer on the stage with the head than the model takes
+# (one per stage ahead): up to -22% of activations on the tiny smoke gpt.
+ZERO_BUBBLE_ACTIVATIONS = 0.25
 
 
 def assert_plan_holds(summary: dict[str, Any], name: str = "") -> None:
-    """The run's own check of the planner (summary.json `plan`) is within the floors."""
+    """The run's own check of the planner (summary.json `plan`): exact for every figure, the
+    collective calls included; the zero-bubble schedules' activations within their bound."""
     plan = summary["plan"]
     assert "error" in plan and isinstance(plan["error"], dict), f"{name}: {plan}"
-    for figure, tolerance in PLAN_TOLERANCE.items():
+    zero_bubble = "ZeroBubble" in str(plan.get("layout"))  # "pp ZBVZeroBubble m=4"
+    for figure in PLAN_FIGURES:
         error = plan["error"][figure]
         assert error is not None, f"{name}: {figure} not predicted or not measured: {plan}"
+        tolerance = ZERO_BUBBLE_ACTIVATIONS if figure == "activation_bytes" and zero_bubble else 0.0
         assert abs(error) <= tolerance, (
             f"{name}: {figure} predicted {plan['predicted'][figure]}, measured {plan['measured'][figure]} "
-            f"({error:+.1%}; allowed {tolerance:.0%})"
+            f"({error:+.2%}; allowed {tolerance:.0%})"
         )

@@ -141,7 +141,7 @@ def test_under_torchrun_each_process_is_a_worker_and_the_run_has_one_directory(t
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.run([*torchrun, str(ROOT / "train.py"), "experiment=smoke", "logger=none", "steps=3"],
+    proc = subprocess.run([*torchrun, str(ROOT / "train.py"), "experiment=smoke", "logger=none", "steps=3", "device=cpu"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "outputs").glob("*/*"))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import ConfigError, validate
+from framework.config.resolve import cuda_device_count
 from tests.helpers import CONF, compose_config, write_tiny_llama_config
 
 # a data choice each model trains on, and a model for each data choice
@@ -29,20 +29,23 @@ def test_every_group_has_choices_and_a_schema():
         assert choices(group), group
     for name in ("auto", "gloo", "nccl", "mpi"):
         assert name in choices("backend")
-    assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"} == set(choices("parallel"))
+    assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
     assert {"gpt", "llama", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
 
 
 def _unavailable(group: str, name: str) -> str | None:
-    """The key validate must name for choices this machine cannot run (None: it can run it)."""
-    if group == "backend" and name == "nccl" and not torch.cuda.is_available():
+    """The key validate must name for choices this machine cannot run (None: it can run it). The
+    suite composes with device=cpu (tests.helpers), on a GPU machine too: nccl, dp and CPU offload,
+    which need CUDA tensors, are refused there (tests/test_gpu_ready.py composes this suite as on
+    machines with GPUs, through the resolver's GPU count)."""
+    if group == "backend" and name == "nccl":
         return "backend"
     if group == "backend" and name == "mpi" and not dist.is_mpi_available():
         return "backend"
-    if group == "parallel" and name == "dp" and torch.cuda.device_count() < 2:
+    if group == "parallel" and name == "dp":  # DataParallel drives several GPUs: not on device=cpu
         return "parallel"
-    if group == "memory" and name == "offload" and not torch.cuda.is_available():
+    if group == "memory" and name == "offload":
         return "memory.cpu_offload"
     return None
 
@@ -194,7 +197,7 @@ def test_validate_names_the_key_and_what_is_allowed(overrides, key, hint):
     assert hint in str(err.value)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks the message on a machine without CUDA")
 def test_nccl_without_cuda_is_refused():
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         validate(compose_config(["backend=nccl"]))

@@ -65,7 +65,7 @@ def _first_global_batch(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     from framework.data import build_data
 
     parts = [next(build_data(cfg.data, r, 2, torch.device("cpu"), cfg.seed, "lm").batches(0, 0))[1] for r in range(2)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return torch.cat([p[0][0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def test_pretrained_loads_into_fsdp_shards_with_hf_first_loss(llama, tmp_path):
@@ -106,9 +106,9 @@ def _load_probe(rank: int, world: int, overrides: list[str]) -> tuple[int, int, 
     probe = Live()
     load = framework.modules.load_pretrained
 
-    def probed(module, folder, device):
+    def probed(*args):
         with probe:
-            return load(module, folder, device)
+            return load(*args)
 
     framework.modules.load_pretrained = probed
     cfg = OmegaConf.create(world_config(overrides, world))

@@ -52,8 +52,8 @@ def _no_sync_worker(rank: int, world: int):
     from omegaconf import OmegaConf
 
     from framework.config.schema import MemoryConfig, ParallelConfig
-    from framework.dist import DistInfo
     from framework.contract import spec_of
+    from framework.dist import DistInfo
     from framework.parallel import parallelize
 
     torch.manual_seed(0)

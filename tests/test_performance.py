@@ -11,8 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.config import validate
-from framework.metrics import cpu_peak_flops, gpu_peak_tflops, mfu
+from framework.metrics import cpu_peak_flops, gpu_peak_tflops
 from framework.sweep import run_configs
+from models import GPT
 from tests.helpers import ROOT, compose_config, losses, read_summary, train_cli, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=4"]
@@ -42,11 +43,19 @@ def test_compile_trains_like_eager_under_ddp_fsdp_tp_and_checkpointing(tmp_path)
 
 
 def test_compile_trains_like_eager_in_one_process(tmp_path):
+    """compile=true really compiles (dynamo captured graphs of the model's blocks in this process)
+    and trains like eager; compile=false captures none."""
+    from torch._dynamo.utils import counters
+
     from framework.trainer import run
 
+    graphs = {}
     for c in ("false", "true"):
+        counters.clear()
         cfg = OmegaConf.create(config(["parallel=none", f"compile={c}"], 1))
         assert run(cfg, str(tmp_path / c), {"parallel": "none"})["status"] == "ok"
+        graphs[c] = counters["stats"]["unique_graphs"]
+    assert graphs["false"] == 0 and graphs["true"] >= 1, graphs
     assert losses(tmp_path / "true") == pytest.approx(losses(tmp_path / "false"), rel=1e-3)
 
 
@@ -86,8 +95,16 @@ def test_cpu_runs_report_mfu_from_a_cached_matmul_probe(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = read_summary(run)
     assert 0 < s["mfu"] < s["hfu"] < 1  # recomputation counts for HFU only
+    # tied to the run's parts: the peak is the probe's cached fp32 figure (the workers' own probe),
+    # the FLOPs are the model's formula at this sequence length, the rate is the measured one
+    cache = json.loads((tmp_path / "cache" / "hydradist" / "peak_flops.json").read_text())
+    probed = [v for k, v in cache.items() if "|torch.float32|" in k]
+    assert s["peak_tflops_per_device"] * 1e12 in probed, (s["peak_tflops_per_device"], cache)
+    cfg = compose_config(BASE)
+    gpt = GPT(**{k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"})
+    assert s["flops_per_token"] == gpt.flops_per_token(cfg.data.seq_len)
     assert s["mfu"] == pytest.approx(
-        mfu(s["flops_per_token"], s["throughput"]["tokens_per_s"], s["peak_tflops_per_device"] * 1e12, 2)
+        s["flops_per_token"] * s["throughput"]["tokens_per_s"] / 2 / (s["peak_tflops_per_device"] * 1e12), rel=1e-9
     )
     assert 0 < s["startup_s"] < 120
     # bf16 autocast: the peak is probed on the same kernels, so MFU stays a fraction

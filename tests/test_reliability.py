@@ -11,11 +11,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
-from tests.helpers import losses, read_metrics, read_summary, train_cli
+from tests.helpers import losses, read_metrics, read_summary, train_cli, world_config
 from tests.test_images import make_image_folder
 
-SMOKE = ["experiment=smoke", "logger=none"]
+SMOKE = ["experiment=smoke", "logger=none", "device=cpu"]  # CPU runs, on a GPU machine too
 
 
 @pytest.fixture
@@ -82,14 +84,42 @@ def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkey
     stopped = summary["step"]
     assert 5 <= stopped < 60 and Path(summary["checkpoint"]).name == f"step-{stopped:06d}"
 
+    before = read_metrics_lines(run)
+    assert len(before) == stopped
+
     monkeypatch.delenv("HYDRADIST_FAULT")
     proc = train_cli([*args, "checkpoint.resume=auto"], run)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_resumed(proc, run, before, stopped)
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 61))
     assert losses(run) == losses(clean)  # bitwise, fp32
 
 
-@pytest.mark.slow
+def assert_resumed(proc, run: Path, before: list[str], step: int) -> None:
+    """The run loaded step-N and says so, and kept the metric lines of steps 1..N as written
+    (a fresh start would rewrite them: their step times differ)."""
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("resumed from step")]
+    assert said == [f"resumed from step {step} (checkpoint {run / 'checkpoints' / f'step-{step:06d}'})"], said
+    assert read_metrics_lines(run)[:step] == before[:step]
+
+
+def test_resume_auto_continues_from_the_newest_checkpoint_and_says_so(tmp_path):
+    """The lean default-run check of `checkpoint.resume=auto`: one process, 6 steps with a
+    checkpoint at 3 (the one at 6 removed), resumed into the same run directory."""
+    args = [*SMOKE, "parallel=none", "steps=6", "checkpoint.every=3"]
+    run = tmp_path / "run"
+    assert train_cli(args, run).returncode == 0
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / "step-000006")
+    before, first = read_metrics_lines(run), losses(run)
+    proc = train_cli([*args, "checkpoint.resume=auto"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_resumed(proc, run, before, 3)
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 7))
+    assert losses(run) == first  # bitwise, fp32
+
+
 def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
     """As SLURM does before a time limit: SIGTERM to every task of `srun python train.py` (no
     torchrun in between). Both ranks stop after the same step and exit 143; the requeued job
@@ -229,7 +259,7 @@ FSDP4 = ["parallel=fsdp", "launch.nproc_per_node=4", "data.batch_size=2"]
     "saved,resumed",
     [
         (DDP2, FSDP4),
-        pytest.param(FSDP4, DDP2, marks=SLOW),
+        (FSDP4, DDP2),
         # FSDP over 2 x tensor parallel over 2
         (DDP2, ["parallel=hybrid", "parallel.pp=1", "parallel.tp=2", "launch.nproc_per_node=4", "data.batch_size=4"]),
     ],
@@ -299,3 +329,37 @@ def test_nonfinite_skip_leaves_the_step_out_and_counts_it(tmp_path, monkeypatch)
     # the skipped update left the weights alone: step 5 sees the weights of step 4's end, so its
     # loss is finite and close to the clean run's (which applied one more update)
     assert metrics[4]["loss"] == pytest.approx(losses(clean)[4], rel=0.05)
+
+
+def test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(tmp_path, monkeypatch):
+    """nonfinite=skip (one process, a NaN loss at step 4): the checkpoints after steps 3 and 4 hold
+    the same parameters and optimizer state, bit for bit (an update with zeroed gradients would
+    still move Adam's moments and step count; the LR schedule in param_groups moves on regardless)."""
+    from framework.trainer import run
+
+    monkeypatch.setenv("HYDRADIST_FAULT", "0:3:nan")
+    cfg = world_config([*SMOKE, "parallel=none", "steps=5", "nonfinite=skip", "checkpoint.every=1"], 1)
+    run(OmegaConf.create(cfg), str(tmp_path / "run"), {})
+    assert [m["skipped"] for m in read_metrics(tmp_path / "run")] == [False, False, False, True, False]
+    ckpts = tmp_path / "run" / "checkpoints"
+    before, after = (checkpoint_tensors(ckpts / f"step-00000{k}", tmp_path / f"{k}.pt") for k in (3, 4))
+    kept = [k for k in before if k.startswith(("model.", "optim.state."))]
+    assert before.keys() == after.keys() and any(k.endswith(".exp_avg") for k in kept), list(before)[:20]
+    for key in kept:
+        assert torch.equal(before[key], after[key]), key
+    five = checkpoint_tensors(ckpts / "step-000005", tmp_path / "5.pt")
+    assert not all(torch.equal(after[k], five[k]) for k in kept)  # the next step does update
+
+
+def checkpoint_tensors(path: Path, out: Path) -> dict:
+    """A saved checkpoint's model and optimizer state, flattened to {dotted key: value}."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, out)
+
+    def flat(tree, prefix=""):
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): tree}
+
+    return flat(torch.load(out, weights_only=True))

@@ -19,9 +19,9 @@ BASE = ["experiment=smoke", "logger=none", "model.n_layer=4", "model.n_head=4", 
 
 def _built_equals_single_process(rank: int, world: int, overrides: list[str]) -> list[str]:
     from framework.checkpoint import full_model_state_dict
+    from framework.contract import build_model
     from framework.dist import DistInfo
     from framework.trainer import build
-    from framework.contract import build_model
 
     cfg = OmegaConf.create(world_config(overrides, world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
@@ -37,11 +37,9 @@ def _built_equals_single_process(rank: int, world: int, overrides: list[str]) ->
     [
         (["parallel=fsdp"], 2),
         (["parallel=tp"], 2),
-        pytest.param(["parallel=pp"], 2, marks=pytest.mark.slow),
-        pytest.param(
-            ["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4, marks=pytest.mark.slow
-        ),
-        pytest.param(["parallel=ddp"], 2, marks=pytest.mark.slow),
+        (["parallel=pp"], 2),
+        (["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=-1"], 4),
+        (["parallel=ddp"], 2),
     ],
     ids=["fsdp", "tp", "pp", "pp2-fsdp-tp2", "ddp"],
 )
@@ -102,7 +100,7 @@ def test_two_torchrun_agents_form_one_run_as_two_nodes(tmp_path):
     from tests.helpers import ROOT, losses, read_summary, train_cli
     from tests.test_sweeps import _free_port
 
-    args = ["experiment=smoke", "logger=none", "steps=4"]
+    args = ["experiment=smoke", "logger=none", "steps=4", "device=cpu"]
     port = _free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=twonodes"]  # fmt: skip
@@ -171,7 +169,7 @@ def _peak_rss_from_outside(tmp_path, overrides: list[str]) -> int:
     from framework.memory import peak_rss_of
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, str(root / "train.py"), *overrides, f"hydra.run.dir={tmp_path}"]
+    cmd = [sys.executable, str(root / "train.py"), *overrides, "device=cpu", f"hydra.run.dir={tmp_path}"]
     return peak_rss_of(cmd, cwd=root, env={**os.environ, "WANDB_MODE": "offline"}, stdout=subprocess.DEVNULL)
 
 

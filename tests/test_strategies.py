@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.sweep import run_configs
-from tests.helpers import assert_plan_holds, losses, read_metrics, world_config
+from tests.helpers import assert_plan_holds, losses, read_metrics, run_workers, world_config
 
 STEPS = 5
 BASE = [
@@ -135,7 +135,7 @@ def test_hybrid_and_hsdp_follow_the_single_process_trajectory_world_4(tmp_path, 
     configs = {name: config(args, 4) for name, args in WORLD4.items()}
     results = train_all(configs, 4, tmp_path)
     dims = results["hybrid_auto_dp2_tp2"][1]["parallel_dims"]
-    assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert results["hybrid_dp2_pp2"][1]["parallel_dims"]["pp"] == 2
     assert_parity(results, reference, tmp_path)
     for name, (_, summary) in results.items():
@@ -156,3 +156,87 @@ def test_sharded_clipping_scales_like_one_process_under_sgd(tmp_path):
         "pp_sgd": config(["parallel=pp", "data.batch_size=8", *SGD], 2),
     }
     assert_parity(train_all(configs, 2, tmp_path), reference, tmp_path)
+
+
+# ----------------------------------------------------------------------------- knobs leave traces
+
+
+def test_sequence_and_loss_parallel_show_in_the_collectives(tmp_path):
+    """Same arithmetic, other collectives: sequence parallel turns the row-wise outputs'
+    all-reduces into reduce-scatters (and all-gathers the sequence back); loss parallel leaves the
+    (B, T, vocab) logits ungathered."""
+    tp = ["parallel=tp", "data.batch_size=8", "steps=3"]
+    configs = {
+        "plain": config([*tp, "parallel.sequence_parallel=false"], 2),
+        "sp": config(tp, 2),
+        "sp_lp": config([*tp, "parallel.loss_parallel=true"], 2),
+    }
+    ops = {name: s["comm"]["by_op"] for name, s in run_configs(configs, 2, str(tmp_path)).items()}
+    logits = {"calls": 1, "bytes": 8 * 32 * 256 * 4}  # the head's (B, T, vocab) fp32 output, gathered once
+    # per rank per step, 2 blocks: with sequence parallel, 19 reduce-scatters and as many all-gathers
+    # of the residual stream (shards of (B, T, C)) replace the plain layout's activation all-reduces
+    assert ops["plain"] == {"all_gather": logits, "all_reduce": {"calls": 26, "bytes": 819204}}, ops["plain"]
+    stream = {"calls": 19, "bytes": 593920}
+    assert ops["sp"] == {"all_gather": {"calls": 19 + 1, "bytes": 593920 + logits["bytes"]}, "reduce_scatter": stream,
+                         "all_reduce": {"calls": 10, "bytes": 1156}}, ops["sp"]  # fmt: skip
+    # loss parallel: the same, less the logits' gather
+    assert ops["sp_lp"] == {"all_gather": stream, "reduce_scatter": stream, "all_reduce": {"calls": 10, "bytes": 1156}}
+
+
+def _pipeline_actions(rank: int, world: int, schedules: list[str]) -> dict[str, list[str]]:
+    """This rank's stage forwards (F) and backwards (B) of a pipeline step, in the order run, per
+    schedule (the second step: the first also infers the stages' shapes)."""
+    from framework.dist import DistInfo
+    from framework.trainer import build
+
+    got = {}
+    for schedule in schedules:
+        args = ["experiment=smoke", "logger=none", "parallel=pp", f"parallel.schedule={schedule}", "data.batch_size=8"]
+        cfg = OmegaConf.create(world_config(args, world))
+        setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
+        actions: list[str] = []
+
+        def record(module, args, output, actions=actions):
+            if output.device.type != "meta":
+                actions.append("F")
+                output.register_hook(lambda grad: actions.append("B"))
+
+        next(iter(setup.par.module.blocks.values())).register_forward_hook(record)  # one F per micro-batch
+        tokens = torch.randint(0, 256, (8, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            actions.clear()
+            setup.par.pipeline.step(tokens[:, :-1], tokens[:, 1:])
+        got[schedule] = "".join(actions)
+    return got
+
+
+def test_pipeline_schedules_run_their_own_action_order():
+    """The same arithmetic in another order (2 stages, 4 micro-batches): GPipe runs every
+    micro-batch's forward before any backward; 1F1B starts backwards as soon as the last stage
+    has a micro-batch, then alternates."""
+    got = run_workers(_pipeline_actions, 2, ["GPipe", "1F1B"])
+    assert got[0] == {"GPipe": "FFFFBBBB", "1F1B": "FFBFBFBB"}, got
+    assert got[1] == {"GPipe": "FFFFBBBB", "1F1B": "FBFBFBFB"}, got
+
+
+def test_grad_clip_scales_the_update_in_a_run_designed_to_clip(tmp_path):
+    """One plain SGD step with clipping at 0.1, below the first step's gradient norm: the update
+    is the unclipped update times the clip coefficient 0.1 / norm < 1, parameter by parameter."""
+    from framework.dist import DistInfo
+    from framework.trainer import build, run
+
+    sgd = ["optim=sgd", "optim.momentum=0.0", "optim.lr=0.5", "optim.schedule=constant", "optim.warmup_steps=0",
+           "steps=1", "parallel=none", f"data.batch_size={GLOBAL_BATCH}"]  # fmt: skip
+    cfg = OmegaConf.create(config(sgd, 1))
+    start = build(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None), "/nonexistent").par.module.state_dict()
+    weights = {}
+    for name, clip in (("clipped", 0.1), ("free", 0.0)):
+        run(OmegaConf.create(config([*sgd, f"optim.grad_clip={clip}"], 1)), str(tmp_path / name), {"parallel": "none"})
+        weights[name] = torch.load(tmp_path / name / "model.pt", weights_only=True)
+    norm = read_metrics(tmp_path / "clipped")[0]["grad_norm"]
+    assert norm == read_metrics(tmp_path / "free")[0]["grad_norm"]
+    coef = 0.1 / (norm + 1e-6)
+    assert coef < 0.5, norm  # clipping is active, and by a factor the comparison can tell from 1
+    for key, w0 in start.items():
+        free, clipped = weights["free"][key] - w0, weights["clipped"][key] - w0
+        assert torch.allclose(clipped, coef * free, rtol=1e-3, atol=1e-7), key

@@ -4,8 +4,12 @@ environment a backend reads, the world size the run will have."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from omegaconf import DictConfig
+
+_ASSUMED_CUDA: list[int] = []  # assume_cuda_devices: a device count that stands in for this machine's
 
 
 def backend_env(cfg: DictConfig) -> dict[str, str]:
@@ -18,11 +22,30 @@ def backend_env(cfg: DictConfig) -> dict[str, str]:
     return env
 
 
-def resolve_device(cfg: DictConfig) -> str:
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (the ones CUDA_VISIBLE_DEVICES leaves), or the count
+    `assume_cuda_devices` stands in: every device decision of the config reads it from here."""
+    if _ASSUMED_CUDA:
+        return _ASSUMED_CUDA[-1]
     import torch
 
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@contextmanager
+def assume_cuda_devices(count: int) -> Iterator[None]:
+    """Resolve and validate configs as on a machine with `count` visible GPUs (tests: a CPU
+    machine proves that the suite's configs compose there too; nothing is run on them)."""
+    _ASSUMED_CUDA.append(count)
+    try:
+        yield
+    finally:
+        _ASSUMED_CUDA.pop()
+
+
+def resolve_device(cfg: DictConfig) -> str:
     if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if cuda_device_count() > 0 else "cpu"
     return cfg.device
 
 
@@ -35,14 +58,12 @@ def resolve_backend(cfg: DictConfig) -> str:
 
 def resolve_nproc(cfg: DictConfig) -> int:
     """Local worker processes to start: explicit, else 1 for parallel=none or dp, else one per GPU (CPU: 2)."""
-    import torch
-
     if cfg.launch.nproc_per_node is not None:
         return cfg.launch.nproc_per_node
     if cfg.parallel.name in ("none", "dp"):  # dp: one process drives every GPU
         return 1
     if resolve_device(cfg) == "cuda":
-        return torch.cuda.device_count()
+        return cuda_device_count()
     return 2
 
 

@@ -12,6 +12,16 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from framework.config.model_schema import (
+    GPTConfig,
+    HFConfig,
+    LlamaConfig,
+    LSTMConfig,
+    MLPConfig,
+    ModelConfig,
+    ResNetConfig,
+)
+
 # ----------------------------------------------------------------------------- groups
 
 
@@ -75,6 +85,9 @@ class ParallelConfig:
     schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble
     n_microbatches: int = 4
     stages_per_rank: int = 0  # 0: auto (1 for GPipe/1F1B, 2 for interleaved and V schedules)
+    # context parallel: each sequence split over cp ranks (zigzag), attention by a ring of sends
+    cp: int = 1
+    cp_impl: str = "ring"  # ring (ours: any device, gloo or NCCL) | torch (torch's context_parallel, CUDA only)
 
 
 @dataclass
@@ -82,6 +95,9 @@ class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp (float16 autocast + GradScaler) | bf16 (bfloat16 autocast)
     init_scale: float = 65536.0  # GradScaler's starting loss scale (amp only)
     growth_interval: int = 2000
+    # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; the MFU peak and
+    # the planner follow). Under amp/bf16 it applies to the ops autocast leaves in fp32.
+    tf32: bool = True
 
 
 @dataclass
@@ -99,8 +115,10 @@ class MemoryConfig:
 class LoaderFields:
     name: str = MISSING
     batch_size: int = 8  # micro-batch of ONE data-parallel rank
-    num_workers: int = 0
-    pin_memory: bool = False
+    # auto: on CUDA, a few loader processes (min(4, cores per GPU - 1)) and pinned memory; on a
+    # CPU neither (the ranks share the cores with training): framework.data.loader_settings
+    num_workers: Any = "auto"  # auto | an int >= 0
+    pin_memory: Any = "auto"  # auto | true | false (true: CUDA only)
     persistent_workers: bool = False
     prefetch_factor: int | None = None  # only with num_workers > 0 (torch's default: 2)
     drop_last: bool = True
@@ -110,6 +128,8 @@ class LoaderFields:
     rank_batch_sizes: list[int] | None = None  # per data-parallel rank micro-batch sizes (by capability)
     pack: bool = False  # varlen + gpt: concatenate sequences into blocks of pack_len, no padding
     pack_len: int = 128
+    val_fraction: float = 0.0  # held out for validation: text, the corpus' tail; else samples/documents (seeded)
+    val_path: str | None = None  # text: a separate file or folder to validate on (instead of val_fraction)
 
 
 @dataclass
@@ -118,7 +138,6 @@ class TextDataConfig(LoaderFields):
     path: str | None = None  # file or folder of text; null: this Python's standard library source
     seq_len: int = 128
     max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
-    val_fraction: float = 0.0
     tokenizer: str = "bytes"  # bytes (ids 0..255) | <path to a tokenizer.json> (bpe: prepare shards, data=tokens)
 
 
@@ -170,102 +189,12 @@ class VarlenDataConfig(LoaderFields):
 
 
 @dataclass
-class ModelConfig:
-    """What every model choice has (framework/contract.py); the rest are its factory's arguments."""
-
-    name: str | None = None  # the choice's name (display only)
-    _target_: str = MISSING  # the model's class or factory, e.g. pkg.module.MyModel
-    task: str | None = None  # lm | classify; null: what the model declares (else lm)
-    blocks: str | None = None  # attribute path of the repeated layers; null: declared or found
-    tp_plan: dict[str, str] | None = None  # tensor-parallel plan {submodule pattern: style}; null: declared
-    pretrained: str | None = None  # a folder of *.safetensors to load (model=hf; models with a state-dict adapter)
-
-
-@dataclass
 class CustomDataConfig(LoaderFields):
     """data=custom: your own map-style Dataset by `_target_`; the keys beside it are its arguments."""
 
     name: str = "custom"
     _target_: str = MISSING  # a Dataset class or factory, e.g. pkg.module.MyDataset
     seq_len: int | None = None  # lm data: tokens per sample, where the model checks its block size
-
-
-@dataclass
-class GPTConfig(ModelConfig):
-    name: str | None = "gpt"
-    _target_: str = "models.gpt.GPT"
-    vocab_size: int = 256
-    block_size: int = 128  # longest sequence the model accepts
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-
-
-@dataclass
-class LlamaConfig(ModelConfig):
-    """model=llama (models/llama.py). Null shape keys: the flavour's (or, with model.pretrained,
-    the folder's config.json)."""
-
-    name: str | None = "llama"
-    _target_: str = "models.llama.Llama"
-    flavor: str = "debug"  # debug | 150m | 1b | 8b | 70b
-    hf_config: str | None = None  # the folder whose config.json gives the shape (conf: model.pretrained)
-    vocab_size: int | None = None  # conf: the data's tokenizer's (${data_vocab:}); null: the flavour's
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    norm_eps: float | None = None
-    rope_theta: float | None = None
-    rope_factor: float | None = None  # Llama-3.1 rope scaling factor (null: the flavour's)
-    max_seq_len: int | None = None
-    tie_embeddings: bool | None = None
-
-
-@dataclass
-class MLPConfig(ModelConfig):
-    name: str | None = "mlp"
-    _target_: str = "models.mlp.MLP"
-    in_dim: int = 32
-    hidden: int = 256
-    depth: int = 3
-    num_classes: int = 8
-    dropout: float = 0.0
-
-
-@dataclass
-class ResNetConfig(ModelConfig):
-    name: str | None = "resnet"
-    _target_: str = "models.resnet.ResNet"
-    arch: str = "resnet18"  # any torchvision.models resnet builder name
-    num_classes: int = 10
-    small_input: bool = True  # 3x3 stem without max-pool, for 32x32 images
-
-
-@dataclass
-class LSTMConfig(ModelConfig):
-    name: str | None = "lstm"
-    _target_: str = "models.lstm.LSTMClassifier"
-    vocab_size: int = 32
-    embed_dim: int = 64
-    hidden: int = 128
-    num_layers: int = 1
-    num_classes: int = 4
-    bidirectional: bool = False
-
-
-@dataclass
-class HFConfig(ModelConfig):
-    """A Hugging Face causal LM: built from a config.json on the meta device (framework/hf.py)."""
-
-    name: str | None = "hf"
-    _target_: str = "framework.hf.from_config"
-    config: str = MISSING  # a folder with config.json
-    trust_remote_code: bool = False  # run the folder's own modelling code (off unless named here)
-    attn_implementation: str = "sdpa"  # sdpa | eager
 
 
 @dataclass
@@ -308,11 +237,14 @@ class LaunchConfig:
 class CheckpointConfig:
     every: int = 0  # save every N optimizer steps (0: never); always saved at the end if > 0
     dir: str | None = None  # null: <run dir>/checkpoints
-    resume: str | None = None  # a checkpoint folder to resume from, or auto: this run's newest (if any)
+    resume: str | None = None  # a checkpoint folder to resume from, auto: this run's newest (if any), best: its best
     keep_last: int = 0  # keep only the newest K complete checkpoints (0: all)
     async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
     preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
     export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
+    verify: str = "full"  # full | size | off: what a resume checks against the manifest (framework/integrity.py)
+    on_error: str = "stop"  # stop | warn: a failed save (a full disk) stops the run, or warns and retries next time
+    monitor: str | None = None  # val_loss: keep a complete checkpoint of the best evaluation (<root>/best)
 
 
 @dataclass
@@ -352,6 +284,17 @@ class PlanConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation during training (framework/evaluation.py) on the data group's validation split."""
+
+    every: int = 0  # evaluate every N optimizer steps (0: never); when on, also once at the end
+    steps: int = -1  # batches per evaluation per data-parallel rank (-1: the whole validation split)
+    at_start: bool = False  # also evaluate the initial weights, before the first step (step 0)
+    patience: int = 0  # early stopping: stop after K evaluations without improvement (0: off)
+    min_delta: float = 0.0  # an improvement lowers the best val_loss by more than this
+
+
+@dataclass
 class SweepConfig:
     skip_done: bool = False  # a rerun of a multirun skips the jobs whose summary says ok
 
@@ -376,11 +319,12 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     compile: bool = False  # torch.compile each transformer block (small models: the whole model)
     profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop (an error naming the step) | skip (not applied, counted)
-    optimize: str = "tokens_per_s"  # what the task returns to a sweeper: tokens_per_s | samples_per_s | final_loss
+    optimize: str = "tokens_per_s"  # returned to a sweeper: tokens_per_s | samples_per_s | final_loss | val_loss
 
 
 # group -> {schema name: dataclass}, stored as `schema/<group>/<name>`; a group with one schema

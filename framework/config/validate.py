@@ -5,21 +5,21 @@ run), before any worker starts. Each concern is one small check; the first probl
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig
 
 from framework.config.errors import ConfigError
-from framework.config.resolve import resolve_device, resolve_nproc, world_size_of
+from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 from framework.memory import HOST_ALLOCATORS
 from framework.parallel.pipeline import SCHEDULES
-
 
 # ----------------------------------------------------------------------------- validation
 
 ALLOWED = {
     "backend.name": ("auto", "gloo", "nccl", "mpi"),
-    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid"),
+    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"),
     "parallel.version": (1, 2),
     "parallel.reduce_dtype": ("fp32", "bf16"),
     "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
@@ -30,13 +30,17 @@ ALLOWED = {
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "constant"),
     "logger.name": ("wandb", "tensorboard", "all", "none"),
-    "optimize": ("tokens_per_s", "samples_per_s", "final_loss"),
+    "optimize": ("tokens_per_s", "samples_per_s", "final_loss", "val_loss"),
+    "checkpoint.monitor": (None, "val_loss"),
     "logger.mode": ("offline", "online", "disabled"),
     "device": ("auto", "cpu", "cuda"),
     "data.sampler": ("distributed", "length_grouped", "token_budget"),
     "launch.start_method": ("spawn", "fork", "forkserver"),
     "nonfinite": ("stop", "skip"),
+    "checkpoint.verify": ("full", "size", "off"),
+    "checkpoint.on_error": ("stop", "warn"),
 }
+
 
 def _get(cfg: DictConfig, key: str) -> Any:
     node: Any = cfg
@@ -58,7 +62,7 @@ def _at_least(cfg: DictConfig, key: str, low: int) -> None:
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
     for check in (_check_values, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
-                  _check_model_and_data, _check_batching, _check_paths):  # fmt: skip
+                  _check_model_and_data, _check_batching, _check_paths, _check_eval):  # fmt: skip
         check(cfg)
 
 
@@ -71,7 +75,10 @@ def _check_values(cfg: DictConfig) -> None:
     _at_least(cfg, "steps", 1)
     _at_least(cfg, "accumulation_steps", 1)
     _at_least(cfg, "data.batch_size", 1)
-    _at_least(cfg, "data.num_workers", 0)
+    workers, pin = cfg.data.num_workers, cfg.data.pin_memory
+    _require(workers == "auto" or (isinstance(workers, int) and workers >= 0), "data.num_workers",
+             f"got {workers!r}; allowed: auto or an integer >= 0")  # fmt: skip
+    _require(pin in ("auto", True, False), "data.pin_memory", f"got {pin!r}; allowed: auto, true, false")
     _at_least(cfg, "backend.timeout_s", 1)
     _at_least(cfg, "launch.max_restarts", 0)
     _at_least(cfg, "checkpoint.every", 0)
@@ -112,13 +119,13 @@ def _check_values(cfg: DictConfig) -> None:
     _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
     if cfg.data.prefetch_factor is not None:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.prefetch_factor",
             "only applies with data.num_workers > 0; set it to null or raise num_workers",
         )
     if cfg.data.persistent_workers:
         _require(
-            cfg.data.num_workers > 0,
+            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
             "data.persistent_workers",
             "needs data.num_workers > 0",
         )
@@ -126,19 +133,18 @@ def _check_values(cfg: DictConfig) -> None:
 
 def _check_device_and_backend(cfg: DictConfig) -> None:
     """A device and a process-group backend this machine has."""
-    import torch
     import torch.distributed as dist
 
     if cfg.device == "cuda":
         _require(
-            torch.cuda.is_available(),
+            cuda_device_count() > 0,
             "device",
             "cuda requested but no CUDA device is visible; use device=cpu or device=auto",
         )
     backend = cfg.backend.name
     if backend == "nccl":
         _require(
-            torch.cuda.is_available() and dist.is_nccl_available(),
+            cuda_device_count() > 0 and dist.is_nccl_available(),
             "backend",
             "nccl needs CUDA GPUs and a CUDA build of torch; none here. Use backend=gloo (or backend=auto)",
         )
@@ -170,8 +176,6 @@ def _check_device_and_backend(cfg: DictConfig) -> None:
 
 def _check_world(cfg: DictConfig) -> None:
     """How many workers, against the strategy and the visible GPUs."""
-    import torch
-
     nproc = resolve_nproc(cfg)
     _require(
         nproc >= 1,
@@ -187,9 +191,9 @@ def _check_world(cfg: DictConfig) -> None:
         )
     if resolve_device(cfg) == "cuda" and cfg.launch.nproc_per_node is not None:
         _require(
-            nproc <= torch.cuda.device_count(),
+            nproc <= cuda_device_count(),
             "launch.nproc_per_node",
-            f"got {nproc} workers but only {torch.cuda.device_count()} GPUs are visible",
+            f"got {nproc} workers but only {cuda_device_count()} GPUs are visible",
         )
 
 
@@ -294,29 +298,27 @@ def _check_paths(cfg: DictConfig) -> None:
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
     _check_tokenizer(cfg)
-    if cfg.checkpoint.resume not in (None, "auto"):
+    if cfg.checkpoint.resume not in (None, "auto", "best"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),
             "checkpoint.resume",
-            f"no checkpoint folder at {cfg.checkpoint.resume!r} (or `auto`: the run's newest checkpoint)",
+            f"no checkpoint folder at {cfg.checkpoint.resume!r} (or `auto`: the run's newest checkpoint, `best`: its best)",
         )
 
 
 def _check_strategy(cfg: DictConfig) -> None:
     """Strategy-specific checks: degrees against the world size and the model's shape."""
-    import torch
-
     from framework.parallel.dims import DimsError, ParallelDims
 
     p = cfg.parallel
     if p.name == "dp":
         _require(
-            torch.cuda.is_available() and torch.cuda.device_count() > 1,
+            resolve_device(cfg) == "cuda" and cuda_device_count() > 1,
             "parallel",
             "dp (torch.nn.DataParallel, one process driving several GPUs) needs more than one CUDA "
-            "device; none here. Use parallel=ddp, which is faster anyway",
+            f"device; device={cfg.device} with {cuda_device_count()} here. Use parallel=ddp, which is faster anyway",
         )
-    if p.name not in ("fsdp", "tp", "pp", "hybrid"):
+    if p.name not in ("fsdp", "tp", "pp", "hybrid", "cp"):
         return
     from framework.config.model import model_dims_of
 
@@ -328,10 +330,33 @@ def _check_strategy(cfg: DictConfig) -> None:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
     from framework.config.model import check_pipeline, check_tensor_parallel
 
+    _require(
+        dims.cp == 1 or p.get("cp_impl", "ring") != "torch" or resolve_device(cfg) == "cuda",
+        "parallel.cp_impl",
+        "torch's context_parallel runs CUDA SDPA kernels only; on CPU use parallel.cp_impl=ring",
+    )
     if dims.tp > 1:
         check_tensor_parallel(cfg)
     if dims.pp > 1:
         check_pipeline(cfg)
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """Evaluation settings, and a validation split for them to read."""
+    e, d, on = cfg.eval, cfg.data, cfg.eval.every > 0 or cfg.eval.at_start
+    _at_least(cfg, "eval.every", 0)
+    _at_least(cfg, "eval.patience", 0)
+    _require(e.steps == -1 or e.steps >= 1, "eval.steps", f"got {e.steps}; must be -1 (the whole split) or >= 1")
+    _require(e.min_delta >= 0, "eval.min_delta", f"got {e.min_delta}; must be >= 0")
+    _require(0 <= d.val_fraction < 1, "data.val_fraction", f"got {d.val_fraction}; must be >= 0 and < 1")
+    if d.val_path is not None:
+        _require(d.name == "text", "data.val_path", f"a text file or folder, for data=text only; got data={d.name}")
+        _require(os.path.exists(d.val_path), "data.val_path", f"no file or folder at {d.val_path!r}")
+    split = "set data.val_fraction (0 < f < 1) or data.val_path (data=text)"
+    _require(not on or d.val_fraction > 0 or d.val_path, "eval", f"needs a validation split: {split}")
+    for key, used in (("eval.patience", e.patience), ("checkpoint.monitor", cfg.checkpoint.monitor),
+                      ("optimize", cfg.optimize == "val_loss")):  # fmt: skip
+        _require(not used or e.every > 0, key, "needs evaluation during training: set eval.every=N (> 0)")
 
 
 def _check_tokenizer(cfg: DictConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,36 +26,67 @@ from framework.data.samplers import (
     TokenBudgetBatchSampler,
     WeightedBatchSampler,
 )
+from framework.data.split import document_split, held_out, text_region
 from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 
-USER_DATA_RESERVED = ("name", "batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
-                      "drop_last", "shuffle", "sampler", "max_tokens", "rank_batch_sizes", "pack", "pack_len",
-                      "seq_len")  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
+USER_DATA_RESERVED = (
+    "name",
+    "batch_size",
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "drop_last",
+    "shuffle",
+    "sampler",
+    "max_tokens",
+    "rank_batch_sizes",
+    "pack",
+    "pack_len",
+    "seq_len",
+    "val_fraction",
+    "val_path",
+    "tokenizer",
+)  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
 
 
-def build_dataset(cfg: DictConfig, seed: int, task: str = "classify") -> Dataset:
-    """The dataset of `cfg` (the `data` group). Synthetic data depends on `seed` only, never on
-    rank. `task` is what the model does with sequences: "lm" (gpt) or "classify" (lstm)."""
+def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str = "train") -> Dataset:
+    """The dataset of `cfg` (the `data` group): its training part, or with split="val" its
+    validation part (data.val_path, or the data.val_fraction held out: framework.data.split).
+    Synthetic data depends on `seed` only, never on rank. `task` is what the model does with
+    sequences: "lm" (gpt) or "classify" (lstm)."""
+    fraction = cfg.get("val_fraction", 0.0)
     if cfg.get("_target_"):  # the user's own: Hydra's instantiate, its keys beside _target_
         from hydra.utils import instantiate
 
         kwargs = {k: v for k, v in cfg.items() if k not in USER_DATA_RESERVED}
-        return UserDataset(instantiate(kwargs, _convert_="all"), task)
+        data = UserDataset(instantiate(kwargs, _convert_="all"), task)
+        return held_out(data, fraction, seed, split) if fraction else data
+    if cfg.name == "tokens":  # the shards prepare set aside are the validation split
+        return TokenShards(cfg.path, cfg.seq_len, "val" if split == "val" else cfg.split, cfg.pack)
+    if split == "val" and cfg.get("val_path"):
+        return ByteTextDataset(cfg.val_path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
+    if split == "val" and not fraction:
+        raise ValueError("data.val_fraction: no validation split; set data.val_fraction (0 < f < 1) or data.val_path")
+    held = fraction if split == "val" or not cfg.get("val_path") else 0.0  # val_path: train on all of data.path
     if cfg.name == "text":
-        return ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
-    if cfg.name == "tokens":
-        return TokenShards(cfg.path, cfg.seq_len, cfg.split, cfg.pack)
-    if cfg.name == "images" and cfg.source == "synthetic":
-        return SyntheticImages(cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed)
-    if cfg.name == "images":
-        return ImageFiles(cfg.source, cfg.root, cfg.image_size, cfg.augment, cfg.transforms_on == "device")
-    if cfg.name == "vectors":
-        return SyntheticVectors(cfg.num_samples, cfg.dim, cfg.num_classes, seed)
+        data = ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
+        return text_region(data, held, split) if held else data
     if cfg.name == "varlen":
         data = VarlenSequences(cfg.num_samples, cfg.vocab_size, cfg.num_classes, cfg.min_len, cfg.max_len,
                                cfg.mean_len, seed, task, cfg.source, cfg.path)  # fmt: skip
+        data = document_split(data, held, seed, split) if held else data  # by document, before packing
         return PackedSequences(data, cfg.pack_len, seed) if cfg.pack else data
-    raise ValueError(f"data: unknown dataset {cfg.name!r}")
+    if cfg.name == "images" and cfg.source == "synthetic":
+        data = SyntheticImages(cfg.num_samples, cfg.image_size, cfg.channels, cfg.num_classes, cfg.noise, seed)
+    elif cfg.name == "images":  # validation images are not augmented
+        augment = cfg.augment and split == "train"
+        data = ImageFiles(cfg.source, cfg.root, cfg.image_size, augment, cfg.transforms_on == "device")
+    elif cfg.name == "vectors":
+        data = SyntheticVectors(cfg.num_samples, cfg.dim, cfg.num_classes, seed)
+    else:
+        raise ValueError(f"data: unknown dataset {cfg.name!r}")
+    return held_out(data, held, seed, split) if held else data
 
 
 @dataclass
@@ -68,9 +100,11 @@ class DataPipeline:
     epoch: int = 0  # the position (see `position`)
     offset: int = 0
 
-    def prepare(self, batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
-        """Move a batch to the device and finish its preprocessing there."""
-        inputs, target = to_device(batch, device, non_blocking)
+    def prepare(self, batch: Batch, device: torch.device, non_blocking: bool | None = None) -> Batch:
+        """Move a batch to the device and finish its preprocessing there (non-blocking by default
+        when the loader pins its batches)."""
+        non_blocking = self.loader.pin_memory if non_blocking is None else non_blocking
+        inputs, target = to_device(batch, device, non_blocking, getattr(self.dataset, "host_inputs", ()))
         if self.device_transform is not None:
             inputs = (self.device_transform(inputs[0]), *inputs[1:])
         return inputs, target
@@ -137,13 +171,15 @@ def build_data(
         batching = {"batch_sampler": sampler}
     else:
         batching = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": cfg.drop_last}
+    workers, pin = loader_settings(cfg.num_workers, cfg.pin_memory, device.type, os.cpu_count() or 1,
+                                   torch.cuda.device_count() if device.type == "cuda" else 0)  # fmt: skip
     loader = DataLoader(
         dataset,
         collate_fn=dataset.collate,
-        num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda",
-        persistent_workers=cfg.persistent_workers and cfg.num_workers > 0,
-        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=cfg.persistent_workers and workers > 0,
+        prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         generator=torch.Generator(),  # seeded per epoch by DataPipeline.batches
         **batching,
     )
@@ -152,6 +188,18 @@ def build_data(
     on_device = cfg.name == "images" and cfg.source != "synthetic" and cfg.transforms_on == "device"
     transform = DeviceAugment(cfg.augment, seed + dp_rank, device) if on_device else None
     return DataPipeline(dataset, sampler, loader, global_batch(cfg, dp_size), seed + dp_rank, transform)
+
+
+def loader_settings(num_workers: int | str, pin_memory: bool | str, device_type: str, cpus: int,
+                    gpus: int) -> tuple[int, bool]:  # fmt: skip
+    """(num_workers, pin_memory) of the DataLoader. `auto` on CUDA: loader processes prepare the
+    next batches while the GPU computes (min(4, cores per GPU - 1), one process per GPU), into
+    pinned memory so the copy to the GPU does not block; on a CPU, none and unpinned: the local
+    ranks already share the cores with training. Pinning applies to CUDA only."""
+    cuda = device_type == "cuda"
+    if num_workers == "auto":
+        num_workers = max(0, min(4, cpus // max(1, gpus) - 1)) if cuda else 0
+    return int(num_workers), cuda and pin_memory in ("auto", True)
 
 
 def global_batch(cfg: DictConfig, dp_size: int) -> str:
@@ -164,12 +212,24 @@ def global_batch(cfg: DictConfig, dp_size: int) -> str:
     return f"{cfg.sampler}: {cfg.batch_size * dp_size} samples"
 
 
-def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
+def to_device(batch: Batch, device: torch.device, non_blocking: bool = False, host: tuple[int, ...] = ()) -> Batch:
+    """The batch on `device`, but for the inputs at positions `host` (the dataset's `host_inputs`:
+    ones the model reads on the host, such as an LSTM's lengths)."""
     inputs, target = batch
-    return tuple(t.to(device, non_blocking=non_blocking) for t in inputs), target.to(device, non_blocking=non_blocking)
+    moved = tuple(t if i in host else t.to(device, non_blocking=non_blocking) for i, t in enumerate(inputs))
+    return moved, target.to(device, non_blocking=non_blocking)
 
 
-def concat_batches(batches: list[Batch]) -> Batch:
-    """Several batches as one (same-shaped inputs; a pipeline step takes its micro-batches whole)."""
-    inputs = tuple(torch.cat(parts) for parts in zip(*(b[0] for b in batches), strict=True))
-    return inputs, torch.cat([b[1] for b in batches])
+def concat_batches(batches: list[Batch], pin: bool = False) -> Batch:
+    """Several batches as one (same-shaped inputs; a pipeline step takes its micro-batches whole).
+    `pin`: concatenated straight into pinned host memory, so that the copy to the GPU can be
+    non-blocking (from pageable memory it waits for the GPU)."""
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        if not pin:
+            return torch.cat(parts)
+        shape = (sum(p.size(0) for p in parts), *parts[0].shape[1:])
+        return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
+
+    inputs = tuple(cat(list(parts)) for parts in zip(*(b[0] for b in batches), strict=True))
+    return inputs, cat([b[1] for b in batches])

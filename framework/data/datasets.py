@@ -153,6 +153,9 @@ class VarlenSequences(Dataset):
             self.seqs = [torch.randint(1, vocab_size, (int(n),), generator=g) for n in lengths.clamp(min_len, max_len)]
         self.lengths = torch.tensor([len(s) for s in self.seqs])
         self.task = task
+        # classify: the lengths stay in host memory, where pack_padded_sequence reads them (on the
+        # GPU, reading them back would make the host wait once per micro-batch)
+        self.host_inputs = (1,) if task == "classify" else ()
         self.labels = torch.stack([torch.bincount(s % num_classes, minlength=num_classes).argmax() for s in self.seqs])
 
     def __len__(self) -> int:

@@ -1,10 +1,12 @@
 """Parallel strategies. ``parallelize`` applies them to a plain model in the one fixed order:
 
-    pipeline split -> tensor parallel -> activation checkpointing -> compile -> FSDP / DDP
+    pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile
+    -> FSDP / DDP
 
 Tensor parallelism first, because its plan names the model's own submodules (``attn.q``) and
 checkpointing wraps them; checkpointing before FSDP so that FSDP's units are the (wrapped)
-blocks and a block's parameters are gathered again for its recomputation; compilation per block
+blocks and a block's parameters are gathered again for its recomputation; context parallel
+wraps nothing (it shards the batch and routes attention to a ring, also in the recomputation); compilation per block
 after checkpointing (the recomputation is compiled too) and before FSDP, whose hooks and
 collectives stay outside the compiled graphs; the data-parallel wrapper last, over the final
 parameters. A pipeline split comes before all of them: each stage is
@@ -12,14 +14,16 @@ then parallelized like a model of its own.
 
 The result, ``Parallelized``, is what the trainer needs of any strategy: the module to run, a
 gradient-sync switch for accumulation, gradient clipping that knows how gradients are sharded,
-which ranks hold the loss and which read distinct data.
+which ranks hold the loss and which read distinct data, and (context parallel) which part of
+each sequence a rank computes.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -48,10 +52,25 @@ class Parallelized:
     holds_loss: bool = True  # this rank computes the loss (a pipeline's last stage)
     counts_data: bool = True  # one rank per data-parallel group counts samples and tokens
     pp_group: object = field(default=None, repr=False)
+    # context parallel: (inputs, target) of the batch -> (this rank's inputs, forward kwargs, target)
+    split_batch: Callable[[tuple, torch.Tensor], tuple[tuple, dict, torch.Tensor]] = lambda i, t: (i, {}, t)
+    cp_size: int = 1  # ranks that split each sequence: gradients are averaged over dp x cp
+    counts_loss: bool = True  # this rank's loss is a part of the step's (tp peers hold the same one)
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
-            self.clip_grad_norm = lambda max_norm: torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+            self.clip_grad_norm = lambda max_norm: clip_local_grad_norm(self.module, max_norm)
+
+
+@torch.no_grad()
+def clip_local_grad_norm(module: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (its two halves, fused foreach kernels, no host sync) for gradients whole on
+    every rank (none, dp, ddp), without its multiply by 1 when no clipping is configured (inf)."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if not math.isinf(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | None]:
@@ -66,8 +85,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistIn
         _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(model)
     if name == "dp":
+        from framework.parallel.dp import apply_dp
+
         _checkpoint_and_compile(model, spec, cfg)
-        return Parallelized(nn.DataParallel(model))
+        return Parallelized(apply_dp(model))
     if name == "ddp":
         from framework.parallel.ddp import apply_ddp
 
@@ -120,11 +141,13 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         # 2. tensor parallel
         if dims.tp > 1:
             apply_tp(stage, spec, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
-        # 3. activation checkpointing, 4. compile
+        # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
+        # 4. activation checkpointing, 5. compile
         _checkpoint_and_compile(stage, spec, cfg)
-    # 5. FSDP over the data-parallel axes (HSDP when dp_replicate > 1); parallel=fsdp shards even
-    # on one rank, so that a single GPU exercises FSDP's code path (mixed precision, CPU offload)
-    shard = dims.dp > 1 or cfg.parallel.name == "fsdp"
+    # 6. FSDP over the data-parallel axes (HSDP when dp_replicate > 1; dp_shard x cp with context
+    # parallel); parallel=fsdp shards even on one rank, so that a single GPU exercises FSDP's code
+    # path (mixed precision, CPU offload)
+    shard = dims.dp * dims.cp > 1 or cfg.parallel.name == "fsdp"
     fsdp_v1 = shard and parallel_cfg.version == 1
     if shard:
         if fsdp_v1:
@@ -138,8 +161,10 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         mesh=mesh,
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
-        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0,
+        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0 and mesh.cp_rank == 0,
         pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
+        cp_size=dims.cp,
+        counts_loss=mesh.tp_rank == 0 and mesh.pp_rank == 0,
     )
     if dims.pp > 1:
         par.pipeline = build_pipeline(stages, stage_ids, n_stages, parallel_cfg, par.pp_group, info.device)
@@ -160,7 +185,22 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         from torch.distributed.tensor.parallel import loss_parallel
 
         par.loss_context = loss_parallel
+    if dims.cp > 1:
+        from framework.parallel.context import apply_cp
+
+        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], parallel_cfg.cp_impl)
+        par.loss_context = _stacked(par.loss_context, attention)
     return par
+
+
+def _stacked(*contexts: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
+    def enter_all() -> ExitStack:
+        stack = ExitStack()
+        for context in contexts:
+            stack.enter_context(context())
+        return stack
+
+    return enter_all
 
 
 def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:
@@ -178,7 +218,8 @@ def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:
 def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Global gradient norm over parameters sharded or replicated in any way (FSDP, TP, PP), with
     one all-reduce: each rank sums the squares of its local gradient shards, each divided by how
-    many ranks hold that shard, so the world-wide sum counts every element once."""
+    many ranks hold that shard, so the world-wide sum counts every element once. Then the
+    gradients are scaled in place (`max_norm` inf: not at all). No host sync."""
     grads = []
     for p in module.parameters():
         if p.grad is None:
@@ -187,15 +228,36 @@ def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDim
             # e.g. a sequence-parallel norm's weight: each tp rank holds a partial sum of its
             # gradient until someone asks; reduce it now, into the parameter's own layout.
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        grads.append((p.grad, _replicas(p.grad, dims)))
-    device = next(module.parameters()).device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g, replicas in grads:
-        local = g.to_local() if hasattr(g, "to_local") else g
-        total += local.float().pow(2).sum() / replicas
+        grads.append((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, _replicas(p.grad, dims)))
+    total = local_squared_norm(grads, next(module.parameters()).device)
     dist.all_reduce(total)
     norm = total.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g, _ in grads:
-        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.dtype))
+    scale_grads_(grads, norm, max_norm)
     return norm
+
+
+def local_squared_norm(grads: list[tuple[torch.Tensor, int]], device: torch.device) -> torch.Tensor:
+    """Sum over (local gradient, holders) of its squared norm / holders, in fp32: one fused
+    `_foreach_norm` per (holders, device, dtype) group instead of a few kernels per tensor."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, replicas in grads:
+        groups[(replicas, g.device, g.dtype)].append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (replicas, _, _), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        total += torch.stack(norms).to(device).pow(2).sum() / replicas
+    return total
+
+
+def scale_grads_(grads: list[tuple[torch.Tensor, int]], norm: torch.Tensor, max_norm: float) -> None:
+    """Clip the gradients to `max_norm` given their global `norm` (a device tensor: no sync):
+    multiplied by min(1, max_norm / norm) in fused `_foreach_mul_` per (device, dtype); with
+    `max_norm` inf (no clipping configured) no multiply at all."""
+    if math.isinf(max_norm):
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, _ in grads:
+        groups[(g.device, g.dtype)].append(g)
+    for (device, dtype), tensors in groups.items():
+        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))

@@ -20,9 +20,12 @@ def apply_ddp(model: nn.Module, cfg: DictConfig, info: DistInfo) -> DDP:
     buffers_kw = (
         "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
     )
+    # device_ids=None, CUDA too (a single-device module's documented choice): DDP then leaves the
+    # inputs where the data pipeline put them; with ids it would copy host-side inputs (an LSTM's
+    # lengths) back to the GPU, and the model's read of them would be a host sync per micro-batch.
     ddp = DDP(
         model,
-        device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        device_ids=None,
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,

@@ -1,9 +1,10 @@
 """The parallel degrees of a run and its device mesh, validated in one place (as torchtitan's
 ParallelDims).
 
-Glossary: a mesh *axis* (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``) is a group of ranks;
-it is not a tensor *dim*. The world is laid out pp x dp_replicate x dp_shard x tp, tp innermost
-so tensor-parallel peers (which talk most) are neighbouring ranks, on one node where possible.
+Glossary: a mesh *axis* (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``) is a group of
+ranks; it is not a tensor *dim*. The world is laid out pp x dp_replicate x dp_shard x cp x tp, tp
+innermost so tensor-parallel peers (which talk most) are neighbouring ranks, on one node where
+possible, and context-parallel peers (a ring of sends per layer) next to them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from functools import cached_property
 
 from omegaconf import DictConfig
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class DimsError(ValueError):
@@ -34,6 +35,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1  # context parallel: each sequence split over cp ranks (they read the same batch)
 
     @classmethod
     def from_config(
@@ -41,13 +43,16 @@ class ParallelDims:
     ) -> ParallelDims:
         """Resolve `cfg` (the `parallel` group) at `world_size`: 0 means auto (hybrid's defaults),
         -1 on one dp axis means "the ranks left over". Raises DimsError naming the key."""
-        tp, pp, rep, shard = cfg.tp, cfg.pp, cfg.dp_replicate, cfg.dp_shard
-        if tp == 0:  # auto: 2-way tensor parallel where the world and the heads split evenly
-            tp = 2 if world_size % 2 == 0 and (n_head is None or n_head % 2 == 0) else 1
+        tp, pp, rep, shard, cp = cfg.tp, cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.get("cp", 1)
+        if cp == 0 or cp < -1:
+            raise DimsError("parallel.cp", f"got {cp}; must be >= 1 (1: no context parallel) or -1 (the rest)")
+        if tp == 0:  # auto: 2-way tensor parallel where the world (less cp) and the heads split evenly
+            rest = world_size // cp if cp > 0 else 1
+            tp = 2 if rest % 2 == 0 and (n_head is None or n_head % 2 == 0) else 1
         if tp == -1:
             tp = world_size
-        if pp == 0:  # auto: 2 stages when at least 2-way data parallel remains
-            pp = 2 if (world_size // tp) % 4 == 0 and (n_layer is None or n_layer % 2 == 0) else 1
+        if pp == 0:  # auto: 2 stages when at least 2-way data parallel remains (never with cp)
+            pp = 2 if cp == 1 and (world_size // tp) % 4 == 0 and (n_layer is None or n_layer % 2 == 0) else 1
         if pp == -1:
             pp = world_size // tp
         for key, value in (
@@ -57,22 +62,24 @@ class ParallelDims:
         ):
             if value < 1:
                 raise DimsError(key, f"got {value}; must be >= 1 (or -1: the rest of the world; 0: auto)")
+        if cp == -1:
+            cp = _rest_of_world("parallel.cp", world_size, tp * pp * rep * shard, "tp x pp x dp_replicate x dp_shard")
         if shard == -1:
-            if world_size % (tp * pp * rep):
+            if world_size % (tp * pp * rep * cp):
                 raise DimsError(
                     "parallel.dp_shard",
-                    f"world size {world_size} does not divide by tp x pp x dp_replicate = {tp * pp * rep}",
+                    f"world size {world_size} does not divide by tp x pp x dp_replicate x cp = {tp * pp * rep * cp}",
                 )
-            shard = world_size // (tp * pp * rep)
+            shard = world_size // (tp * pp * rep * cp)
         if shard < 1:
             raise DimsError("parallel.dp_shard", f"got {shard}; must be >= 1 or -1 (the rest of the world)")
-        if rep * shard * tp * pp != world_size:
+        if rep * shard * cp * tp * pp != world_size:
             raise DimsError(
                 "parallel",
-                f"dp_replicate({rep}) x dp_shard({shard}) x tp({tp}) x pp({pp}) = {rep * shard * tp * pp}, "
-                f"but the world size is {world_size}; set one degree to -1 to fill the rest",
+                f"dp_replicate({rep}) x dp_shard({shard}) x cp({cp}) x tp({tp}) x pp({pp}) = "
+                f"{rep * shard * cp * tp * pp}, but the world size is {world_size}; set one degree to -1 to fill the rest",
             )
-        dims = cls(rep, shard, tp, pp, world_size)
+        dims = cls(rep, shard, tp, pp, world_size, cp)
         from framework.parallel.pipeline import stages_per_rank
 
         dims.check_model(n_layer, n_head, stages_per_rank(cfg))
@@ -116,10 +123,17 @@ class ParallelDims:
             )
         if self.tp > 1 and p.sequence_parallel:
             _require(
-                cfg.data.seq_len % self.tp == 0,
+                cfg.data.seq_len % (self.tp * self.cp) == 0,
                 "data.seq_len",
-                f"sequence parallel splits sequences over tp={self.tp} ranks; {cfg.data.seq_len} does not divide",
+                f"sequence parallel splits sequences over tp={self.tp} x cp={self.cp} ranks; "
+                f"{cfg.data.seq_len} does not divide",
             )
+        if self.cp > 1:
+            from framework.parallel.context import cp_config_problem
+
+            problem = cp_config_problem(self, cfg)
+            if problem is not None:
+                raise DimsError(*problem)
 
     @property
     def dp(self) -> int:
@@ -132,6 +146,7 @@ class ParallelDims:
             "pp": self.pp,
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
+            "cp": self.cp,
             "tp": self.tp,
         }
 
@@ -139,6 +154,13 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+
+
+def _rest_of_world(key: str, world_size: int, others: int, names: str) -> int:
+    if others < 1 or world_size % others:
+        raise DimsError(key, f"-1 takes the ranks left over: world size {world_size} does not divide by {names} "
+                             f"= {others} (set the other degrees, none of them -1)")  # fmt: skip
+    return world_size // others
 
 
 @dataclass
@@ -150,10 +172,20 @@ class Mesh:
 
     @cached_property
     def dp_mesh(self):
-        """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D."""
-        return (
-            self.device_mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.device_mesh["dp_shard"]
-        )
+        """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D. With context
+        parallel, shard is dp_shard x cp flattened: cp ranks share model state (as torchtitan)."""
+        if self.dims.cp == 1:
+            shard = "dp_shard"
+        else:
+            shard = "dp_shard_cp"
+            flat = self.device_mesh["dp_shard", "cp"]._flatten(shard)
+            if self.dims.dp_replicate == 1:
+                return flat
+        return self.device_mesh["dp_replicate", shard] if self.dims.dp_replicate > 1 else self.device_mesh[shard]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.device_mesh["cp"].get_local_rank()
 
     @property
     def dp_rank(self) -> int:

@@ -56,7 +56,9 @@ def trace_split(model: nn.Module, spec: ModelSpec, seq_len: int) -> Split:
     """Run the model once on a (1, seq_len) batch of token 0, recording which top-level modules run
     before and after the blocks, and whether each feeds the next (a chain)."""
     if spec.blocks is None or "." in spec.blocks:
-        raise ContractError("model.blocks", f"{spec.blocks!r}: a pipeline splits blocks that are a direct child of the model")
+        raise ContractError(
+            "model.blocks", f"{spec.blocks!r}: a pipeline splits blocks that are a direct child of the model"
+        )
     calls: list[tuple[str, int, int]] = []  # (top-level name, id(input), id(output)) in call order
 
     def record(name):
@@ -79,7 +81,9 @@ def trace_split(model: nn.Module, spec: ModelSpec, seq_len: int) -> Split:
     before, after = tuple(dict.fromkeys(names[:first])), tuple(dict.fromkeys(names[last + 1 :]))
     if spec.embed is None or spec.head is None:
         chain = [(id(tokens), None)] + [(c[1], c[2]) for c in calls] + [(id(out), None)]
-        if any(nxt[0] != prev[1] for prev, nxt in zip(chain[1:-1], chain[2:], strict=False)) or chain[1][0] != id(tokens):
+        if any(nxt[0] != prev[1] for prev, nxt in zip(chain[1:-1], chain[2:], strict=False)) or chain[1][0] != id(
+            tokens
+        ):
             raise ContractError(
                 "parallel", f"pp: {type(model).__name__}'s forward is not a plain chain around its blocks; "
                 "declare embed(tokens) -> hidden and head(hidden) -> logits"
@@ -167,7 +171,9 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def build_stages(model: nn.Module, split: Split, cfg: DictConfig, pp_rank: int, pp: int) -> tuple[list[nn.Module], list[int], int]:
+def build_stages(
+    model: nn.Module, split: Split, cfg: DictConfig, pp_rank: int, pp: int
+) -> tuple[list[nn.Module], list[int], int]:
     per_rank = stages_per_rank(cfg)
     n_stages = pp * per_rank
     layers = split_layers(len(model.get_submodule(split.blocks)), n_stages)

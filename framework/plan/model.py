@@ -31,7 +31,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 
-
 @dataclass(frozen=True)
 class Layout:
     """What the formulas need of a strategy (any `parallel` group, resolved at a world size)."""
@@ -240,7 +239,11 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
         local = _tp_local(p, layout.tp)
         rank = stage_rank(p.stage, layout)
         per_rank[rank][1] += 1
-        if p.tp_dim is not None and p.style in ("embedding", "position_embedding", "vocab_embedding") and not layout.fsdp:
+        if (
+            p.tp_dim is not None
+            and p.style in ("embedding", "position_embedding", "vocab_embedding")
+            and not layout.fsdp
+        ):
             # a row-wise (vocabulary-split) embedding's gradient comes back whole-size from
             # DTensor's embedding backward: a tp rank holds all of it
             per_rank[rank][2] += _numel(p.shape) - _numel(local)

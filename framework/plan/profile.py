@@ -103,7 +103,9 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
         sources.append("peak: config")
         return tflops * 1e12
     if device == "cuda":
-        tflops = gpu_peak_tflops(torch.cuda.get_device_name(0)) or NOMINAL["gpu_tflops"]
+        # the run's compute dtype: bf16/fp16 tensor cores, or fp32 matmuls on TF32 (precision.tf32) or not
+        dtype = DTYPES[cfg.precision.name]
+        tflops = gpu_peak_tflops(torch.cuda.get_device_name(0), dtype, cfg.precision.tf32) or NOMINAL["gpu_tflops"]
         sources.append("peak: datasheet")
         return tflops * 1e12
     if measure == "config":
@@ -125,12 +127,19 @@ def probe_link(world: int, device: str) -> dict[str, float]:
     """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from framework.launch import local_launch_config
+    from framework.dist import local_launch_config
 
     samples = elastic_launch(local_launch_config(world), _probe_worker)(device)[0]
     (n0, t0), (n1, t1) = samples[0], samples[-1]
     per_byte = max((t1 - t0) / (n1 - n0), 1e-12)
     return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6)}
+
+
+def probe_sizes(device: str) -> tuple[int, ...]:
+    """fp32 elements of the probe's all-reduces, smallest to largest (the fit takes the ends): a
+    16 MB message saturates gloo's sockets, but not NVLink or InfiniBand, whose large-message
+    bandwidth needs a few hundred MB (256 MB here) to show."""
+    return (1024, 4 * 1024**2, 64 * 1024**2) if device == "cuda" else (1024, 4 * 1024**2)
 
 
 def _probe_worker(device: str) -> list[tuple[float, float]]:
@@ -146,7 +155,7 @@ def _probe_worker(device: str) -> list[tuple[float, float]]:
     try:
         world, out = dist.get_world_size(), []
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        for numel in (1024, 4 * 1024**2):
+        for numel in probe_sizes(device):
             x = torch.ones(numel, device=dev)
             times = []
             for _ in range(10):

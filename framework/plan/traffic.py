@@ -141,7 +141,12 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
         norms = []
         if layout.sequence_parallel:
             t.add("all_gather", blocks * stream * (gathers * 4 + rows * out_bytes), tp, calls=(gathers + rows) * blocks)
-            t.add("reduce_scatter", blocks * stream * (rows * out_bytes + gathers * 4), tp, calls=(gathers + rows) * blocks)
+            t.add(
+                "reduce_scatter",
+                blocks * stream * (rows * out_bytes + gathers * 4),
+                tp,
+                calls=(gathers + rows) * blocks,
+            )
             norms = tps.block_norm_params * len(layers)
         else:
             t.add("all_reduce", blocks * stream * (rows * out_bytes + cols * 4), tp, calls=(rows + cols) * blocks)

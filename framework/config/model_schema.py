@@ -1,0 +1,100 @@
+"""The `model` group's schemas: what every choice has (`ModelConfig`, the model contract's keys:
+framework/contract.py) and each built-in's factory arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+__all__ = ["GPTConfig", "HFConfig", "LSTMConfig", "LlamaConfig", "MLPConfig", "ModelConfig", "ResNetConfig"]
+
+
+@dataclass
+class ModelConfig:
+    """What every model choice has (framework/contract.py); the rest are its factory's arguments."""
+
+    name: str | None = None  # the choice's name (display only)
+    _target_: str = MISSING  # the model's class or factory, e.g. pkg.module.MyModel
+    task: str | None = None  # lm | classify; null: what the model declares (else lm)
+    blocks: str | None = None  # attribute path of the repeated layers; null: declared or found
+    tp_plan: dict[str, str] | None = None  # tensor-parallel plan {submodule pattern: style}; null: declared
+    pretrained: str | None = None  # a folder of *.safetensors to load (model=hf; models with a state-dict adapter)
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    name: str | None = "gpt"
+    _target_: str = "models.gpt.GPT"
+    vocab_size: int = 256
+    block_size: int = 128  # longest sequence the model accepts
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    """model=llama (models/llama.py). Null shape keys: the flavour's (or, with model.pretrained,
+    the folder's config.json)."""
+
+    name: str | None = "llama"
+    _target_: str = "models.llama.Llama"
+    flavor: str = "debug"  # debug | 150m | 1b | 8b | 70b
+    hf_config: str | None = None  # the folder whose config.json gives the shape (conf: model.pretrained)
+    vocab_size: int | None = None  # conf: the data's tokenizer's (${data_vocab:}); null: the flavour's
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_factor: float | None = None  # Llama-3.1 rope scaling factor (null: the flavour's)
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    name: str | None = "mlp"
+    _target_: str = "models.mlp.MLP"
+    in_dim: int = 32
+    hidden: int = 256
+    depth: int = 3
+    num_classes: int = 8
+    dropout: float = 0.0
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    name: str | None = "resnet"
+    _target_: str = "models.resnet.ResNet"
+    arch: str = "resnet18"  # any torchvision.models resnet builder name
+    num_classes: int = 10
+    small_input: bool = True  # 3x3 stem without max-pool, for 32x32 images
+
+
+@dataclass
+class LSTMConfig(ModelConfig):
+    name: str | None = "lstm"
+    _target_: str = "models.lstm.LSTMClassifier"
+    vocab_size: int = 32
+    embed_dim: int = 64
+    hidden: int = 128
+    num_layers: int = 1
+    num_classes: int = 4
+    bidirectional: bool = False
+
+
+@dataclass
+class HFConfig(ModelConfig):
+    """A Hugging Face causal LM: built from a config.json on the meta device (framework/hf.py)."""
+
+    name: str | None = "hf"
+    _target_: str = "framework.hf.from_config"
+    config: str = MISSING  # a folder with config.json
+    trust_remote_code: bool = False  # run the folder's own modelling code (off unless named here)
+    attn_implementation: str = "sdpa"  # sdpa | eager

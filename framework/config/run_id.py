@@ -1,0 +1,45 @@
+"""The run id resolver (`${run_id:}` in hydra.run.dir): one name per run, the same on every rank."""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import datetime
+
+from omegaconf import OmegaConf
+
+from framework.dist import launched_as_worker, slurm_task
+
+
+@functools.cache
+def _run_id() -> str:
+    # One run directory per run, never one per rank: every rank of a job resolves the same name
+    # from what its launcher shares (the SLURM job and step, the rendezvous id, else the master
+    # port), never from the clock, which may differ between nodes. A local run uses the time.
+    env = os.environ
+    if slurm_task():
+        return f"jobs/slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}"
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    if launched_as_worker() and run_id != "none":
+        return f"jobs/torchrun-{run_id}"
+    if launched_as_worker() and "MASTER_PORT" in env:
+        return f"jobs/torchrun-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}"
+    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
+    # ${data_vocab:}: the ids the configured data holds (its tokenizer's), for a model's vocab_size;
+    # null with model.pretrained (the checkpoint's config.json says)
+    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
+
+
+def _data_vocab(*, _root_) -> int | None:
+    from framework.data import vocab_size_of
+
+    if _root_.model.get("pretrained") is not None:
+        return None
+    try:
+        return vocab_size_of(_root_.data)
+    except (FileNotFoundError, OSError):  # a missing path: validation names it (data.path)
+        return None

@@ -1,0 +1,143 @@
+"""`python -m framework.evaluate RUN_DIR|CHECKPOINT [key=value ...]`: the held-out loss of a saved
+checkpoint, under any layout (DCP reshards on load), written to `eval.json` and printed.
+
+- RUN_DIR: its best checkpoint (checkpoint.monitor), else its newest; CHECKPOINT: that folder.
+- The model and data are the run's (the config saved beside the checkpoints); overrides change
+  them: `parallel.name=fsdp launch.nproc_per_node=2` evaluates under the launcher, like train.py
+  (default: one process, parallel.name=none); `eval.steps=N` reads N batches per rank.
+- Data: the run's validation split; or, with `data.path=FILE` (lm), the whole file as consecutive
+  windows at 0, T, 2T, ... (inputs [i, i+T), targets [i+1, i+T+1), the last incomplete window
+  dropped), and the loss is the mean over all predicted tokens: any other tool can reproduce it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework import checkpoint
+from framework.config import ConfigError, validate
+
+ALL_BYTES = 1 << 62  # data.path given: read the whole file
+
+
+def resolve_checkpoint(target: str) -> str:
+    """A checkpoint folder, or a run directory's best (else newest) complete checkpoint."""
+    if checkpoint.complete(target):
+        return target
+    root = os.path.join(target, "checkpoints")
+    found = checkpoint.latest(checkpoint.best_root(root)) or checkpoint.latest(root)
+    if found is None:
+        raise ConfigError("checkpoint", f"{target!r} is neither a complete checkpoint nor a run directory with one")
+    return found
+
+
+def eval_config(path: str, overrides: list[str]) -> DictConfig:
+    """The run's config for evaluating `path`: one process by default, nothing saved or logged."""
+    saved = checkpoint.find_config(path)
+    if saved is None:
+        raise ConfigError("checkpoint", f"no {checkpoint.CONFIG_FILE} beside {path} (saved by runs since issue 21)")
+    cfg = OmegaConf.create(saved)
+    given = OmegaConf.from_dotlist(overrides)
+    base = {"parallel": {"name": "none"}, "launch": {"nproc_per_node": 1}, "logger": {"name": "none"},
+            "checkpoint": {"resume": None, "every": 0, "monitor": None, "export": False},
+            "eval": {"every": 0, "at_start": False, "patience": 0}, "progress": False}  # fmt: skip
+    cfg = OmegaConf.merge(cfg, base)
+    if OmegaConf.select(given, "data.path") is not None:  # a file of its own, read whole
+        cfg = OmegaConf.merge(cfg, {"data": {"val_fraction": 0.0, "val_path": None, "max_bytes": ALL_BYTES}})
+    OmegaConf.set_struct(cfg, True)
+    try:
+        cfg = OmegaConf.merge(cfg, given)
+    except Exception as err:  # noqa: BLE001 - an unknown key: one line, exit 2
+        raise ConfigError(str(overrides), f"cannot apply: {err}".splitlines()[0]) from None
+    return cfg
+
+
+def load_model(path: str, module) -> None:
+    """The model weights of checkpoint `path` into `module` (any layout; the optimizer is not read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(module)
+    dcp.load({"model": state}, checkpoint_id=path)
+    set_model_state_dict(module, state)
+
+
+def evaluate_rank(config: dict[str, Any], path: str, whole_file: bool) -> dict[str, Any]:
+    """One rank: build the model as the run did, load the checkpoint's weights, evaluate."""
+    from framework.config import resolve_backend, resolve_device
+    from framework.data import build_dataset
+    from framework.dist import destroy_distributed, init_distributed
+    from framework.evaluation import build_eval_data, evaluate
+    from framework.trainer import build
+
+    cfg = OmegaConf.create(config)
+    backend = None if cfg.parallel.name in ("none", "dp") else resolve_backend(cfg)
+    info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
+    try:
+        setup = build(cfg, info, os.path.dirname(path))
+        load_model(path, setup.par.module)
+        dataset = build_dataset(cfg.data, cfg.seed, setup.task, "train") if whole_file else None
+        result = evaluate(setup, build_eval_data(cfg, setup, info.device, dataset), info, cfg.eval.steps)
+        return {**result, "task": setup.task}
+    finally:
+        destroy_distributed()
+
+
+def run(target: str, overrides: list[str]) -> dict[str, Any]:
+    """Evaluate; returns (and writes to <target>/eval.json) the figures."""
+    from framework.config import resolve_nproc
+    from framework.dist import launched_as_worker
+
+    path = resolve_checkpoint(target)
+    cfg = eval_config(path, overrides)
+    validate(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    whole_file = any(o.startswith("data.path=") for o in overrides)
+    nproc = resolve_nproc(cfg)
+    if launched_as_worker() or nproc == 1:
+        result = evaluate_rank(config, path, whole_file)
+    else:
+        from torch.distributed.launcher.api import elastic_launch
+
+        from framework.launch import local_launch_config
+
+        result = elastic_launch(local_launch_config(nproc), evaluate_rank)(config, path, whole_file)[0]
+    step = checkpoint.read_trainer_state(path).step
+    data = f"data.path={cfg.data.path}" if whole_file else "the run's validation split"
+    out = {**result, "checkpoint": path, "step": step, "data": data, "parallel": cfg.parallel.name}
+    if int(os.environ.get("RANK", 0)) == 0:
+        with open(os.path.join(target, "eval.json"), "w") as f:
+            json.dump(out, f, indent=2)
+        print_table(out)
+    return out
+
+
+def print_table(out: dict[str, Any]) -> None:
+    unit = "tokens" if out["task"] == "lm" else "samples"
+    rows = [("checkpoint", f"{out['checkpoint']} (step {out['step']})"), ("data", out["data"]),
+            ("loss", f"{out['loss']:.6f}"), (unit, str(out["terms"]))]  # fmt: skip
+    metric = "perplexity" if out["task"] == "lm" else "accuracy"
+    rows.append((metric, f"{out[metric]:.4f}"))
+    for name, value in rows:
+        print(f"{name:<12}{value}")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    try:
+        run(argv[0], argv[1:])
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

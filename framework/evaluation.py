@@ -1,0 +1,222 @@
+"""Evaluation on the validation split, under every strategy: the held-out loss (a token-weighted
+mean for lm, sample-weighted for classify), perplexity or accuracy, the best evaluation and early
+stopping (`eval.*`, `checkpoint.monitor`).
+
+How the split is read: data-parallel rank r of w reads samples r, r+w, ... (no shuffling), padded
+by repeating samples to the same number of full batches on every rank (FSDP's collectives and a
+pipeline's fixed micro-batch shapes need that). The repeats' targets are IGNORE_INDEX, so they
+weigh nothing: every validation sample counts exactly once. Tensor- and pipeline-parallel peers
+read the same batch; one of them (the one holding the loss) adds it. An evaluation runs under
+model.eval() and no_grad, draws nothing from the training's random generators, and so leaves
+training bitwise unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from framework.contract import logits_of
+from framework.data import build_dataset, to_device
+from framework.data.images import DeviceAugment
+from framework.dist import DistInfo, all_reduce_sum
+from framework.loss import IGNORE_INDEX, cross_entropy
+from framework.step import Setup
+from framework.tracking import Tracker
+
+
+def eval_batches(n: int, dp_rank: int, dp_size: int, batch_size: int) -> tuple[list[list[int]], list[list[bool]]]:
+    """This rank's batches of sample indices over `n` samples and which positions are repeats
+    (padding): every rank gets the same number of full batches."""
+    mine = list(range(dp_rank, n, dp_size))
+    per_rank = -(-n // dp_size)
+    total = -(-per_rank // batch_size) * batch_size
+    indices = mine + [k % n for k in range(total - len(mine))]
+    repeat = [False] * len(mine) + [True] * (total - len(mine))
+    cut = range(0, total, batch_size)
+    return [indices[i : i + batch_size] for i in cut], [repeat[i : i + batch_size] for i in cut]
+
+
+@dataclass
+class EvalData:
+    """One rank's share of the validation split, as padded batches."""
+
+    dataset: Dataset
+    loader: DataLoader
+    repeats: list[list[bool]]  # per batch: which rows are padding (no loss)
+    transform: DeviceAugment | None = None  # images on the device: normalisation, no augmentation
+
+    def batches(self, device: torch.device, limit: int):
+        for k, (batch, repeat) in enumerate(zip(self.loader, self.repeats, strict=True)):
+            if 0 <= limit <= k:
+                return
+            inputs, target = batch
+            target = target.clone()
+            target[torch.tensor(repeat)] = IGNORE_INDEX
+            inputs, target = to_device((inputs, target), device)
+            if self.transform is not None:
+                inputs = (self.transform(inputs[0]), *inputs[1:])
+            yield inputs, target
+
+
+def build_eval_data(cfg: DictConfig, setup: Setup, device: torch.device, dataset: Dataset | None = None) -> EvalData:
+    """The validation split (or `dataset`) read by this rank. A pipeline runs the whole local batch
+    of a step (accumulation_steps x batch_size) through its schedule, so it evaluates in those."""
+    par = setup.par
+    dataset = dataset if dataset is not None else build_dataset(cfg.data, cfg.seed, setup.task, "val")
+    batch_size = cfg.data.batch_size * (cfg.accumulation_steps if par.pipeline is not None else 1)
+    batches, repeats = eval_batches(len(dataset), par.dp_rank, par.dp_size, batch_size)
+    # its own generator: iterating a loader draws a seed, never from the global (training) one
+    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=dataset.collate, generator=torch.Generator())
+    transform = DeviceAugment(False, 0, device) if setup.data.device_transform is not None else None
+    return EvalData(dataset, loader, repeats, transform)
+
+
+def _forward(setup: Setup, inputs: tuple, target: torch.Tensor) -> torch.Tensor | None:
+    """Logits of a batch (None on pipeline ranks without the last stage). A pipeline goes
+    through its schedule's forward-only path; DDP's wrapper is skipped (no gradients to sync)."""
+    par = setup.par
+    pipeline = par.pipeline
+    if pipeline is not None:
+        args = (inputs[0],) if pipeline.has_first else ()
+        kwargs = {"target": target, "losses": []} if pipeline.has_last else {}
+        with _no_local_gradient_handover(pipeline.schedule):
+            return pipeline.schedule.eval(*args, **kwargs)
+    module = par.module
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module
+    return logits_of(module(*inputs))
+
+
+@contextmanager
+def _no_local_gradient_handover(schedule):
+    """torch 2.14's multi-stage schedules still walk their backward actions under `eval` (as
+    no-ops), but between two adjacent stages on one rank (the V schedules: ZBVZeroBubble) they hand
+    the input gradient over in place, which asserts there is a backward. With no backward there
+    is no gradient to hand over: the hand-over is skipped while `eval` runs."""
+    stages = getattr(schedule, "_stages", [])
+    for stage in stages:
+        stage.get_local_bwd_output = lambda mb_index: ()
+        stage.set_local_bwd_input = lambda outputs, mb_index: None
+    try:
+        yield
+    finally:
+        for stage in stages:  # the class's own methods again, for training
+            del stage.get_local_bwd_output, stage.set_local_bwd_input
+
+
+@torch.no_grad()
+def evaluate(setup: Setup, val: EvalData, info: DistInfo, max_batches: int = -1) -> dict[str, float]:
+    """The loss over this split (all ranks together), perplexity (lm) or accuracy (classify), the
+    number of loss terms and the seconds it took. Collective: every rank calls it."""
+    t0 = time.perf_counter()
+    par, module = setup.par, setup.par.module
+    was_training = module.training
+    module.eval()  # dropout off
+    totals = torch.zeros(3, device=info.device, dtype=torch.float64)  # loss sum, terms, correct
+    try:
+        for inputs, target in val.batches(info.device, max_batches):
+            with setup.precision.autocast():
+                logits = _forward(setup, inputs, target)
+            if logits is None:
+                continue
+            with par.loss_context():
+                loss = cross_entropy(logits, target, reduction="sum")
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # loss parallel: a DTensor
+            counted = target != IGNORE_INDEX
+            correct = (logits.argmax(-1) == target)[counted].sum() if setup.task == "classify" else 0
+            totals += torch.stack([loss.double(), counted.sum().double(), torch.as_tensor(correct).double()])
+    finally:
+        module.train(was_training)
+    tp_rank = par.mesh.tp_rank if par.mesh is not None else 0
+    adds = par.holds_loss and tp_rank == 0 if par.pipeline is not None else par.counts_data
+    loss_sum, terms, correct = all_reduce_sum(totals * float(adds), info).tolist()
+    loss = loss_sum / terms if terms else math.nan
+    result = {"loss": loss, "terms": int(terms), "seconds": time.perf_counter() - t0}
+    if setup.task == "lm":
+        result["perplexity"] = math.exp(min(loss, 700.0))
+    else:
+        result["accuracy"] = correct / terms if terms else math.nan
+    return result
+
+
+def tracker_names(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics.jsonl record as W&B/TensorBoard take it: val_loss -> val/loss, and so on."""
+    return {(f"val/{k[4:]}" if k.startswith("val_") else k): v for k, v in record.items()}
+
+
+@dataclass
+class Evaluator:
+    """Evaluation during training: when it is due, the best so far (saved through `save_best`),
+    and early stopping. Every rank holds the same figures (they come from an all-reduce), so
+    every rank decides the same: they stop after the same step."""
+
+    cfg: DictConfig
+    info: DistInfo
+    setup: Setup
+    save_best: Callable[[int], None] | None = None  # checkpoint.monitor: save after step `done`
+    val: EvalData | None = None
+    best_loss: float = math.inf
+    best_step: int | None = None
+    stale: int = 0  # evaluations since the last improvement
+    stopped_at: int | None = None  # eval.patience: the step the run stopped after
+    history: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        e = self.cfg.eval
+        if e.every > 0 or e.at_start:
+            self.val = build_eval_data(self.cfg, self.setup, self.info.device)
+
+    def run(self, done: int) -> dict[str, float]:
+        """Evaluate after `done` optimizer steps; returns the metrics.jsonl fields."""
+        result = evaluate(self.setup, self.val, self.info, self.cfg.eval.steps)
+        self.seconds += result["seconds"]
+        figures = {k: v for k, v in result.items() if k in ("loss", "perplexity", "accuracy")}
+        self.history.append({"step": done, **figures, "terms": result["terms"]})
+        return {**{f"val_{k}": v for k, v in figures.items()}, "eval_s": result["seconds"]}
+
+    def at_start(self, tracker: Tracker) -> None:
+        """eval.at_start: the initial weights, logged as step 0 to W&B/TensorBoard (metrics.jsonl
+        has lines of optimizer steps only) and in summary.eval.history; not a best checkpoint."""
+        if self.val is not None and self.cfg.eval.at_start and self.setup.start_step == 0:
+            tracker.log(tracker_names(self.run(0)), step=0)
+
+    def after_step(self, done: int) -> dict[str, float] | None:
+        """Evaluate when due (every eval.every steps, and after the last step); track the best and
+        save it; decide early stopping. None when no evaluation was due."""
+        every = self.cfg.eval.every
+        if every <= 0 or not (done % every == 0 or done == self.cfg.steps):
+            return None
+        record = self.run(done)
+        loss = record["val_loss"]
+        if loss < self.best_loss - self.cfg.eval.min_delta:
+            self.best_loss, self.best_step, self.stale = loss, done, 0
+            if self.save_best is not None:
+                self.save_best(done)
+        else:
+            self.stale += 1
+            if self.cfg.eval.patience and self.stale >= self.cfg.eval.patience and done < self.cfg.steps:
+                self.stopped_at = done
+        return record
+
+    @property
+    def stop(self) -> bool:
+        return self.stopped_at is not None
+
+    def summary(self) -> dict[str, Any] | None:
+        """summary.json's `eval` block (None when evaluation is off)."""
+        if not self.history:
+            return None
+        last = {k: v for k, v in self.history[-1].items() if k not in ("step", "terms")}
+        best = self.best_loss if self.best_step is not None else None
+        return {**last, "best_loss": best, "best_step": self.best_step, "evals": len(self.history),
+                "eval_s": self.seconds, "history": self.history}  # fmt: skip

@@ -1,0 +1,137 @@
+"""Steps whose figures wait on the device, settled with one host sync per logged step.
+
+A step's figures (the global loss, tokens and samples, the gradient norm, whether the update was
+applied, amp's loss scale, whether some rank got a signal) come out of one small all-reduce as a
+device tensor (framework.step). Reading it (`.tolist()`) waits for the GPU to finish the step, so
+steps that are not logged do not read theirs: they wait in the `Ledger`, and the next synced step
+reads every waiting step's with one `.tolist()`. On a CPU every op has finished when it returns;
+on CUDA the host runs ahead and the GPU never idles waiting for it.
+
+Synced (`syncs_after`): the logged steps (metrics.log_every; the default, 1, syncs every step),
+the first step (warm-up, measured apart), the sampled steps and the steps before them (so a
+sampled step's time is its own), checkpoint steps and the last step. A signal or a non-finite
+step is acted on at the next synced step. The steps settled together share their window's time
+evenly: only the window's end is a true time on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from framework.data import DataPipeline
+from framework.evaluation import tracker_names
+from framework.metrics import ForwardTimer, mfu
+from framework.run_files import RunFiles
+from framework.step import Setup, StepFigures
+from framework.summary import RunStats
+from framework.tracking import Tracker
+
+
+def is_sampled(step: int, start: int, total: int, every: int) -> bool:
+    """Steps whose memory and communication are measured (measuring slows a step, so only a few):
+    the third step run (the first steady one: DDP re-buckets during the second; the last of a
+    shorter run), then every `every` steps. every=0: never."""
+    k = step - start
+    return every > 0 and (k == min(2, total - start - 1) or (k > 2 and (k - 2) % every == 0))
+
+
+def is_logged(cfg: DictConfig, step: int) -> bool:
+    return (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.steps
+
+
+def syncs_after(cfg: DictConfig, step: int, start: int) -> bool:
+    """Whether step `step` (0-based) ends with a host sync that settles the waiting steps."""
+    every, done = cfg.metrics.sample_every, step + 1
+    return (
+        is_logged(cfg, step)
+        or step == start
+        or is_sampled(step, start, cfg.steps, every)
+        or is_sampled(step + 1, start, cfg.steps, every)
+        or bool(cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+    )
+
+
+@dataclass
+class Entry:
+    figures: StepFigures
+    step: int  # 0-based
+    epoch: int
+    work: int  # tokens (samples for fixed-size data) this rank's batches held
+    slots: int  # token positions, padding included
+
+
+class Ledger:
+    """The steps run since the last sync, in order."""
+
+    def __init__(self, sequence_data: bool):
+        self.sequence_data = sequence_data  # report tokens (text, varlen)
+        self.entries: list[Entry] = []
+
+    def add(self, figures: StepFigures, step: int, step_batches: list, data: DataPipeline) -> None:
+        """A step just run; `figures.applied` is optimizer_step's answer (a device bool under amp)."""
+        if isinstance(figures.applied, torch.Tensor):
+            figures.pending[6:7].copy_(figures.applied.reshape(1))
+        elif not figures.applied:
+            figures.pending[6:7].zero_()
+        work = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
+        slots = sum(data.slots_in(b) or 0 for _, b in step_batches)
+        self.entries.append(Entry(figures, step, step_batches[-1][0], work, slots))
+
+    def settle(self) -> list[Entry]:
+        """Read every waiting step's figures in one host sync; the entries, oldest first."""
+        entries, self.entries = self.entries, []
+        values = torch.stack([e.figures.pending for e in entries]).tolist()  # the sync
+        window = sum(e.figures.seconds for e in entries)
+        for entry, row in zip(entries, values, strict=True):
+            entry.figures.settle(row, self.sequence_data)
+            entry.figures.seconds = window / len(entries)
+        return entries
+
+
+def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forward_timer: ForwardTimer) -> None:
+    """The settled steps into the run's figures. Every rank pops its forward timings (their CUDA
+    events have completed at the sync); one rank per data-parallel group counts the work."""
+    forward = forward_timer.pop_steps()
+    for entry, forward_s in zip(entries, forward, strict=True):
+        figures = entry.figures
+        if stats.first_step_s is None:
+            stats.first_step_s = figures.seconds
+            stats.startup_s = time.time() - float(os.environ.get("HYDRADIST_START", time.time()))
+        stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
+        stats.losses.append(figures.loss)
+        stats.skipped_steps += not figures.applied
+        if counts_data:
+            stats.work.append(entry.work)
+            stats.slots += entry.slots
+            stats.forward_s.append(forward_s)
+
+
+def log_step(entry: Entry, stats: RunStats, setup: Setup, peak: float | None, files: RunFiles,
+             tracker: Tracker) -> None:  # fmt: skip
+    """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
+    figures, step = entry.figures, entry.step
+    seconds, sampled = figures.seconds, figures.sampled
+    tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None
+    record = {
+        "step": step + 1,
+        "loss": figures.loss,
+        "lr": setup.scheduler.get_last_lr()[0],
+        "grad_norm": figures.grad_norm,
+        "step_time_s": seconds,
+        "samples_per_s": figures.samples / seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(setup.flops.model, tokens_per_s, peak, setup.flops.devices),
+        "epoch": entry.epoch,
+        "loss_scale": figures.loss_scale,
+        "skipped": not figures.applied,  # non-finite gradients: the update was not applied
+        "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
+        "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
+    }
+    record |= figures.val or {}  # an evaluation after this step: val_loss, val_perplexity | val_accuracy
+    files.log_step(record)
+    tracker.log(tracker_names(record), step=step + 1)

@@ -1,0 +1,158 @@
+"""One writer per run folder: a run takes an advisory lock in its folder before any worker starts.
+
+The lock is `flock` on `<run dir>/run.lock`, which holds the holder's host, pid, job and start
+time, and whose modification time is a lease renewed every LEASE_S / 4 seconds (flock may not
+reach across hosts on a network file system; the lease does).
+
+- The process that writes the run folder takes it: the local launcher (`python train.py`, held
+  through every elastic restart of its workers), or rank 0 of a job an outside launcher started
+  (torchrun, srun). Released on exit by emptying the file.
+- The other ranks of such a job share it: they check that the holder is their own job (the same
+  SLURM job and step, or torchrun run id), waiting briefly for their rank 0 to take it.
+- A second run into a folder a live run holds gets `FolderInUse` naming the holder (exit 2).
+- A lock whose holder is gone (the same host and the flock is free: its process died; or another
+  host whose lease is older than LEASE_S) is taken over, with a line saying so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+LOCK_FILE = "run.lock"
+LEASE_S = 60.0
+
+
+class FolderInUse(RuntimeError):
+    """Another live run holds the run folder's lock; the message names it."""
+
+    def __init__(self, path: str, holder: dict[str, Any]):
+        who = ", ".join(f"{k} {holder[k]}" for k in ("host", "pid", "job", "since") if k in holder) or "unknown"
+        super().__init__(
+            f"{os.path.dirname(path)} is in use by another run ({who}; lock file {path}). A run folder has one "
+            "writer: wait for that run to end, or choose another hydra.run.dir"
+        )
+
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _flock_free(path: str) -> bool:
+    """Nobody holds the flock now (probed with a shared lock, released at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing releases a probe's lock
+
+
+def _live_elsewhere(path: str, holder: dict[str, Any]) -> bool:
+    """Held from another host with a lease renewed within LEASE_S."""
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except OSError:
+        return False
+    return holder.get("host") != socket.gethostname() and age < LEASE_S
+
+
+class RunLock:
+    """The run folder's lock, as held (or shared) by this process."""
+
+    def __init__(self, run_dir: str, job: str):
+        self.path, self.job = os.path.join(run_dir, LOCK_FILE), job
+        self.fd: int | None = None
+        self._stop = threading.Event()
+
+    def acquire(self, wait_s: float = 1.0) -> str | None:
+        """Take the lock. Returns a line to print when a gone holder's lock was taken over;
+        raises FolderInUse when a live run holds it."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s  # another rank of this job may be probing it
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise FolderInUse(self.path, _read(self.path)) from None
+                time.sleep(0.05)
+        holder = _read(self.path)
+        line = None
+        if holder and holder.get("job") != self.job:
+            if _live_elsewhere(self.path, holder):
+                os.close(fd)
+                raise FolderInUse(self.path, holder)
+            gone = "not running" if holder.get("host") != socket.gethostname() or not _alive(holder.get("pid", 0)) \
+                else "no longer holding it"  # fmt: skip
+            line = (f"run folder lock: taking over {self.path} from host {holder.get('host')} pid {holder.get('pid')} "
+                    f"(job {holder.get('job')}, {gone}: its run ended without releasing it)")  # fmt: skip
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "job": self.job,
+              "since": datetime.now().isoformat(timespec="seconds")}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        threading.Thread(target=self._renew, name="hydradist-run-lock", daemon=True).start()
+        atexit.register(self.release)  # also when the process exits early (sys.exit)
+        return line
+
+    def share(self, wait_s: float = 10.0) -> None:
+        """Ranks > 0 of a job an outside launcher started: go on when this job (its rank 0)
+        holds the folder or no live run does; raise FolderInUse when another job holds it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            holder = _read(self.path)
+            if not holder or holder.get("job") == self.job:
+                return  # ours, or free (rank 0 takes it); no file at all: a folder this node does not share
+            if _flock_free(self.path) and not _live_elsewhere(self.path, holder):
+                return  # a gone holder's: rank 0 takes it over
+            if time.monotonic() > deadline:  # held, and not (yet) by our rank 0
+                raise FolderInUse(self.path, holder)
+            time.sleep(0.2)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_S / 4):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        self._stop.set()
+        os.ftruncate(self.fd, 0)  # empty: free, and no one will take it for a dead run's
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None

@@ -1,0 +1,206 @@
+"""Sabotage checks: does each test fail when the feature it names is broken?
+
+For every row of SABOTAGES: copy the tree to a temporary folder, replace one exact piece of text in
+one file (it must occur exactly once: otherwise the row is BROKEN PATTERN, the code it aimed at
+has moved), and run only the tests that should catch it, with this Python and the copy on
+PYTHONPATH. CAUGHT: they failed. MISSED: they passed with the feature broken. ERROR: pytest
+could not run them (collection error, no such test). The table is printed and written to
+docs/results/sabotage.md.
+
+    make sabotage                      # every row
+    make sabotage ARGS="--only clip"   # rows whose name contains "clip"
+    make sabotage ARGS="--baseline"    # first run each catching test on the untouched tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (sabotage, file, exact old text, new text, catching test): one row per feature; add yours.
+SABOTAGES: list[tuple[str, str, str, str, str]] = [
+    ("resume=auto ignored", "framework/trainer.py",
+     'if cfg.checkpoint.resume == "auto" or restart_count() > 0:', "if restart_count() > 0:",
+     "tests/test_reliability.py::test_resume_auto_continues_from_the_newest_checkpoint_and_says_so"),
+    ("compile branch skipped", "framework/parallel/__init__.py",
+     "    if cfg.compile:", "    if False:",
+     "tests/test_performance.py::test_compile_trains_like_eager_in_one_process"),
+    ("sequence parallel off", "framework/parallel/__init__.py",
+     "parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)", "False, parallel_cfg.loss_parallel)",
+     "tests/test_strategies.py::test_sequence_and_loss_parallel_show_in_the_collectives"),
+    ("loss parallel off", "framework/parallel/__init__.py",
+     "parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)", "parallel_cfg.sequence_parallel, False)",
+     "tests/test_strategies.py::test_sequence_and_loss_parallel_show_in_the_collectives"),
+    ("pipeline schedule ignored (always 1F1B)", "framework/parallel/pipeline.py",
+     "getattr(pipelining, SINGLE_STAGE[cfg.schedule])", 'getattr(pipelining, SINGLE_STAGE["1F1B"])',
+     "tests/test_strategies.py::test_pipeline_schedules_run_their_own_action_order"),
+    ("grad_clip ignored", "framework/trainer.py",
+     "optimizer_step(setup, cfg.optim.grad_clip,", "optimizer_step(setup, 0.0,",
+     "tests/test_strategies.py::test_grad_clip_scales_the_update_in_a_run_designed_to_clip"),
+    ("clipping never scales the gradients", "framework/step.py",
+     'clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))', 'clip_grad_norm(float("inf"))',
+     "tests/test_strategies.py::test_grad_clip_scales_the_update_in_a_run_designed_to_clip"),
+    ("nonfinite=skip applies the step anyway", "framework/step.py",
+     "if skip_nonfinite and not torch.isfinite(norm):", "if False:",
+     "tests/test_reliability.py::test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged"),
+    ("nonfinite=skip steps Adam with zeroed gradients", "framework/step.py",
+     "        return norm, False",
+     "        setup.optimizer.zero_grad(set_to_none=False); setup.optimizer.step(); return norm, False",
+     "tests/test_reliability.py::test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged"),
+    ("loss scaler static", "framework/step.py",
+     "        scaler.update()", "        pass",
+     "tests/test_units.py::test_amp_loss_scale_halves_on_overflow_and_grows_after_the_interval"),
+    ("activation-checkpoint wrapper skipped", "framework/memory.py",
+     "lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT)", "lambda b: b",
+     "tests/test_units.py::test_activation_checkpointing_saves_less_and_keeps_gradients_identical"),
+    ("DDP no_sync skipped under accumulation", "framework/parallel/__init__.py",
+     "grad_sync=lambda enabled: nullcontext() if enabled else ddp.no_sync(),",
+     "grad_sync=lambda enabled: nullcontext(),",
+     "tests/test_parity.py::test_no_sync_skips_communication_until_the_last_micro_batch"),
+    ("token weighting of the loss removed (mean of rank means)", "framework/step.py",
+     "scale = par.dp_size / step_elements(cfg, info, par, step_batches)",
+     "scale = 1.0 / max(1, sum(loss_elements(b[1]) for _, b in step_batches))",
+     "tests/test_data.py::test_token_losses_are_token_weighted_like_one_process_on_the_union_batch"),
+    ("a data-parallel rank reads rank 0's samples", "framework/data/__init__.py",
+     "num_replicas=dp_size, rank=dp_rank,", "num_replicas=dp_size, rank=0,",
+     "tests/test_parity.py::test_same_losses_however_the_global_batch_is_split[ddp_2x4]"),
+    ("RNG restore skipped on resume", "framework/trainer.py",
+     "        checkpoint.set_rng_state(rng, generators(setup))", "        pass",
+     "tests/test_reliability.py::test_resume_across_an_epoch_boundary_is_bitwise[amp_device_augment]"),
+    ("import cycle through a package __init__", "framework/memory.py",
+     "from framework.modules import map_blocks",
+     "from framework.modules import map_blocks\nfrom framework.config.schema import MemoryConfig  # noqa: F401",
+     "tests/test_code_shape.py::test_framework_import_graph_has_no_cycles"),
+    ("FSDP2 reshard_after_forward ignored", "framework/parallel/fsdp.py",
+     "fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)",
+     "fully_shard(block, reshard_after_forward=True, **kwargs)",
+     "tests/test_measure.py::test_fsdp_reshard_knobs_show_in_the_all_gathers"),
+    ("FSDP1 sharding_strategy ignored", "framework/parallel/fsdp.py",
+     "strategy = ShardingStrategy[cfg.sharding_strategy]", 'strategy = ShardingStrategy["FULL_SHARD"]',
+     "tests/test_measure.py::test_fsdp_reshard_knobs_show_in_the_all_gathers"),
+    ("recomputation left out of the FLOP count", "models/gpt.py",
+     "return model_flops + recomputed_blocks * (2 * rerun + 4 * D * seq_len)",
+     "return model_flops + recomputed_blocks * (2 * rerun)",
+     "tests/test_units.py::test_gpt_flops_per_token_match_flops_counted_on_a_real_training_step"),
+    ("MFU over a peak that is not the probe's", "framework/metrics.py",
+     "        return cpu_peak_flops(dtype)", "        return cpu_peak_flops(dtype) * 0.9",
+     "tests/test_performance.py::test_cpu_runs_report_mfu_from_a_cached_matmul_probe"),
+]  # fmt: skip
+
+IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache",
+                                ".ruff_cache", "*.egg-info", ".whl")  # fmt: skip
+
+
+def pytest_command(test: str) -> list[str]:
+    # -m "slow or not slow": a catching test may be marked slow; -x: the first failure is enough
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow", test]
+
+
+def run_tests(tree: Path, test: str, timeout: float) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "WANDB_MODE": "offline", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("HYDRADIST_FAULT", None)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(pytest_command(test), cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        rc, out = -1, "timed out"
+    return rc, time.monotonic() - t0, out
+
+
+def apply(tree: Path, file: str, old: str, new: str) -> bool:
+    path = tree / file
+    text = path.read_text() if path.exists() else ""
+    if text.count(old) != 1:
+        return False
+    path.write_text(text.replace(old, new))
+    return True
+
+
+def check(row: tuple[str, str, str, str, str], timeout: float) -> dict:
+    name, file, old, new, test = row
+    with tempfile.TemporaryDirectory(prefix="sabotage-") as tmp:
+        tree = Path(tmp) / "tree"
+        shutil.copytree(ROOT, tree, ignore=IGNORE)
+        if not apply(tree, file, old, new):
+            return {"name": name, "file": file, "test": test, "result": "BROKEN PATTERN", "seconds": 0.0}
+        rc, seconds, out = run_tests(tree, test, timeout)
+    result = {0: "MISSED", 1: "CAUGHT"}.get(rc, f"ERROR (pytest exit {rc})")
+    if result != "CAUGHT":
+        print(out[-3000:], file=sys.stderr)
+    return {"name": name, "file": file, "test": test, "result": result, "seconds": seconds}
+
+
+def baseline(rows: list, timeout: float) -> list[str]:
+    """Each catching test on the untouched tree: it must pass, or a CAUGHT would mean nothing."""
+    failing = []
+    for test in dict.fromkeys(r[4] for r in rows):
+        rc, seconds, out = run_tests(ROOT, test, timeout)
+        print(f"baseline {'ok  ' if rc == 0 else 'FAIL'} {seconds:6.1f}s {test}", flush=True)
+        if rc != 0:
+            failing.append(test)
+            print(out[-3000:], file=sys.stderr)
+    return failing
+
+
+def table(results: list[dict], command: str, total_s: float) -> str:
+    lines = [
+        "# Sabotage checks",
+        "",
+        "Each row breaks one feature with a one-line edit in a temporary copy of the tree and runs the test",
+        "that should catch it (`tests/sabotage.py`; CAUGHT: the test failed).",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"total {total_s / 60:.1f} min",
+        "",
+        "| sabotage | file | catching test | result | seconds |",
+        "| --- | --- | --- | --- | ---: |",
+    ]
+    for r in results:
+        lines.append(f"| {r['name']} | `{r['file']}` | `{r['test']}` | {r['result']} | {r['seconds']:.0f} |")
+    lines += ["", "Each row's command, in the sabotaged copy: `PYTHONPATH=<copy> python -m pytest -x -q -p no:cacheprovider "
+              "-m 'slow or not slow' <catching test>`", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="", help="rows whose sabotage name contains this text")
+    parser.add_argument("--baseline", action="store_true", help="first run every catching test untouched")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per catching test")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "sabotage.md"))
+    args = parser.parse_args()
+    rows = [r for r in SABOTAGES if args.only.lower() in r[0].lower()]
+    start = time.monotonic()
+    if args.baseline and baseline(rows, args.timeout):
+        print("some catching tests fail on the untouched tree: fix them first", file=sys.stderr)
+        return 1
+    results = []
+    for row in rows:
+        results.append(check(row, args.timeout))
+        r = results[-1]
+        print(f"{r['result']:<15} {r['seconds']:6.1f}s  {r['name']}  ({r['test']})", flush=True)
+    command = "make sabotage" + (f' ARGS="{" ".join(sys.argv[1:])}"' if len(sys.argv) > 1 else "")
+    text = table(results, command, time.monotonic() - start)
+    print("\n" + text)
+    if not args.only:  # a partial run does not replace the table
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0 if all(r["result"] == "CAUGHT" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
