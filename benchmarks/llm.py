@@ -70,7 +70,7 @@ def prepare_table(tmp: Path) -> tuple[str, Path]:
                  "--workers", str(workers), "--shard-mb", "1"])  # fmt: skip
         rate = nbytes / 2**20 / (time.perf_counter() - t0)
         rows.append([f"prepare --workers {workers} (tokenize + write shards)", rate, rate / base])
-    text = f"(a) prepare vs encode_batch, {nbytes / 2**20:.1f} MB of text, BPE of 4096 ids\n\n"
+    text = f"(a) prepare vs encode_batch, {nbytes / 2**20:.1f} MB of text, a BPE of {tok.vocab_size} ids\n\n"
     return text + table(["", "MB/s", "vs encode_batch"], rows), tmp / "out1"
 
 

@@ -164,7 +164,7 @@ class Llama(nn.Module):
     # before attention and the MLP; the embedding and head split over the vocabulary). n_heads and
     # n_kv_heads must both divide by the tensor-parallel degree.
     tp_plan = {
-        "tok_embeddings": "embedding",
+        "tok_embeddings": "vocab_embedding",
         "layers.*.attention_norm": "sequence_parallel",
         "layers.*.attention": "gather_input",
         "layers.*.attention.wq": "colwise",
@@ -183,7 +183,9 @@ class Llama(nn.Module):
     def __init__(self, flavor: str = "debug", hf_config: str | None = None, **overrides):
         super().__init__()
         self.args = args = llama_args(flavor, hf_config, **overrides)
-        self.n_heads = args.n_heads  # the contract: tensor parallel splits whole heads
+        # what the contract checks tensor-parallel degrees against (they must split whole heads): the
+        # key/value heads, which under GQA are fewer than the query heads and divide them
+        self.n_heads = args.n_kv_heads
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)

@@ -12,8 +12,9 @@ from framework.config.resolve import cuda_device_count
 from tests.helpers import CONF, compose_config, write_tiny_llama_config
 
 # a data choice each model trains on, and a model for each data choice
-MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors"}
-DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp"}
+MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors",
+              "llama": "text"}  # fmt: skip
+DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp", "tokens": "llama"}
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
 GROUPS = ["backend", "parallel", "precision", "memory", "data", "model", "optim", "logger"]
@@ -30,7 +31,7 @@ def test_every_group_has_choices_and_a_schema():
         assert name in choices("backend")
     assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
-    assert {"gpt", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
+    assert {"gpt", "llama", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
 
 
 def _unavailable(group: str, name: str) -> str | None:
@@ -62,6 +63,12 @@ def test_every_group_choice_composes(group, name, tmp_path):
         overrides.append(f"model={DATA_MODEL[name]}")
         if name == "custom":
             overrides += CUSTOM_DATA
+        if name == "tokens":  # token shards of a small text file
+            from framework.data.prepare import main as prepare
+
+            (tmp_path / "t.txt").write_text("some text to tokenize " * 40)
+            assert prepare([str(tmp_path / "t.txt"), str(tmp_path / "shards"), "--no-progress", "--workers", "1"]) == 0
+            overrides.append(f"data.path={tmp_path / 'shards'}")
     if group == "parallel" and name in ("none", "dp"):
         overrides.append("launch.nproc_per_node=1")
     if group == "memory" and name == "offload":
