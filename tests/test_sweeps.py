@@ -39,7 +39,7 @@ def test_a_strategy_sweep_groups_its_wandb_runs_and_ends_in_a_report(tmp_path):
     assert len(jobs) == 4 and {r["group"] for r in runs} == {"ddp-vs-fsdp"}
     names = {r["name"].rsplit("-", 1)[0] for r in jobs}
     assert names == {
-        f"experiment=smoke,logger=wandb,parallel={p},precision={q},steps=3"
+        f"device=cpu,experiment=smoke,logger=wandb,parallel={p},precision={q},steps=3"
         for p in ("ddp", "fsdp")
         for q in ("fp32", "bf16")
     }
