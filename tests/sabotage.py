@@ -164,7 +164,7 @@ def table(results: list[dict], command: str, total_s: float) -> str:
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
         f"Python {platform.python_version()}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
-        f"total {total_s / 60:.1f} min",
+        f"total {total_s / 60:.1f} min; load average at the end {os.getloadavg()[0]:.1f} (other work shares the cores)",
         "",
         "| sabotage | file | catching test | result | seconds |",
         "| --- | --- | --- | --- | ---: |",

@@ -106,7 +106,7 @@ def test_cpu_runs_report_mfu_from_a_cached_matmul_probe(tmp_path, monkeypatch):
     assert 0 < s["mfu"] < s["hfu"] < 1  # recomputation counts for HFU only
     # the FLOPs are the model's formula at this sequence length, the rate the measured one, 2 devices
     cfg = compose_config(BASE)
-    gpt = GPT(**{k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"})
+    gpt = GPT(**{k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"})
     assert s["flops_per_token"] == gpt.flops_per_token(cfg.data.seq_len)
     assert s["mfu"] == pytest.approx(s["flops_per_token"] * s["throughput"]["tokens_per_s"] / 2 / 1e10, rel=1e-9)
     assert 0 < s["startup_s"] < 120
