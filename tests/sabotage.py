@@ -73,7 +73,7 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      "tests/test_data.py::test_token_losses_are_token_weighted_like_one_process_on_the_union_batch"),
     ("a data-parallel rank reads rank 0's samples", "framework/data/__init__.py",
      "num_replicas=dp_size, rank=dp_rank,", "num_replicas=dp_size, rank=0,",
-     "tests/test_parity.py::test_same_losses_however_the_global_batch_is_split[ddp_2x4]"),
+     "tests/test_parity.py::test_same_losses_however_the_global_batch_is_split[ddp_2x4-args0]"),
     ("RNG restore skipped on resume", "framework/trainer.py",
      "        checkpoint.set_rng_state(rng, generators(setup))", "        pass",
      "tests/test_reliability.py::test_resume_across_an_epoch_boundary_is_bitwise[amp_device_augment]"),
