@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -193,7 +194,7 @@ def main() -> int:
         results.append(check(row, args.timeout))
         r = results[-1]
         print(f"{r['result']:<15} {r['seconds']:6.1f}s  {r['name']}  ({r['test']})", flush=True)
-    command = "`make sabotage" + (f' ARGS="{" ".join(sys.argv[1:])}"`' if len(sys.argv) > 1 else "`")
+    command = "`make sabotage" + (f' ARGS="{shlex.join(sys.argv[1:])}"`' if len(sys.argv) > 1 else "`")
     out = Path(args.out)
     rows_run = results
     if args.only and out.exists():  # a partial run updates its rows of the table, keeps the others
