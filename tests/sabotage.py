@@ -8,7 +8,7 @@ could not run them (collection error, no such test). The table is printed and wr
 docs/results/sabotage.md.
 
     make sabotage                      # every row
-    make sabotage ARGS="--only clip"   # rows whose name contains "clip"
+    make sabotage ARGS="--only clip"   # rows whose name contains "clip" (updates their rows of the table)
     make sabotage ARGS="--baseline"    # first run each catching test on the untouched tree
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -73,7 +74,7 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      "tests/test_data.py::test_token_losses_are_token_weighted_like_one_process_on_the_union_batch"),
     ("a data-parallel rank reads rank 0's samples", "framework/data/__init__.py",
      "num_replicas=dp_size, rank=dp_rank,", "num_replicas=dp_size, rank=0,",
-     "tests/test_parity.py::test_same_losses_however_the_global_batch_is_split[ddp_2x4]"),
+     "tests/test_parity.py::test_same_losses_however_the_global_batch_is_split[ddp_2x4-args0]"),
     ("RNG restore skipped on resume", "framework/trainer.py",
      "        checkpoint.set_rng_state(rng, generators(setup))", "        pass",
      "tests/test_reliability.py::test_resume_across_an_epoch_boundary_is_bitwise[amp_device_augment]"),
@@ -161,10 +162,10 @@ def table(results: list[dict], command: str, total_s: float) -> str:
         "Each row breaks one feature with a one-line edit in a temporary copy of the tree and runs the test",
         "that should catch it (`tests/sabotage.py`; CAUGHT: the test failed).",
         "",
-        f"Command: `{command}`  ",
+        f"Command: {command}  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
         f"Python {platform.python_version()}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
-        f"total {total_s / 60:.1f} min",
+        f"the last invocation took {total_s / 60:.1f} min; load average at the end {os.getloadavg()[0]:.1f} (other work shares the cores)",
         "",
         "| sabotage | file | catching test | result | seconds |",
         "| --- | --- | --- | --- | ---: |",
@@ -193,13 +194,34 @@ def main() -> int:
         results.append(check(row, args.timeout))
         r = results[-1]
         print(f"{r['result']:<15} {r['seconds']:6.1f}s  {r['name']}  ({r['test']})", flush=True)
-    command = "make sabotage" + (f' ARGS="{" ".join(sys.argv[1:])}"' if len(sys.argv) > 1 else "")
+    command = "`make sabotage" + (f' ARGS="{shlex.join(sys.argv[1:])}"`' if len(sys.argv) > 1 else "`")
+    out = Path(args.out)
+    rows_run = results
+    if args.only and out.exists():  # a partial run updates its rows of the table, keeps the others
+        results = merged(previous_rows(out.read_text()), results)
+        command = f"`make sabotage`, the rows it names updated since by {command}"
     text = table(results, command, time.monotonic() - start)
     print("\n" + text)
-    if not args.only:  # a partial run does not replace the table
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    return 0 if all(r["result"] == "CAUGHT" for r in results) else 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return 0 if all(r["result"] == "CAUGHT" for r in rows_run) else 1
+
+
+def previous_rows(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| ") and len(cells) == 5 and cells[0] not in ("sabotage", "---"):
+            name, file, test, result, seconds = cells
+            rows.append({"name": name, "file": file.strip("`"), "test": test.strip("`"), "result": result,
+                         "seconds": float(seconds)})  # fmt: skip
+    return rows
+
+
+def merged(previous: list[dict], new: list[dict]) -> list[dict]:
+    """The table's rows in SABOTAGES order: this run's where it ran them, else the previous ones."""
+    by_name = {r["name"]: r for r in previous} | {r["name"]: r for r in new}
+    return [by_name[row[0]] for row in SABOTAGES if row[0] in by_name]
 
 
 if __name__ == "__main__":
