@@ -13,7 +13,7 @@ from tests.helpers import CONF, compose_config, write_tiny_llama_config
 
 # a data choice each model trains on, and a model for each data choice
 MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors",
-              "llama": "text"}  # fmt: skip
+              "llama": "text", "gpt_smoke": "text"}  # fmt: skip
 DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp", "tokens": "llama"}
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
@@ -31,7 +31,7 @@ def test_every_group_has_choices_and_a_schema():
         assert name in choices("backend")
     assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
-    assert {"gpt", "llama", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
+    assert {"gpt", "gpt_smoke", "llama", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
 
 
 def _unavailable(group: str, name: str) -> str | None:

@@ -67,10 +67,10 @@ def test_fsdp_moves_about_one_and_a_half_times_ddp_bytes(world2):
     """Exactly: DDP all-reduces the P gradient bytes (a ring sends 2(w-1)/w of them); FSDP gathers
     all P for forward, the blocks' B again for backward (the root stays gathered) and
     reduce-scatters P, (w-1)/w each, plus the 4-byte all-reduce of the gradient norm."""
-    from models import GPT
+    from framework.contract import build_model
 
     cfg = compose_config(BASE)
-    gpt = GPT(**{k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"})
+    gpt = build_model(cfg.model, "cpu")
     params = world2["ddp"]["memory"]["param_bytes"]
     blocks = 4 * sum(p.numel() for p in gpt.blocks.parameters())
     assert params == 4 * sum(p.numel() for p in gpt.parameters())

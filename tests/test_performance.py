@@ -13,9 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.config import validate
+from framework.contract import build_model
 from framework.metrics import cpu_peak_flops, gpu_peak_tflops
 from framework.sweep import run_configs
-from models import GPT
 from tests.helpers import ROOT, compose_config, losses, read_summary, train_cli, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=4"]
@@ -106,7 +106,7 @@ def test_cpu_runs_report_mfu_from_a_cached_matmul_probe(tmp_path, monkeypatch):
     assert 0 < s["mfu"] < s["hfu"] < 1  # recomputation counts for HFU only
     # the FLOPs are the model's formula at this sequence length, the rate the measured one, 2 devices
     cfg = compose_config(BASE)
-    gpt = GPT(**{k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"})
+    gpt = build_model(cfg.model, "meta")
     assert s["flops_per_token"] == gpt.flops_per_token(cfg.data.seq_len)
     assert s["mfu"] == pytest.approx(s["flops_per_token"] * s["throughput"]["tokens_per_s"] / 2 / 1e10, rel=1e-9)
     assert 0 < s["startup_s"] < 120
