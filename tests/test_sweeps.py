@@ -148,7 +148,7 @@ def test_an_optuna_search_runs_its_trials_and_scores_a_failing_one_as_failed(tmp
     jobs = summaries(sweep)
     assert len(jobs) == 3
     failed = [s for s in jobs.values() if s["status"] == "failed"]
-    assert failed and all("corpus holds 10 bytes" in s["error"] for s in failed)  # the seed gives one
+    assert failed and all("corpus holds 10 tokens" in s["error"] for s in failed)  # the seed gives one
     assert best == pytest.approx(max(s["throughput"]["tokens_per_s"] for s in jobs.values() if s["status"] == "ok"))
     assert "Failed experiment" in proc.stderr + proc.stdout and (sweep / "report.md").exists()
 
