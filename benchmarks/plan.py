@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from common import run, table
+from common import recorded, run, table
 
 from framework.config import compose
 from framework.plan import choose
@@ -76,5 +76,6 @@ def pick(world: int = 2) -> None:
 
 
 if __name__ == "__main__":
-    accuracy()
-    pick()
+    with recorded("plan"):
+        accuracy()
+        pick()

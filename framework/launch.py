@@ -123,6 +123,10 @@ def main(cfg: DictConfig) -> float | None:
             write_failed_summary(run_dir, f"ConfigError: {err}", choices)
         return failed_job(hydra_cfg, err)
 
+    if int(os.environ.get("RANK", 0)) == 0:  # one line when data.max_bytes cuts the corpus short
+        from framework.data.datasets import truncation_line  # torch: after the run folder is held
+
+        print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
     config = OmegaConf.to_container(cfg, resolve=True)
     if sweeping:
         # the W&B runs of one sweep share a group (the sweep directory's name); each is named by

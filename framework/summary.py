@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -164,12 +164,34 @@ MEMORY_KEYS = (
 )
 
 
-def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
-    """Rank 0's closing lines: what the run did and where its files are."""
+class Segment(NamedTuple):
+    """What this process trained: a resumed run's closing line reports its own steps, not the
+    whole run's (summary.json keeps the whole run's first_loss)."""
+
+    start_step: int
+    steps: int
+    first_loss: float | None
+
+    @classmethod
+    def of(cls, start_step: int, losses: list[float]) -> Segment:
+        return cls(start_step, len(losses), losses[0] if losses else None)
+
+    def describe(self) -> str:
+        if self.start_step == 0:
+            return f"{self.steps} steps"
+        if self.steps == 0:
+            return f"no steps (resumed at step {self.start_step}, the run's last)"
+        last = self.start_step + self.steps
+        return f"steps {self.start_step + 1}-{last} ({self.steps} this run, resumed from step {self.start_step})"
+
+
+def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tracker) -> None:
+    """Rank 0's closing lines: what this process trained and where the run's files are."""
     rate = summary["throughput"]
     speed = f"{rate['tokens_per_s']:.0f} tokens/s" if rate["tokens_per_s"] else f"{rate['samples_per_s']:.1f} samples/s"
+    first = segment.first_loss if segment.first_loss is not None else summary["first_loss"]
     print(
-        f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+        f"done: {segment.describe()}, loss {first:.4f} -> {summary['final_loss']:.4f}, "
         f"{speed}, {summary['step_time_s'] * 1000:.1f} ms/step on {summary['world_size']} rank(s)\n"
         f"run dir: {run_dir}",
         flush=True,

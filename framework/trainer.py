@@ -45,7 +45,7 @@ from framework.metrics import (
     peak_flops,
 )
 from framework.modules import materialize_model
-from framework.optim import build_optimizer, build_scheduler
+from framework.optim import build_optimizer, build_scheduler, resumed_schedule
 from framework.parallel import Parallelized, parallelize
 from framework.peak import PeakProbe
 from framework.precision import build_precision
@@ -62,7 +62,7 @@ from framework.resilience import (
 from framework.resume import choose as choose_resume
 from framework.run_files import RunFiles, checkpoint_root
 from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
-from framework.summary import RunStats, report, summarize
+from framework.summary import RunStats, Segment, report, summarize
 from framework.tracking import Tracker, build_tracker
 
 
@@ -145,8 +145,11 @@ def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
         t0 = time.perf_counter()
         resume_from(resume, setup, info)
         setup.load_s = setup.verify_s + time.perf_counter() - t0
+        horizon = resumed_schedule(setup.scheduler, cfg.optim, cfg.steps)  # kept unless optim.schedule_steps
         if info.is_main:  # a resumed run says so, and from where
             print(f"resumed from step {setup.start_step} (checkpoint {resume})", flush=True)
+            if horizon:
+                print(horizon, flush=True)
     return setup
 
 
@@ -207,20 +210,20 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
         setup = build(cfg, info, files.run_dir)
         files.truncate_metrics(setup.start_step)  # a restarted run rewrites the steps after its checkpoint
         setup.rss_baseline_bytes = baseline
-        summary = loop(cfg, info, setup, files, tracker, choices, guard)
+        summary, segment = loop(cfg, info, setup, files, tracker, choices, guard)
     except BaseException:
         tracker.finish(ok=False)
         raise
     tracker.summary(summary)
     tracker.finish(ok=True)
     if info.is_main:
-        report(summary, files.run_dir, tracker)
+        report(summary, segment, files.run_dir, tracker)
     return summary
 
 
 def loop(
     cfg: DictConfig, info: DistInfo, setup: Setup, files: RunFiles, tracker: Tracker, choices: dict, guard: Guard
-) -> dict:
+) -> tuple[dict, Segment]:
     par, data, accum = setup.par, setup.data, cfg.accumulation_steps
     stats = RunStats(losses=list(files.prior_losses), skipped_steps=setup.skipped_steps,
                      rss_baseline_bytes=setup.rss_baseline_bytes)  # fmt: skip
@@ -284,7 +287,7 @@ def loop(
     summary = summarize(cfg, info, par, choices, stats, (meter, probe), setup.flops, peak)
     summary |= {"eval": evaluator.summary(), "stopped_early": evaluator.stopped_at}
     files.write_summary(summary)  # rank 0 only
-    return summary
+    return summary, Segment.of(setup.start_step, stats.losses[len(files.prior_losses) :])
 
 
 def train_step(
