@@ -123,10 +123,7 @@ def main(cfg: DictConfig) -> float | None:
             write_failed_summary(run_dir, f"ConfigError: {err}", choices)
         return failed_job(hydra_cfg, err)
 
-    if int(os.environ.get("RANK", 0)) == 0:  # one line when data.max_bytes cuts the corpus short
-        from framework.data.datasets import truncation_line  # torch: after the run folder is held
-
-        print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
+    announce_data(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     if sweeping:
         # the W&B runs of one sweep share a group (the sweep directory's name); each is named by
@@ -158,6 +155,14 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         lock.release()
     return None if summary is None else objective(summary, cfg.optimize)
+
+
+def announce_data(cfg: DictConfig) -> None:
+    """Rank 0 says, in one line, when data.max_bytes cuts the text corpus short (a preset may)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        from framework.data.datasets import truncation_line  # torch: after the run folder is held
+
+        print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
 
 
 def job_id() -> str:
