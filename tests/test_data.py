@@ -7,13 +7,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.data.datasets import PackedSequences, VarlenSequences
+from framework.data.datasets import PackedSequences, VarlenSequences, VarlenShape
 from framework.data.samplers import LengthGroupedBatchSampler, TokenBudgetBatchSampler, WeightedBatchSampler
 from framework.sweep import run_configs
 from models import GPT
 from tests.helpers import losses, run_workers, world_config
 
-LENGTHS = VarlenSequences(1000, 32, 4, 4, 128, 24, seed=0).lengths.tolist()
+LENGTHS = VarlenSequences(VarlenShape(1000, 32, 4, 4, 128, 24), seed=0).lengths.tolist()
 
 
 def samplers(world: int, kind: str):
@@ -70,7 +70,7 @@ def test_packed_gpt_keeps_attention_within_each_sequence():
 
 
 def test_packing_masks_the_loss_at_boundaries():
-    base = VarlenSequences(50, 32, 4, 4, 20, 8, seed=0, task="lm")
+    base = VarlenSequences(VarlenShape(50, 32, 4, 4, 20, 8), seed=0, task="lm")
     packed = PackedSequences(base, block_len=32, seed=0)
     (tokens, docs), target = packed[0]
     boundary = torch.nonzero(docs[1:] != docs[:-1]).flatten()
