@@ -157,15 +157,19 @@ def _token_budget_step(rank: int, world: int):
 
     from framework.dist import DistInfo, all_gather_object
     from framework.loss import IGNORE_INDEX, cross_entropy
+    from framework.measurements import Measurements
     from framework.metrics import ForwardTimer
-    from framework.step import forward_backward
+    from framework.step import StepInput, forward_backward
     from framework.trainer import build
 
     cfg = OmegaConf.create(config(["model=gpt", "data=varlen", "data.sampler=token_budget", "data.max_tokens=512"], 2))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
-    setup = build(cfg, info, "/nonexistent")
+    setup = build(cfg, info)
     step_batches = [next(setup.data.batches())]
-    forward_backward(cfg, info, setup, step_batches, None, ForwardTimer(info.device))
+    timer = Measurements(
+        meter=None, probe=None, forward_timer=ForwardTimer(info.device), profiler=None, peak_flops=None
+    )
+    forward_backward(cfg, info, setup, StepInput(step_batches), timer)
     grads = {n: p.grad.clone() for n, p in setup.par.module.module.named_parameters()}
 
     torch.manual_seed(cfg.seed)  # the same initial weights, one process, the union batch
