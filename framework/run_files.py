@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+if TYPE_CHECKING:  # types only: framework.report reads summaries without importing torch
+    from omegaconf import DictConfig
 
-from framework.dist import DistInfo
+    from framework.dist import DistInfo
 
 SUMMARY_FILE = "summary.json"
 STATUSES = ("ok", "failed", "preempted", "aborted")

@@ -73,10 +73,6 @@ PENDING_SIZE = {
     "framework/config/validate.py:_check_values",
     "framework/plan/model.py",
 }
-# Crossed today in this branch's own modules, each removed as it is mended.
-MENDING = {
-    "framework/report.py",
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -234,7 +230,7 @@ def test_functions_and_modules_stay_small():
     faults = {}
     for path in sorted(FRAMEWORK.rglob("*.py")):
         faults |= size_faults(path)
-    over = {k: v for k, v in faults.items() if k not in PENDING_SIZE | MENDING}
+    over = {k: v for k, v in faults.items() if k not in PENDING_SIZE}
     assert not over, (
         f"over {MAX_FUNCTION_LINES} lines, {MAX_PARAMETERS} parameters or a {MAX_MODULE_LINES}-line module: {over}"
     )
