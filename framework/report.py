@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.plotting import MB, plot, speed
-from framework.run_files import read_summary
+from framework.run_files import SUMMARY_FILE, read_summary
 
 CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
 
@@ -63,7 +63,7 @@ def find_runs(root: Path) -> list[Run]:
     """Every run directory under `root` (one that has a summary.json), in a stable order: job
     numbers numerically, then names."""
     runs = []
-    for summary_path in root.rglob("summary.json"):
+    for summary_path in root.rglob(SUMMARY_FILE):
         if "wandb" in summary_path.parts:
             continue
         run_dir = summary_path.parent
