@@ -110,11 +110,12 @@ def main(cfg: DictConfig) -> float | None:
             lock.release()
             write_summary(run_dir, Summary.failed(f"ConfigError: {err}", choices))
         return failed_job(hydra_cfg, err)
+    config, job = worker_config(cfg, hydra_cfg, sweeping), Job(run_dir, choices, started)
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
     export_backend_env(backend_env(cfg.backend))
     try:
-        summary = start(worker_config(cfg, hydra_cfg, sweeping), Job(run_dir, choices, started), resolve_nproc(cfg))
+        summary = start(config, job, resolve_nproc(cfg))
     except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
         if int(os.environ.get("RANK", 0)) == 0:
             print(resume_hint(stop, run_dir, sweeping, hydra_cfg.overrides.task), file=sys.stderr, flush=True)
