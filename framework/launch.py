@@ -115,7 +115,7 @@ def main(cfg: DictConfig) -> float | None:
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
     export_backend_env(backend_env(cfg.backend))
     try:
-        summary = start(config, job, resolve_nproc(cfg))
+        summary = start(config, job)
     except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
         if int(os.environ.get("RANK", 0)) == 0:
             print(resume_hint(stop, run_dir, sweeping, hydra_cfg.overrides.task), file=sys.stderr, flush=True)
@@ -178,11 +178,11 @@ class Job:
     started: float  # when this job started (job_start), for summary.startup_s
 
 
-def start(config: DictConfig, job: Job, nproc: int) -> dict[str, Any] | None:
-    """Train here (already a worker, or parallel=none) or start `nproc` local workers."""
+def start(config: DictConfig, job: Job) -> dict[str, Any] | None:
+    """Train here (already a worker, or parallel=none) or start the local workers."""
     if launched_as_worker() or Strategy.of(config.parallel).one_process:
         return train_here(config, job)
-    return launch_local_workers(config, job, nproc)
+    return launch_local_workers(config, job, resolve_nproc(config))
 
 
 def job_id() -> str:
