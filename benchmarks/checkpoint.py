@@ -78,7 +78,7 @@ def _verify_worker(out: str) -> dict[str, list[float]] | None:
     info = init_distributed("cpu", "gloo", timeout_s=600)
     try:
         cfg = OmegaConf.create(config([*COMMON, "launch.nproc_per_node=2"]))
-        setup = build(cfg, info, out)
+        setup = build(cfg, info)
         model, optimizer = setup.par.module, setup.optimizer
         for p in model.parameters():  # AdamW state without a training step
             p.grad = torch.zeros_like(p)

@@ -192,7 +192,7 @@ def _fsdp_units(rank, world, overrides):
     from framework.trainer import build
 
     cfg = OmegaConf.create(world_config(overrides, world))
-    module = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent").par.module
+    module = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")).par.module
     return [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,18 @@ class SyntheticVectors(Dataset):
     tokens_in = staticmethod(lambda batch: None)
 
 
+@dataclass(frozen=True)
+class VarlenShape:
+    """How many sequences, of which tokens, classes and lengths (VarlenSequences)."""
+
+    num_samples: int
+    vocab_size: int
+    num_classes: int
+    min_len: int
+    max_len: int
+    mean_len: float  # synthetic: the log-normal lengths' mean
+
+
 class VarlenSequences(Dataset):
     """Variable-length token sequences with a long-tailed length distribution.
 
@@ -163,9 +176,9 @@ class VarlenSequences(Dataset):
     within each sequence, padding ignored by the loss (target -100).
     """
 
-    def __init__(self, num_samples: int, vocab_size: int, num_classes: int, min_len: int, max_len: int,
-                 mean_len: float, seed: int, task: str = "classify", source: str = "synthetic",
+    def __init__(self, shape: VarlenShape, seed: int, task: str = "classify", source: str = "synthetic",
                  path: str | None = None, max_bytes: int = 4_000_000):  # fmt: skip
+        num_samples, vocab_size, num_classes, min_len, max_len, mean_len = astuple(shape)
         g = torch.Generator().manual_seed(seed)
         if source == "text":
             # paragraphs (text between blank lines) of the corpus: naturally long-tailed lengths
