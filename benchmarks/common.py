@@ -60,7 +60,8 @@ def write_result(name: str, command: str, header: str, text: str) -> Path:
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
     )
-    out.write_text(f"# {name}\n\n`{command}`\n\nMachine: {machine}\n\n{header}\n\n{text}\n")
+    parts = [f"# {name}", f"`{command}`", f"Machine: {machine}", header, text]
+    out.write_text("\n\n".join(part for part in parts if part) + "\n")
     return out
 
 
