@@ -28,6 +28,7 @@ from framework.dist import (
     restart_count,
 )
 from framework.evaluation import Evaluator
+from framework.export import export_at_end
 from framework.integrity import CheckpointError
 from framework.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
 from framework.memory import (
@@ -279,7 +280,7 @@ def loop(
     stats.checkpoint_io = {"verify_s": setup.verify_s, "load_s": setup.load_s, "failed_saves": saver.failed}
     progress.close()
     if cfg.checkpoint.export:
-        checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
+        export_at_end(cfg, files.run_dir, par, info.is_main)
 
     summary = summarize(cfg, info, par, choices, stats, (meter, probe), setup.flops, peak)
     summary |= {"eval": evaluator.summary(), "stopped_early": evaluator.stopped_at}
