@@ -26,11 +26,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import ConfigError, backend_env, resolve_nproc, validate, world_size_of
+from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
 from framework.config.run_id import register_resolvers  # noqa: F401  (train.py's import)
 from framework.dist import adopt_slurm_env, launched_as_worker, local_launch_config, slurm_task
 from framework.integrity import CheckpointError
-from framework.resilience import Preempted, exit_code
+from framework.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
 from framework.runlock import FolderInUse, RunLock
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,10 @@ def main(cfg: DictConfig) -> float | None:
 
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
-    export_backend_env(backend_env(cfg.backend))
+    # TORCH_NCCL_*: under NCCL a timeout dumps every rank's flight recorder into the run dir
+    export_backend_env(
+        backend_env(cfg.backend) | flight_recorder_env(resolve_backend(cfg), cfg.backend.trace_buffer, run_dir)
+    )
     try:
         if launched_as_worker() or cfg.parallel.name == "none":
             summary = train_here(config, run_dir, choices)
@@ -276,6 +279,9 @@ def launch_local_workers(
             raise RunFailed(cause) from None
         for line in errors:
             print(f"error: {line}", file=sys.stderr)
+        hang = read_dumps(os.path.join(run_dir, DUMP_FOLDER))  # NCCL's watchdog dumps on a timeout
+        if hang:
+            print(f"error: {hang}", file=sys.stderr)
         if cause and not any(cause in line for line in errors):
             print(f"error: {cause}", file=sys.stderr)
         print(f"error: run failed; its files are in {run_dir}", file=sys.stderr)

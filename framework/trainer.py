@@ -4,7 +4,6 @@ save), summarise. Every rank runs this; rank-0-only work is marked as such."""
 from __future__ import annotations
 
 import math
-import os
 import random
 import signal
 import time
