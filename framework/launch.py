@@ -132,10 +132,8 @@ def main(cfg: DictConfig) -> float | None:
 
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
-    # TORCH_NCCL_*: under NCCL a timeout dumps every rank's flight recorder into the run dir
-    export_backend_env(
-        backend_env(cfg.backend) | flight_recorder_env(resolve_backend(cfg), cfg.backend.trace_buffer, run_dir)
-    )
+    dumps = flight_recorder_env(resolve_backend(cfg), cfg.backend.trace_buffer, run_dir)  # NCCL timeouts
+    export_backend_env(backend_env(cfg.backend) | dumps)
     try:
         if launched_as_worker() or cfg.parallel.name == "none":
             summary = train_here(config, run_dir, choices)

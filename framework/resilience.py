@@ -214,9 +214,11 @@ def flight_recorder_env(backend: str, trace_buffer: int, run_dir: str) -> dict[s
     """The TORCH_NCCL_* settings that make an NCCL timeout diagnosable. NCCL's watchdog aborts
     the process on a timeout, so no error reaches `diagnose`; instead, with these set, every
     rank's watchdog writes its flight recorder to RUN_DIR/flight_recorder/rank_<r> first, and the
-    launcher reads them (`read_dumps`). Other backends: nothing (the error reaches `diagnose`)."""
+    launcher reads them (`read_dumps`); the folder is created here (the watchdog does not).
+    Other backends: nothing (the error reaches `diagnose`)."""
     if "nccl" not in backend or trace_buffer <= 0:
         return {}
+    os.makedirs(os.path.join(run_dir, DUMP_FOLDER), exist_ok=True)
     return {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buffer),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

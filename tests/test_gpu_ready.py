@@ -377,5 +377,7 @@ def test_nccl_runs_get_the_watchdog_dump_settings_and_gloo_runs_none(tmp_path):
     env = flight_recorder_env("nccl", 2000, str(tmp_path))
     assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "flight_recorder" / "rank_")}  # fmt: skip
-    assert flight_recorder_env("cpu:gloo,cuda:nccl", 10, "r")["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "10"
-    assert flight_recorder_env("gloo", 2000, "r") == {} and flight_recorder_env("nccl", 0, "r") == {}
+    assert (tmp_path / "flight_recorder").is_dir()  # NCCL's writer does not create it
+    assert flight_recorder_env("cpu:gloo,cuda:nccl", 10, str(tmp_path))["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "10"
+    assert flight_recorder_env("gloo", 2000, str(tmp_path / "g")) == {} and not (tmp_path / "g").exists()
+    assert flight_recorder_env("nccl", 0, str(tmp_path / "g")) == {}
