@@ -55,6 +55,11 @@ def export_backend_env(env: dict[str, str]) -> None:
         os.environ[key] = value
 
 
+def run_env(cfg: DictConfig, run_dir: str) -> dict[str, str]:
+    """The backend group's knobs, and under NCCL the watchdog's dump settings (into the run dir)."""
+    return backend_env(cfg.backend) | flight_recorder_env(resolve_backend(cfg), cfg.backend.trace_buffer, run_dir)
+
+
 class RunFailed(RuntimeError):
     """A worker failed; its error has been printed and the summary says "failed"."""
 
@@ -132,8 +137,7 @@ def main(cfg: DictConfig) -> float | None:
 
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
-    dumps = flight_recorder_env(resolve_backend(cfg), cfg.backend.trace_buffer, run_dir)  # NCCL timeouts
-    export_backend_env(backend_env(cfg.backend) | dumps)
+    export_backend_env(run_env(cfg, run_dir))
     try:
         if launched_as_worker() or cfg.parallel.name == "none":
             summary = train_here(config, run_dir, choices)
