@@ -110,7 +110,7 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      "        if False:",
      "tests/test_own_model.py::test_bad_model_declarations_are_one_line_before_any_worker[args2-model.tp_plan-names no submodule]"),
     ("Hugging Face outputs not unwrapped to their logits", "framework/contract.py",
-     "    if hasattr(output, \"logits\"):", "    if False:",
+     "    if hasattr(output, \"logits\"):\n        return output.logits\n    return output[0]", "    return output",
      "tests/test_hf.py::test_pretrained_loads_into_fsdp_shards_with_hf_first_loss"),
     ("pretrained weights kept whole on every rank while loading", "framework/hf.py",
      "        del full  # one full-size tensor at a time", "        loaded.add(full)",
