@@ -8,6 +8,8 @@
 - FSDP CPU offload (`memory=offload`): what stays on the device;
 - the allocator's peak against the accounted memory and the planner's prediction;
 - `compile=true` against eager (only where a C compiler and Python.h let Triton build);
+- a rank that hangs under NCCL (2 GPUs): the launcher names the collective and the missing rank
+  from the watchdogs' flight-recorder dumps;
 - bf16 MFU of a gpt of about 1B parameters (20 layers x 2048, T=1024), compiled, at the largest
   micro-batch that fits: tried from large to small, stopping at the first failure that is not
   out-of-memory.
@@ -184,6 +186,7 @@ def run_checks(out: Path, timeout: float, no_compile: str | None, deadline: floa
     why = skipped("1B", no_compile)
     rows.append(["gpt 1B bf16 compile", "skipped", why, 0] if why else big_row(out, timeout, deadline))
     rows.append(cp_row(out, timeout) if time.time() < deadline else ["cp=2 ring vs torch", "skipped", "time budget", 0])
+    rows.append(hang_row(out, 120) if time.time() < deadline else ["nccl hang", "skipped", "time budget", 0])
     return rows
 
 
@@ -212,9 +215,48 @@ def cp_row(out: Path, timeout: float) -> list:
     ]
 
 
+HANG = ["experiment=smoke", "steps=20", "backend=nccl", "parallel=ddp", "launch.nproc_per_node=2", "device=cuda",
+        "backend.step_timeout_s=20"]  # fmt: skip
+
+
+def hang_row(out: Path, timeout: float) -> list:
+    """Rank 1 stops before step 4 under NCCL: the watchdogs dump their flight recorders into the
+    run dir (framework.resilience.flight_recorder_env) and the launcher names the collective
+    and rank 1 as missing (read_dumps)."""
+    import torch
+
+    name = "nccl hang: collective and missing rank named"
+    if torch.cuda.device_count() < 2:
+        return [name, "skipped", f"needs 2 GPUs, {torch.cuda.device_count()} visible", 0]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "logger=none",
+        "progress=false",
+        f"hydra.run.dir={out / 'hang'}",
+        *HANG,
+    ]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "HYDRADIST_FAULT": "1:3:hang"})  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return [name, "failed", f"still running after {timeout:.0f} s: the hang was not ended", round(time.time() - t0)]
+    line = next((x for x in proc.stderr.splitlines() if "flight recorder:" in x), "")
+    ok = proc.returncode != 0 and "ranks that never joined it: [1]" in line
+    shown = line or (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return [name, "ok" if ok else "failed", shown.removeprefix("error: ")[:200], round(time.time() - t0)]
+
+
 def dry_run(out: Path, no_compile: str | None) -> list[list]:
     rows = [[name, "dry run", f"would run: pytest {' '.join(args)}", 0] for name, args in TESTS.items()]
-    for name, overrides in [("parity", PARITY), *CHECKS.items(), ("gpt 1B bf16 compile", [*BIG, "data.batch_size=4"])]:
+    checks = [
+        ("parity", PARITY),
+        *CHECKS.items(),
+        ("gpt 1B bf16 compile", [*BIG, "data.batch_size=4"]),
+        ("nccl hang", HANG),
+    ]
+    for name, overrides in checks:
         cpu = [o for o in overrides if o not in ("backend=nccl", "memory=offload", "device=cuda")]
         config([*cpu, "device=cpu", "launch.nproc_per_node=1"])  # composes and validates, or raises
         rows.append([name, "dry run", skipped(name, no_compile) or "would run (composed with CPU stand-ins)", 0])

@@ -95,6 +95,7 @@ def loader_table(shards: Path) -> str:
 
 
 if __name__ == "__main__":
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         a, shards = prepare_table(Path(tmp))
         print(a)
@@ -103,4 +104,5 @@ if __name__ == "__main__":
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.system()})"
     out = ROOT / "docs" / "results" / "llm.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# LLM data path\n\n`python benchmarks/llm.py` on {machine}\n\n{a}\n\n{b}\n")
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other jobs share the cores)"
+    out.write_text(f"# LLM data path\n\n`python benchmarks/llm.py` on {machine}; {load}\n\n{a}\n\n{b}\n")

@@ -270,14 +270,6 @@ def full_model_state_dict(par) -> dict[str, torch.Tensor]:
     return state
 
 
-def export(path: str, par, is_main: bool) -> None:
-    """Write the full model state dict for use outside this framework (`torch.load(path,
-    weights_only=True)` into the plain model). Rank 0 writes."""
-    state = full_model_state_dict(par)
-    if is_main:
-        torch.save(state, path)
-
-
 # ----------------------------------------------------------------------------- the best checkpoint, the config
 
 CONFIG_FILE = "config.json"  # the run's resolved config, beside its checkpoints

@@ -10,11 +10,16 @@ checkpoint's metadata. No more than one full parameter is in memory at a time.
 
 The run's config is read from the run directory above the checkpoint (`.hydra/config.yaml`), or
 from `--config`.
+
+`checkpoint.export=true` writes the same files through the same writer at the end of a run
+(`export_at_end`: RUN_DIR/hf for model=llama and model=hf), from the model gathered in memory
+instead of streamed from a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -24,8 +29,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
+from framework.checkpoint import full_model_state_dict
 from framework.contract import factory_kwargs
 from models.llama import Llama
 from models.llama_args import LlamaArgs
@@ -90,36 +96,84 @@ def read_tensor(checkpoint: str, name: str, shape: torch.Size, dtype: torch.dtyp
     return out
 
 
+def has_hf_layout(cfg) -> bool:
+    """Whether the run's model exports to Hugging Face's format: model=llama, or model=hf (which
+    is a transformers model already)."""
+    return cfg.model.get("_target_") == "models.llama.Llama" or cfg.model.get("name") == "hf"
+
+
 def llama_args_of(cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> LlamaArgs:
     if cfg.model.get("_target_") != "models.llama.Llama":
         raise ExportError(f"--format hf: {cfg.model.get('_target_')} has no Hugging Face layout here; model=llama has")
-    cfg.model.vocab_size = int(tensors["tok_embeddings.weight"][0][0])  # what the run trained with
+    cfg = copy.deepcopy(cfg)  # the run's config is read, never written back
+    with open_dict(cfg):
+        cfg.model.vocab_size = int(tensors["tok_embeddings.weight"][0][0])  # what the run trained with
     kwargs = factory_kwargs(OmegaConf.to_container(cfg.model, resolve=True))
     kwargs.pop("_target_")
     with torch.device("meta"):
         return Llama(**kwargs).args
 
 
-def export_hf(checkpoint: str, out: str, config: str | None = None) -> LlamaArgs:
-    cfg = run_config(checkpoint, config)
-    tensors = checkpoint_tensors(checkpoint)
+def write_llama_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dtype]],
+                   read: Callable[[str], torch.Tensor]) -> LlamaArgs:  # fmt: skip
+    """OUT/config.json, OUT/model.safetensors (and the run's tokenizer.json) of a llama whose
+    tensors (our names: shape, dtype) are `tensors`; `read(name)` gives one whole tensor, called
+    once per tensor, in order."""
     args = llama_args_of(cfg, tensors)
     names = hf_names(args)
     missing = [n for n in names if n not in tensors]
     if missing:
-        raise ExportError(f"CHECKPOINT: {checkpoint} lacks {', '.join(missing[:5])}")
+        raise ExportError(f"CHECKPOINT: the model state lacks {', '.join(missing[:5])}")
     os.makedirs(out, exist_ok=True)
     dtype = tensors[names[0]][1]
     entries = [(to_hf_name(n, args)[0], *tensors[n]) for n in names]
-
-    def fetch(i: int) -> torch.Tensor:
-        return to_hf_name(names[i], args)[1](read_tensor(checkpoint, names[i], *tensors[names[i]]))
-
-    write_safetensors(os.path.join(out, "model.safetensors"), entries, fetch)
+    write_safetensors(os.path.join(out, "model.safetensors"), entries,
+                      lambda i: to_hf_name(names[i], args)[1](read(names[i])))  # fmt: skip
     config_json = hf_config(args, str(dtype).removeprefix("torch."))
     Path(out, "config.json").write_text(json.dumps(config_json, indent=2))
     copy_tokenizer(cfg, out)
     return args
+
+
+def export_hf(checkpoint: str, out: str, config: str | None = None) -> LlamaArgs:
+    """The CLI's export: streamed from a DCP checkpoint, one whole tensor in memory at a time."""
+    cfg = run_config(checkpoint, config)
+    tensors = checkpoint_tensors(checkpoint)
+    return write_llama_hf(cfg, out, tensors, lambda name: read_tensor(checkpoint, name, *tensors[name]))
+
+
+def write_transformers_hf(cfg, out: str, state: dict[str, torch.Tensor]) -> None:
+    """model=hf: the state dict already has transformers' names and layout; its config.json is
+    the run's `model.config` (training changes no shape). A tied head is left out, as
+    `save_pretrained` does (from_pretrained ties it again)."""
+    config_json = json.loads(Path(cfg.model.config, "config.json").read_text())
+    if config_json.get("tie_word_embeddings", True):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    os.makedirs(out, exist_ok=True)
+    names = list(state)
+    entries = [(n, state[n].shape, state[n].dtype) for n in names]
+    write_safetensors(os.path.join(out, "model.safetensors"), entries, lambda i: state[names[i]])
+    Path(out, "config.json").write_text(json.dumps(config_json, indent=2))
+    copy_tokenizer(cfg, out)
+
+
+def export_at_end(cfg, run_dir: str, par, is_main: bool) -> str:
+    """checkpoint.export=true, after the last step: the full model, gathered from shards and
+    stages (collective: every rank calls it), written by rank 0. Models with a Hugging Face
+    layout go to RUN_DIR/hf (config.json + model.safetensors, through the CLI's writer, which
+    `AutoModelForCausalLM.from_pretrained` loads); others to RUN_DIR/model.pt (`torch.load(path,
+    weights_only=True)` into the plain model). Returns the path written."""
+    state = full_model_state_dict(par)
+    path = os.path.join(run_dir, "hf" if has_hf_layout(cfg) else "model.pt")
+    if not is_main:
+        return path
+    if cfg.model.get("name") == "hf":
+        write_transformers_hf(cfg, path, state)
+    elif has_hf_layout(cfg):
+        write_llama_hf(cfg, path, {k: (v.shape, v.dtype) for k, v in state.items()}, state.__getitem__)
+    else:
+        torch.save(state, path)
+    return path
 
 
 def copy_tokenizer(cfg, out: str) -> None:

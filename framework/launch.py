@@ -26,19 +26,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import ConfigError, backend_env, resolve_nproc, validate, world_size_of
+from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
 from framework.config.run_id import register_resolvers  # noqa: F401  (train.py's import)
 from framework.dist import adopt_slurm_env, launched_as_worker, local_launch_config, slurm_task
 from framework.integrity import CheckpointError
 from framework.parallel.dims import Strategy
-from framework.resilience import Preempted, exit_code
+from framework.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
 from framework.run_files import Summary, read_summary, write_summary
 from framework.runlock import FolderInUse, RunLock
 
 log = logging.getLogger(__name__)
 
 GROUPS = ("backend", "parallel", "precision", "memory", "data", "model", "optim", "logger")
-
 
 _SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob
 
@@ -112,8 +111,9 @@ def main(cfg: DictConfig) -> float | None:
         return failed_job(hydra_cfg, err)
     config, job = worker_config(cfg, hydra_cfg, sweeping), Job(run_dir, choices, started)
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
-    # inherit them. They are part of the config, so the run's config dump and W&B record them.
-    export_backend_env(backend_env(cfg.backend))
+    # inherit them (and NCCL's watchdog dump settings). The run's config dump and W&B record them.
+    recorder = flight_recorder_env(resolve_backend(cfg), cfg.backend.trace_buffer, run_dir)
+    export_backend_env(backend_env(cfg.backend) | recorder)
     try:
         summary = start(config, job)
     except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
@@ -292,6 +292,8 @@ def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, 
             raise RunFailed(cause) from None
         for line in errors:
             print(f"error: {line}", file=sys.stderr)
+        if hang := read_dumps(os.path.join(run_dir, DUMP_FOLDER)):  # NCCL's watchdog dumps on a timeout
+            print(f"error: {hang}", file=sys.stderr)
         if cause and not any(cause in line for line in errors):
             print(f"error: {cause}", file=sys.stderr)
         print(f"error: run failed; its files are in {run_dir}", file=sys.stderr)

@@ -18,8 +18,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -155,10 +157,13 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(s in str(err) for s in COLLECTIVE_ERRORS)
 
 
-def last_collective() -> dict | None:
-    """The newest entry of this process's flight recorder (backend.trace_buffer > 0)."""
+def last_collective(backend: str | None = None) -> dict | None:
+    """The newest entry of this process's flight recorder (backend.trace_buffer > 0): NCCL's own
+    dump under NCCL, the generic (gloo/CPU) one otherwise."""
+    c10d = torch._C._distributed_c10d
     try:
-        trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
+        dump = c10d._dump_nccl_trace_json if "nccl" in (backend or "") else c10d._dump_fr_trace_json
+        trace = json.loads(dump(True, True))
     except Exception:
         return None
     entries = trace.get("entries") or []
@@ -174,8 +179,8 @@ def diagnose(err: BaseException, guard: Guard, step: int, wait_s: float = 3.0) -
     """Name the collective that failed and the ranks that never joined it: every rank whose own
     wait failed reports through the store; the group's ranks that do not report within `wait_s`
     are the missing ones."""
-    entry = last_collective()
     info = guard.info
+    entry = last_collective(info.backend)
     what = "a collective"
     ranks = list(range(info.world_size))
     if entry is not None:
@@ -198,6 +203,82 @@ def diagnose(err: BaseException, guard: Guard, step: int, wait_s: float = 3.0) -
     who = f"; ranks that never joined it: {missing}" if missing else ""
     first = str(err).strip().splitlines()[0][:200]
     return CollectiveFailure(f"step {step}: {what} failed on rank {info.rank}{who} ({first})")
+
+
+# ----------------------------------------------------------------------------- NCCL: the watchdog's dumps
+
+DUMP_FOLDER = "flight_recorder"  # in the run directory: one dump per rank when a collective times out
+
+
+def flight_recorder_env(backend: str, trace_buffer: int, run_dir: str) -> dict[str, str]:
+    """The TORCH_NCCL_* settings that make an NCCL timeout diagnosable. NCCL's watchdog aborts
+    the process on a timeout, so no error reaches `diagnose`; instead, with these set, every
+    rank's watchdog writes its flight recorder to RUN_DIR/flight_recorder/rank_<r> first, and the
+    launcher reads them (`read_dumps`); the folder is created here (the watchdog does not).
+    Other backends: nothing (the error reaches `diagnose`)."""
+    if "nccl" not in backend or trace_buffer <= 0:
+        return {}
+    os.makedirs(os.path.join(run_dir, DUMP_FOLDER), exist_ok=True)
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buffer),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(run_dir, DUMP_FOLDER, "rank_"),
+    }
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """A flight-recorder dump is dicts, lists, strings and numbers: any class is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"flight-recorder dump: refusing {module}.{name}")
+
+
+def _load_dump(path: str) -> dict | None:
+    raw = open(path, "rb").read()
+    try:
+        return json.loads(raw) if raw[:1] == b"{" else _PlainUnpickler(io.BytesIO(raw)).load()
+    except Exception:
+        return None  # a dump cut short by the process's end: that rank says nothing
+
+
+def _ranks(pg: dict | None) -> list[int]:
+    ranks = (pg or {}).get("ranks", [])
+    return json.loads(ranks) if isinstance(ranks, str) else list(ranks)
+
+
+def group_ranks(pg_config: dict, name: str, desc: str) -> list[int]:
+    """The ranks of process group (name, desc) in a dump's `pg_config`. The default group may be
+    listed under another name (gloo's dump keys it ''): then the widest group is the world."""
+    pg = pg_config.get(name) or next((c for c in pg_config.values() if c.get("desc") == desc), None)
+    if pg is None and desc == "default_pg" and pg_config:
+        pg = max(pg_config.values(), key=lambda c: len(_ranks(c)))
+    return _ranks(pg)
+
+
+def read_dumps(folder: str) -> str | None:
+    """One line from every rank's flight-recorder dump in `folder` (NCCL's pickles or gloo's
+    JSON): the newest collective any rank entered, and the ranks of its group that never did
+    (their dump stops earlier, or they wrote none). None: no dumps."""
+    if not os.path.isdir(folder):
+        return None
+    last: dict[int, dict] = {}  # rank -> its newest entry
+    for name in sorted(os.listdir(folder)):
+        rank = name.rpartition("_")[2].split(".")[0]  # rank_<r> (NCCL's file prefix), rank_<r>.json
+        trace = _load_dump(os.path.join(folder, name)) if rank.isdigit() else None
+        if not trace or not trace.get("entries"):
+            continue
+        entry = max(trace["entries"], key=lambda e: e["collective_seq_id"])
+        entry["ranks"] = group_ranks(trace.get("pg_config", {}), *entry["process_group"])
+        last[int(rank)] = entry
+    if not last:
+        return None
+    newest = max(last.values(), key=lambda e: e["collective_seq_id"])
+    seq = newest["collective_seq_id"]
+    group = newest["ranks"] or sorted(last)
+    missing = [r for r in group if r not in last or last[r]["collective_seq_id"] < seq]
+    who = f"ranks that never joined it: {missing}" if missing else "every rank of its group entered it"
+    return (f"flight recorder: {newest['profiling_name']} #{seq} (sizes {newest.get('input_sizes')}, "
+            f"process group {newest['process_group'][0]}, {newest.get('state')} on the ranks that entered it): {who}")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- fault injection

@@ -4,7 +4,6 @@ step, measure, log, save), summarise. Every rank runs this; rank-0-only work is 
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from contextlib import closing
@@ -20,6 +19,7 @@ from framework.checkpoint import Checkpointer, TrainerState
 from framework.config import resolve_backend, resolve_device
 from framework.dist import DistInfo, destroy_distributed, init_distributed
 from framework.evaluation import Evaluator
+from framework.export import export_at_end
 from framework.integrity import CheckpointError
 from framework.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
 from framework.measurements import Measurements
@@ -151,7 +151,7 @@ class Trainer:
                                "failed_saves": self.saver.failed}  # fmt: skip
         progress.close()
         if cfg.checkpoint.export:
-            checkpoint.export(os.path.join(self.files.run_dir, "model.pt"), parts.par, info.is_main)
+            export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
         figures = summarize(cfg, info, parts, stats, self.measure)
         figures |= {"eval": self.evaluator.summary(), "stopped_early": self.evaluator.stopped_at}
         summary = Summary("ok", choices, figures=figures)

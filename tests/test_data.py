@@ -39,6 +39,20 @@ def test_no_sample_lost_or_duplicated_across_ranks(kind, world):
     assert 0 <= dropped < limit * (2 if kind == "token_budget" else 1)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_default_sampler_gives_each_data_parallel_rank_its_own_samples(world):
+    """data.sampler=distributed as the config builds it (framework.data.build_sampler): the ranks'
+    samples are disjoint and together cover the dataset."""
+    from framework.data import build_sampler
+    from tests.helpers import compose_config
+
+    cfg = compose_config(["experiment=smoke"]).data
+    dataset = list(range(60))  # a sampler only asks the dataset's length
+    per_rank = [list(build_sampler(cfg, dataset, r, world, seed=3)) for r in range(world)]
+    seen = [i for indices in per_rank for i in indices]
+    assert sorted(seen) == list(range(60)), per_rank
+
+
 @pytest.mark.parametrize("kind", ["length_grouped", "token_budget", "weighted"])
 def test_resumed_batch_sampler_continues_exactly(kind):
     full = samplers(2, kind)[1]

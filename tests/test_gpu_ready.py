@@ -329,3 +329,56 @@ def test_every_rank_pops_its_forward_timings():
                            applied=True, loss_scale=None, val=None) for _ in range(3)]  # fmt: skip
     record_steps(stats, [Entry(None, k, 0, 8, 8, f) for k, f in enumerate(figures)], False, timer)
     assert timer.steps == [] and stats.forward_s == [] and stats.losses == [1.0] * 3
+
+
+# --------------------------------------------------------------------------- hang diagnosis under NCCL
+
+
+def _dump_after_collectives(rank: int, world: int, folder: str) -> None:
+    """Both ranks run 2 all-reduces; rank 0 enters a third, rank 1 writes its flight recorder
+    before it joins: as when rank 1 hangs and the watchdogs dump. Rank 0 writes the binary
+    (pickle) dump NCCL's watchdog writes, rank 1 the JSON one."""
+    import os
+
+    import torch.distributed as dist
+
+    c10d = torch._C._distributed_c10d
+    x = torch.ones(4)
+    for _ in range(2):
+        dist.all_reduce(x)
+    if rank == 0:
+        work = dist.all_reduce(x, async_op=True)
+        with open(os.path.join(folder, "rank_0"), "wb") as f:
+            f.write(c10d._dump_fr_trace(True, True))
+        work.wait()
+    else:
+        with open(os.path.join(folder, "rank_1.json"), "wb") as f:
+            f.write(c10d._dump_fr_trace_json(True, True))
+        dist.all_reduce(x)
+
+
+def test_the_flight_recorder_dumps_name_the_collective_and_the_missing_rank(tmp_path, monkeypatch):
+    """The launcher's reading of the per-rank dumps an NCCL timeout leaves (real flight-recorder
+    dumps of a 2-rank gloo group: the format is the backend's recorder, not NCCL's kernels)."""
+    from framework.resilience import read_dumps
+    from tests.helpers import run_workers
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
+    run_workers(_dump_after_collectives, 2, str(tmp_path))
+    line = read_dumps(str(tmp_path))
+    assert line is not None and "all_reduce #3" in line and "ranks that never joined it: [1]" in line, line
+    (tmp_path / "rank_1.json").unlink()  # a rank that wrote no dump at all is missing too
+    assert "ranks that never joined it: [1]" in read_dumps(str(tmp_path))
+    assert read_dumps(str(tmp_path / "none")) is None
+
+
+def test_nccl_runs_get_the_watchdog_dump_settings_and_gloo_runs_none(tmp_path):
+    from framework.resilience import flight_recorder_env
+
+    env = flight_recorder_env("nccl", 2000, str(tmp_path))
+    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "flight_recorder" / "rank_")}  # fmt: skip
+    assert (tmp_path / "flight_recorder").is_dir()  # NCCL's writer does not create it
+    assert flight_recorder_env("cpu:gloo,cuda:nccl", 10, str(tmp_path))["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "10"
+    assert flight_recorder_env("gloo", 2000, str(tmp_path / "g")) == {} and not (tmp_path / "g").exists()
+    assert flight_recorder_env("nccl", 0, str(tmp_path / "g")) == {}

@@ -70,13 +70,27 @@ def _first_global_batch(cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_pretrained_loads_into_fsdp_shards_with_hf_first_loss(llama, tmp_path):
     config, pretrained, model = llama
-    overrides = [*base(config), "parallel=fsdp", "data.batch_size=4", f"model.pretrained={pretrained}"]
+    overrides = [*base(config), "parallel=fsdp", "data.batch_size=4", f"model.pretrained={pretrained}",
+                 f"checkpoint.every={STEPS}", "checkpoint.export=true"]  # fmt: skip
     summary = run_configs({"fsdp": world_config(overrides, 2)}, 2, str(tmp_path))["fsdp"]
     inputs, target = _first_global_batch(OmegaConf.create(world_config(overrides, 2)))
     with torch.no_grad():
         logits = model(inputs).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()).item()
     assert summary["first_loss"] == pytest.approx(expected, rel=1e-5)
+    # checkpoint.export=true: RUN_DIR/hf loads with from_pretrained and holds the last step's
+    # weights (the step's DCP checkpoint, gathered from the fsdp shards) bitwise
+    from transformers import AutoModelForCausalLM
+
+    from framework.export import checkpoint_tensors, read_tensor
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "hf").state_dict()
+    ckpt = str(tmp_path / "fsdp" / "checkpoints" / f"step-{STEPS:06d}")
+    saved = checkpoint_tensors(ckpt)
+    assert set(saved) == set(exported) and "lm_head.weight" in saved  # untied: its own head
+    for name, meta in saved.items():
+        assert torch.equal(exported[name], read_tensor(ckpt, name, *meta)), name
+    assert any(not torch.equal(exported[k], v) for k, v in model.state_dict().items())  # it trained
 
 
 def _load_probe(rank: int, world: int, overrides: list[str]) -> tuple[int, int, int]:

@@ -128,7 +128,7 @@ def pretrained_fsdp_run(tmp_path_factory):
     hf = hf_model(root / "hf", tie=False)
     run = root / "run"
     r = train_cli([*TINY, "parallel=fsdp", "launch.nproc_per_node=2", f"model.pretrained={root / 'hf'}",
-                   "steps=2", "checkpoint.every=2"], run)  # fmt: skip
+                   "steps=2", "checkpoint.every=2", "checkpoint.export=true"], run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
     from framework.export import main as export_main
@@ -143,7 +143,7 @@ def test_pretrained_run_holds_the_hf_weights(tmp_path):
     hf = hf_model(tmp_path / "hf", tie=True)
     run = tmp_path / "run"
     r = train_cli([*TINY, "parallel=none", f"model.pretrained={tmp_path / 'hf'}", "steps=1", "checkpoint.every=1",
-                   "optim.lr=1e-30", "optim.grad_clip=0"], run)  # fmt: skip
+                   "optim.lr=1e-30", "optim.grad_clip=0", "checkpoint.export=true"], run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_summary(run)["status"] == "ok"
     tokens = torch.randint(0, VOCAB, (2, 32))
@@ -157,6 +157,10 @@ def test_pretrained_run_holds_the_hf_weights(tmp_path):
     exported, original = dict(iter_hf_tensors(str(tmp_path / "out"))), dict(iter_hf_tensors(str(tmp_path / "hf")))
     assert set(exported) == set(original) - {"lm_head.weight"}
     assert all(torch.equal(exported[k], original[k]) for k in exported)
+    # checkpoint.export=true wrote the same folder at the end of the run (tied: no lm_head)
+    at_end = dict(iter_hf_tensors(str(run / "hf")))
+    assert set(at_end) == set(exported) and all(torch.equal(at_end[k], exported[k]) for k in exported)
+    assert not (run / "model.pt").exists()
 
 
 def test_fsdp_export_loads_in_transformers_with_equal_logits(pretrained_fsdp_run):
@@ -168,6 +172,20 @@ def test_fsdp_export_loads_in_transformers_with_equal_logits(pretrained_fsdp_run
     assert torch.allclose(theirs, logits_of_checkpoint(run, tokens), atol=1e-5, rtol=0)
     with torch.no_grad():  # and training moved the weights away from the pretrained ones
         assert not torch.allclose(theirs, hf(tokens).logits, atol=1e-4)
+
+
+def test_checkpoint_export_writes_an_hf_folder_transformers_loads(pretrained_fsdp_run):
+    """checkpoint.export=true under fsdp x2 (untied): RUN_DIR/hf loads with from_pretrained, its
+    logits equal the framework's at the last step within 1e-5, and every tensor equals the CLI's
+    export of the same step's checkpoint bitwise."""
+    root, _, run = pretrained_fsdp_run
+    at_end = transformers.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    tokens = torch.randint(0, VOCAB, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(at_end(tokens).logits, logits_of_checkpoint(run, tokens), atol=1e-5, rtol=0)
+    ours, cli = dict(iter_hf_tensors(str(run / "hf"))), dict(iter_hf_tensors(str(root / "out")))
+    assert set(ours) == set(cli) and "lm_head.weight" in ours
+    assert all(torch.equal(ours[k], cli[k]) for k in cli)
 
 
 # ----------------------------------------------------------------------------- every strategy

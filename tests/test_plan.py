@@ -70,6 +70,14 @@ def test_the_plan_command_ranks_every_layout_fastest_first():
         assert expected in layouts, (expected, layouts)
     step_ms = [float(r[12]) for r in rows]
     assert step_ms == sorted(step_ms)  # an ample budget: everything fits, fastest first
+    # and the order is the link's, not only the table's own: ddp and both fsdp variants compute
+    # the same per rank, so their step times differ by exactly their extra calls and bytes on
+    # the configured link (100 us per call, 1 GB/s), read from their own columns
+    by = {r[1].strip(): (float(r[12]), int(r[9]), float(r[10])) for r in rows}
+    for slower in ("fsdp(grad_op)", "fsdp"):
+        (t0, calls0, mb0), (t1, calls1, mb1) = by["ddp"], by[slower]
+        wire_ms = (calls1 - calls0) * 0.1 + (mb1 - mb0) * MB / 1e9 * 1e3
+        assert wire_ms > 0.5 and t1 - t0 == pytest.approx(wire_ms, abs=0.15), (slower, by)
     assert f"parallel=auto would run: {layouts[0]}" in out.stdout
 
 

@@ -242,7 +242,7 @@ class CheckpointConfig:
     keep_last: int = 0  # keep only the newest K complete checkpoints (0: all)
     async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
     preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
-    export: bool = False  # at the end, write the full (unsharded) model state to <run dir>/model.pt
+    export: bool = False  # at the end, the full model: <run dir>/hf (llama, hf: Hugging Face format), else model.pt
     verify: str = "full"  # full | size | off: what a resume checks against the manifest (framework/integrity.py)
     on_error: str = "stop"  # stop | warn: a failed save (a full disk) stops the run, or warns and retries next time
     monitor: str | None = None  # val_loss: keep a complete checkpoint of the best evaluation (<root>/best)
