@@ -28,10 +28,13 @@ def device_slots(device: str) -> int:
 
 
 def local_ranks(world: int, nodes: int, nproc_per_node: int | None, device: str) -> int:
-    """The ranks of one node of a `world`-rank job on `nodes` nodes (`launch.nproc_per_node` when
-    set), capped by what this machine hosts: the most worker processes a probe here may start."""
-    per_node = nproc_per_node or -(-world // max(1, nodes))
-    return max(1, min(world, per_node, device_slots(device)))
+    """The ranks one node of a `world`-rank job on `nodes` nodes runs here: the most worker
+    processes a probe on this machine may start. `launch.nproc_per_node`, where set, is what this
+    machine will run (a laptop may oversubscribe its cores on purpose); else world / nodes, capped
+    by this machine's cores or GPUs."""
+    if nproc_per_node:
+        return max(1, min(world, nproc_per_node))
+    return max(1, min(world, -(-world // max(1, nodes)), device_slots(device)))
 
 
 def local_launch_config(

@@ -111,8 +111,9 @@ def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | N
     every = checkpoint_every(cfg)
     per_rank: dict[int, float] = defaultdict(float)
     for stage, layers in enumerate(shapes.stage_layers):
-        checkpointed = set(layers[::every]) if every else set()
-        saved = sum(block_activation_bytes(b, g, cfg, layout, i in checkpointed) for i in layers)
+        kept = len(layers[::every]) if every else 0  # checkpointed blocks keep their input only
+        saved = kept * block_activation_bytes(b, g, cfg, layout, True)
+        saved += (len(layers) - kept) * block_activation_bytes(b, g, cfg, layout, False)
         if stage == 0:
             saved += 8 * b * tokens_per_rank(cfg, layout) + 8 * tokens_per_rank(
                 cfg, layout

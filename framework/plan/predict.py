@@ -3,12 +3,13 @@ against what a run measured (`summary.json` `plan`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from omegaconf import DictConfig
 
-from framework.config.model import meta_model, model_dims_of
-from framework.plan.activations import activation_bytes, checkpoint_every, gathered_bytes
+from framework.config.model import meta_model, model_dims_of, model_spec
+from framework.plan.activations import activation_bytes, gathered_bytes
 from framework.plan.model import Layout, Shapes, layout_of, model_shapes, state_bytes
 from framework.plan.peak import peak_parts
 from framework.plan.profile import Profile
@@ -18,27 +19,43 @@ from framework.plan.traffic import traffic
 FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls",
            "step_time_s", "peak_bytes")  # fmt: skip
 
-_SHAPES: dict[tuple, tuple[Any, Shapes]] = {}  # the meta model held: its id is the key's
+_SHAPES: dict[tuple, tuple[Any, Any]] = {}  # the meta model held: its id is the key's
 
 
-def shapes_of(cfg: DictConfig, layout: Layout) -> Shapes:
-    """model_shapes, once per model, layout and checkpointing (a search asks for each many times)."""
-    model = meta_model(cfg)
-    key = (id(model), layout, checkpoint_every(cfg), cfg.data.get("seq_len"))
+def _cached(key: tuple, model, make):
     if key not in _SHAPES:
-        if len(_SHAPES) > 512:
+        if len(_SHAPES) > 1024:
             _SHAPES.clear()
-        _SHAPES[key] = model, model_shapes(cfg, layout)
+        _SHAPES[key] = model, make()
     return _SHAPES[key][1]
 
 
-def predict(cfg: DictConfig, world: int, profile: Profile | None = None, dims: tuple | None = None) -> dict[str, Any]:
+def shapes_of(cfg: DictConfig, layout: Layout, facts: tuple | None = None) -> Shapes:
+    """model_shapes, once per model and layout, with the FLOPs of this config's checkpointing (a
+    search asks for each many times, and a 96-block model takes a while to walk)."""
+    from framework.contract import blocks_of
+    from framework.metrics import model_flops, recomputed_blocks
+
+    model, spec = facts[:2] if facts else (meta_model(cfg), model_spec(cfg))
+    seq_len = cfg.data.get("seq_len")
+    shapes = _cached((id(model), layout, seq_len), model, lambda: model_shapes(cfg, layout))
+    recomputed = recomputed_blocks(cfg, len(blocks_of(model, spec)))
+    flops = _cached((id(model), "flops", seq_len, recomputed), model,
+                    lambda: model_flops(model, spec, seq_len, recomputed))  # fmt: skip
+    return replace(
+        shapes, flops_per_token=(flops or (None, None))[0], hardware_flops_per_token=(flops or (None, None))[1]
+    )
+
+
+def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: tuple | None = None) -> dict[str, Any]:
     """Per-rank memory by kind and its peak, collectives per step, the bubble and (with a profile)
-    the step time of the strategy `cfg.parallel` at `world` ranks. `dims`: the model's
-    (n_layer, n_head), where the caller has them."""
-    layout = layout_of(cfg.parallel, world, *(dims or model_dims_of(cfg)))
-    shapes = shapes_of(cfg, layout)
-    memory = state_bytes(shapes, layout, cfg)
+    the step time of the strategy `cfg.parallel` at `world` ranks. `facts`: (the meta model, its
+    spec, (n_layer, n_head)), where the caller has them (a search predicts hundreds of times)."""
+    layout = layout_of(cfg.parallel, world, *(facts[2] if facts else model_dims_of(cfg)))
+    shapes = shapes_of(cfg, layout, facts)
+    model = facts[0] if facts else meta_model(cfg)
+    key = ("state", id(model), layout, cfg.data.get("seq_len"), cfg.optim.name, cfg.optim.get("momentum"))
+    memory = dict(_cached(key, model, lambda: state_bytes(shapes, layout, cfg)))
     memory["activation_bytes"] = activation_bytes(shapes, cfg, layout)
     memory["gathered_bytes"] = gathered_bytes(shapes, cfg, layout)
     ranks = traffic(shapes, cfg, layout)

@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 from framework.machine import cpu_name, local_launch_config, local_ranks
 
 # figures for what is neither configured nor measured (ranks a launcher started: set plan.*)
-NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 100.0}
+NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 100.0,
+           "op_overhead_us": {"cpu": 10.0, "cuda": 10.0}}  # fmt: skip
 # the process before the model: imports and the backend (CPU: torch and the framework resident;
 # CUDA: the allocator counts from zero), and what the allocator keeps beyond the live bytes
 NOMINAL_BASELINE = {"cpu": 700 * 2**20, "cuda": 0}
@@ -107,10 +108,55 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     overlap = plan.overlap if plan.overlap is not None else (0.8 if device == "cuda" else 0.0)
     where["overlap"] = "config" if plan.overlap is not None else "nominal"
     baseline, where["baseline_bytes"] = baseline_bytes(device, measure)
+    overhead, where["op_overhead_s"] = op_overhead(cfg, device, local, measure)
     return Profile(
         peak, intra, inter, latency, overlap, "; ".join(sources), baseline, NOMINAL_SLACK[device],
-        local if probed else 0, where,
+        local if probed else 0, where, overhead,
     )  # fmt: skip
+
+
+def op_overhead(cfg: DictConfig, device: str, local: int, measure: str) -> tuple[float, str]:
+    """(seconds of dispatch per operator, source): a tiny pre-norm block's forward and backward,
+    whose time is all overhead, over the ~120 operators `timing.ops_per_step` counts per block;
+    on the threads one of `local` ranks gets. Cached per machine."""
+    if cfg.plan.get("op_overhead_us") is not None:
+        return cfg.plan.op_overhead_us * 1e-6, "config"
+    if measure == "config" or device == "cuda":
+        return NOMINAL["op_overhead_us"][device] * 1e-6, "nominal"
+    threads = max(1, (os.cpu_count() or 1) // local)
+    key = f"op_overhead|{cpu_name()}|threads={threads}|torch={torch.__version__}"
+    cached = _read_cache().get(key)
+    if cached is not None:
+        return cached["s"], "cache"
+    if measure != "probe":
+        return NOMINAL["op_overhead_us"][device] * 1e-6, "nominal"
+    value = _time_tiny_block(threads) / 120
+    _write_cache(key, {"s": value})
+    return value, "probe"
+
+
+def _time_tiny_block(threads: int, iters: int = 60) -> float:
+    import statistics
+
+    from torch import nn
+    from torch.nn import functional as F
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    norm1, norm2 = nn.LayerNorm(16), nn.LayerNorm(16)
+    qkv, proj, up, down = nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 64), nn.Linear(64, 16)
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    times = []
+    try:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            q, k, v = qkv(norm1(x)).view(1, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            h = x + proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 8, 16))
+            (h + down(F.gelu(up(norm2(h))))).sum().backward()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times[5:])
 
 
 def _link(cfg: DictConfig, device: str, local: int, measure: str, sources: list[str]) -> tuple[dict | None, bool]:

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import CONF_DIR, ConfigError, resolve_device
-from framework.config.model import model_dims_of, model_spec
+from framework.config.model import meta_model, model_dims_of, model_spec
 from framework.config.schema import ParallelConfig
 from framework.machine import local_ranks
 from framework.parallel.dims import ParallelDims
@@ -209,21 +209,45 @@ class Ranked:
         return p["peak_bytes"] if p["peak_bytes"] is not None else p["total_bytes"]
 
 
+FULL_SEARCH = 400  # combinations searched whole; past it, the knobs only on the likeliest layouts
+SHORTLIST = 8
+
+
 def rank(cfg: DictConfig, world: int, profile: Profile, budget: float) -> list[Ranked]:
-    """Every layout and knob combination with its prediction: those that fit first, fastest first."""
-    dims = model_dims_of(cfg)
-    out = []
-    for c in candidates(cfg, world):
-        trial = copy.deepcopy(c.cfg)
-        for knobs in knob_options(cfg, c.cfg, dims[0]):
-            knobs.apply(trial)
-            p = predict(trial, world, profile, dims)
-            r = Ranked(c, p, False, knobs, merged(c.overrides, knobs.overrides(c.cfg)))
-            r.fits = r.footprint() <= budget
-            out.append(r)
+    """Every layout and knob combination with its prediction: those that fit first, fastest first.
+
+    A large world admits dozens of layouts: past FULL_SEARCH combinations each layout is first
+    tried at its own knobs and at the most frugal ones (checkpoint every block, the smallest
+    micro-batch), and only the SHORTLIST best of those get the whole knob grid."""
+    facts = (meta_model(cfg), model_spec(cfg), model_dims_of(cfg))
+    grids = [(c, knob_options(cfg, c.cfg, facts[2][0])) for c in candidates(cfg, world)]
+    if sum(len(g) for _, g in grids) > FULL_SEARCH:
+        tried = [_predicted(cfg, world, profile, budget, facts, c, {g[0], _frugal(g)}) for c, g in grids]
+        best = sorted(range(len(grids)), key=lambda i: min(_order(r) for r in tried[i]))[:SHORTLIST]
+        grids = [grids[i] if i in best else (grids[i][0], [r.knobs for r in tried[i]]) for i in range(len(grids))]
+    out = [r for c, g in grids for r in _predicted(cfg, world, profile, budget, facts, c, g)]
+    return sorted(out, key=_order)
+
+
+def _order(r: Ranked) -> tuple:
     # models without a FLOP count (their candidates are all data-parallel: the same compute per
     # rank) rank by their communication time
-    return sorted(out, key=lambda r: (not r.fits, _seconds(r.prediction), r.footprint()))
+    return (not r.fits, _seconds(r.prediction), r.footprint())
+
+
+def _frugal(grid: list[Knobs]) -> Knobs:
+    return min(grid, key=lambda k: (-(k.checkpoint_every == 1), k.batch_size, -(k.n_microbatches or 0)))
+
+
+def _predicted(cfg, world: int, profile: Profile, budget: float, facts: tuple, c: Candidate, grid) -> list[Ranked]:
+    trial, out = copy.deepcopy(c.cfg), []
+    for knobs in grid:
+        knobs.apply(trial)
+        p = predict(trial, world, profile, facts)
+        r = Ranked(c, p, False, knobs, merged(c.overrides, knobs.overrides(c.cfg)))
+        r.fits = r.footprint() <= budget
+        out.append(r)
+    return out
 
 
 def merged(*groups) -> tuple[str, ...]:

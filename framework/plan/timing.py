@@ -56,12 +56,13 @@ def step_time(cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, prof
         flops = shapes.hardware_flops_per_token * step_tokens(cfg, layout) / max(layout.world, 1)
         busy = flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s
         busy /= 1 - bubble(layout)
-    per_node = max(1, layout.world // max(1, cfg.plan.nodes))
+    nodes = cfg.plan.nodes  # read once: a config lookup costs more than the term it feeds
+    per_node = max(1, layout.world // max(1, nodes))
     worst = 0.0
     for t in ranks:
         hidden, exposed = 0.0, 0.0
         for _op, calls, wire, group, kind in t.seconds_terms:
-            spans_nodes = cfg.plan.nodes > 1 and group > per_node
+            spans_nodes = nodes > 1 and group > per_node
             seconds = calls * profile.latency_s + wire / (
                 profile.inter_bytes_per_s if spans_nodes else profile.intra_bytes_per_s
             )
