@@ -72,6 +72,7 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
         "step_time_s": None,
         "comm_time_s": None,  # the communication part alone (what ranks models without a FLOP count)
         "not_predicted": _not_predicted(memory, ranks, shapes),
+        "hardware_flops_per_token": shapes.hardware_flops_per_token,  # with checkpointing's recomputation
     }
     if profile is not None and ranks is not None:
         out["comm_time_s"] = step_time(cfg, layout, shapes, ranks, profile, compute=False)
