@@ -9,9 +9,8 @@ per optimizer step, from the model's parameter shapes and the config alone (noth
   reduce-scatters per unit, tensor parallel's per-block gathers and scatters, a pipeline's
   sends), counted like `framework.comm` counts measured ones, with its ring factors for wire bytes.
 
-What it ignores: allocator caching and fragmentation, communication buffers, the transient
-recomputation of a checkpointed block, padding under variable-length data (it takes the
-configured micro-batch as full), and (for step time) overlap beyond `plan.overlap`.
+What it ignores: padding under variable-length data (it takes the configured micro-batch as
+full). The shapes of a layout are walked once per model (`predict.shapes_of` caches them).
 """
 
 from __future__ import annotations

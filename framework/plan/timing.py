@@ -36,8 +36,9 @@ def step_tokens(cfg: DictConfig, layout: Layout) -> int:
 def ops_per_step(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
     """Operators one rank dispatches per step: per block and micro-batch about 40 forward and 80
     backward (norms, projections, attention, the MLP, residuals; more under tensor parallel's
-    DTensor redistributions), again a forward's worth in a checkpointed block, and the optimizer's
-    few per parameter tensor."""
+    DTensor redistributions), again a forward's worth in a checkpointed block, the optimizer's
+    few per parameter tensor, and the step's own bookkeeping (the batch, the loss, clipping, the
+    step's figures: about 200)."""
     if shapes.gpt is None:
         return 0.0
     n_layer = shapes.gpt["n_layer"]
@@ -46,7 +47,7 @@ def ops_per_step(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
     recomputed = blocks / every if every else 0
     micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
     per_block = 120 * (1.5 if layout.tp > 1 else 1.0) + 20 * (layout.cp > 1) * layout.cp
-    return micro * (per_block * blocks + 40 * recomputed + 30) + 12 * len(shapes.params) / layout.pp
+    return micro * (per_block * blocks + 40 * recomputed + 30) + 12 * len(shapes.params) / layout.pp + 200
 
 
 def step_time(cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, profile, compute: bool = True) -> float:
@@ -71,4 +72,5 @@ def step_time(cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, prof
             else:
                 exposed += seconds
         worst = max(worst, exposed + max(0.0, hidden - profile.overlap * busy))
-    return busy + worst
+    figures = profile.latency_s if layout.world > 1 else 0.0  # the step's loss and counts, all-reduced
+    return busy + worst + figures
