@@ -219,13 +219,13 @@ def rank(cfg: DictConfig, world: int, profile: Profile, budget: float) -> list[R
     A large world admits dozens of layouts: past FULL_SEARCH combinations each layout is first
     tried at its own knobs and at the most frugal ones (checkpoint every block, the smallest
     micro-batch), and only the SHORTLIST best of those get the whole knob grid."""
-    facts = (meta_model(cfg), model_spec(cfg), model_dims_of(cfg))
-    grids = [(c, knob_options(cfg, c.cfg, facts[2][0])) for c in candidates(cfg, world)]
+    search = Search(cfg, world, profile, budget, (meta_model(cfg), model_spec(cfg), model_dims_of(cfg)))
+    grids = [(c, knob_options(cfg, c.cfg, search.facts[2][0])) for c in candidates(cfg, world)]
     if sum(len(g) for _, g in grids) > FULL_SEARCH:
-        tried = [_predicted(cfg, world, profile, budget, facts, c, {g[0], _frugal(g)}) for c, g in grids]
+        tried = [search.predicted(c, {g[0], _frugal(g)}) for c, g in grids]
         best = sorted(range(len(grids)), key=lambda i: min(_order(r) for r in tried[i]))[:SHORTLIST]
         grids = [grids[i] if i in best else (grids[i][0], [r.knobs for r in tried[i]]) for i in range(len(grids))]
-    out = [r for c, g in grids for r in _predicted(cfg, world, profile, budget, facts, c, g)]
+    out = [r for c, g in grids for r in search.predicted(c, g)]
     return sorted(out, key=_order)
 
 
@@ -239,15 +239,26 @@ def _frugal(grid: list[Knobs]) -> Knobs:
     return min(grid, key=lambda k: (-(k.checkpoint_every == 1), k.batch_size, -(k.n_microbatches or 0)))
 
 
-def _predicted(cfg, world: int, profile: Profile, budget: float, facts: tuple, c: Candidate, grid) -> list[Ranked]:
-    trial, out = copy.deepcopy(c.cfg), []
-    for knobs in grid:
-        knobs.apply(trial)
-        p = predict(trial, world, profile, facts)
-        r = Ranked(c, p, False, knobs, merged(c.overrides, knobs.overrides(c.cfg)))
-        r.fits = r.footprint() <= budget
-        out.append(r)
-    return out
+@dataclass
+class Search:
+    """What every prediction of one search shares."""
+
+    cfg: DictConfig
+    world: int
+    profile: Profile
+    budget: float
+    facts: tuple  # (the meta model, its spec, (n_layer, n_head))
+
+    def predicted(self, c: Candidate, grid) -> list[Ranked]:
+        """Layout `c` at each knob combination of `grid`, varied on one copy of its config."""
+        trial, out = copy.deepcopy(c.cfg), []
+        for knobs in grid:
+            knobs.apply(trial)
+            p = predict(trial, self.world, self.profile, self.facts)
+            r = Ranked(c, p, False, knobs, merged(c.overrides, knobs.overrides(c.cfg)))
+            r.fits = r.footprint() <= self.budget
+            out.append(r)
+        return out
 
 
 def merged(*groups) -> tuple[str, ...]:
