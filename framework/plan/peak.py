@@ -9,8 +9,8 @@ allocator's peak), what decides whether a layout fits.
   counts from zero), measured once per device kind (`profile.baseline_bytes`);
 - saved activations at the schedule's peak and FSDP's gathered units (the one running and the
   prefetched one, or all of them without resharding): `framework.plan.activations`;
-- persistent buffers: DDP's gradient buckets (gradients are views into them, so they stay
-  allocated between steps);
+- persistent buffers: DDP's gradient buckets (allocated at wrapping and kept between steps;
+  under `gradient_as_bucket_view` the gradients are views into them, not a second copy);
 - backward frees saved activations block by block while it produces gradients, so at most one of
   the two is whole; the head's transients (the logits' gradient) come at its start, FSDP's
   reduce-scatter input (one unit's unsharded gradient, in the reduce dtype) at each unit's end;
@@ -61,11 +61,14 @@ def peak_parts(shapes: Shapes, cfg: DictConfig, layout: Layout, memory: dict, pr
         return None
     params, grads, optim = memory["param_bytes"], memory["grad_bytes"], memory["optim_bytes"]
     backward = memory["activation_bytes"] + head_transient(shapes, cfg, layout)
+    buffers = persistent_buffers(shapes, cfg, layout)
+    if buffers and cfg.parallel.get("gradient_as_bucket_view", False):
+        grads = 0  # the gradients are views into DDP's buckets: counted there
     update = grads + reduce_buffer(shapes, cfg, layout)
     live = {
         "baseline": profile.baseline_bytes,
         "state": params + optim,
-        "buffers": persistent_buffers(shapes, cfg, layout),
+        "buffers": buffers,
         "gathered": memory.get("gathered_bytes") or 0,
         "transient": max(backward, update),
     }
