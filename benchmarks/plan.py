@@ -8,7 +8,7 @@
 2. The pick (`--pick`): every candidate `python -m framework.plan` ranks at world 2 (the default
    gpt, an ample budget), trained in one sweep; the planner's pick against the fastest measured.
 
-    python benchmarks/plan.py [--steps N] [--pick]      # writes docs/results/plan.md
+    python benchmarks/plan.py [--steps N] [--quick] [--pick]      # writes docs/results/plan.md
 """
 
 from __future__ import annotations
@@ -59,13 +59,18 @@ ACCURACY = {
 }
 
 
-def accuracy(steps: int) -> str:
+QUICK = {2: ("ddp", "fsdp", "tp", "pp 1F1B"), 4: ("ddp", "fsdp checkpoint", "hybrid dp2 x tp2")}
+
+
+def accuracy(steps: int, quick: bool = False) -> str:
+    """The error table; `quick`: a few layouts per world (a busy machine's run)."""
     rows, step_errors = [], {}
+    plan = {w: {k: v for k, v in ls.items() if not quick or k in QUICK[w]} for w, ls in ACCURACY.items()}
     for world in ACCURACY:  # this machine's figures for each world, probed once (cached) before the runs
         cfg = compose([*MODEL, f"launch.nproc_per_node={world}", "device=cpu"])
         machine_profile(cfg, world, "probe")
     for shape, extra in (("4 x 256", []), ("8 x 384", WIDER)):
-        for world, layouts in ACCURACY.items():
+        for world, layouts in plan.items():
             for name, summary in run(layouts, world, [*MODEL, f"steps={steps}", *extra]).items():
                 err = summary["plan"]["error"]
                 if err["step_time_s"] is not None:
@@ -99,11 +104,12 @@ def pick(world: int = 2) -> None:
 
 if __name__ == "__main__":
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 4
-    text = accuracy(steps)
+    quick = "--quick" in sys.argv
+    text = accuracy(steps, quick)
     print(text)
     header = (f"Each run's own check of the planner (summary.json plan.error), {steps} optimizer steps per run. "
               f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: step times on a "
               "shared machine are noisy; rerun on a quiet one before reading the step-time column.")  # fmt: skip
-    write_result("plan", f"python benchmarks/plan.py --steps {steps}", header, text)
+    write_result("plan", f"python benchmarks/plan.py --steps {steps}{' --quick' * quick}", header, text)
     if "--pick" in sys.argv:
         pick()
