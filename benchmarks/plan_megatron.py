@@ -53,6 +53,11 @@ HEADER = (
 
 NOTES = """
 
+The paper's row (tensor 8, pipeline 16, 1,536 GPUs, batch 1,536, 163 teraFLOP/s per GPU, 52% of
+peak) is quoted from the paper's Table 1; the search tools of the session that wrote this script
+returned the paper's abstract but not the table's text, so check the row against the PDF before
+citing the comparison.
+
 Where the model departs from the paper's system, and why:
 - **Matmul rate.** The planner runs every FLOP at the profile's peak (312 TFLOP/s): it has no
   kernel-efficiency model on a GPU it cannot probe; measured A100 GEMMs of these shapes reach
