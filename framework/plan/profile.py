@@ -33,7 +33,10 @@ NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 10
 # the process before the model: imports and the backend (CPU: torch and the framework resident;
 # CUDA: the allocator counts from zero), and what the allocator keeps beyond the live bytes
 NOMINAL_BASELINE = {"cpu": 700 * 2**20, "cuda": 0}
-NOMINAL_SLACK = {"cpu": 0.05, "cuda": 0.05}
+# CPU: glibc's retention beyond the live bytes, fitted (0.15 to 0.38, median 0.2) on the four
+# runs of benchmarks/plan_peak.py (none, ddp x2, fsdp x4, pp x2 on the 100M gpt); CUDA: the
+# caching allocator's usual few percent
+NOMINAL_SLACK = {"cpu": 0.20, "cuda": 0.05}
 
 
 @dataclass(frozen=True)
