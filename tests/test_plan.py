@@ -23,9 +23,13 @@ MB = 2**20
 
 
 def test_auto_under_a_budget_below_ddp_picks_a_sharded_layout_that_fits(tmp_path):
-    budget = 1200  # DDP needs ~1.6 GB of model state per rank for 100M parameters (Adam, fp32)
-    ddp = predict(compose_config([*GPT_100M, "parallel=ddp"]), 4)
-    assert ddp["total_bytes"] > budget * MB
+    # DDP needs ~1.6 GB of model state per rank for 100M parameters (Adam, fp32), ~2.5 GB at its peak
+    # with the process (~0.65 GB on CPU); sharded layouts peak near 1.3 GB
+    budget = 1500
+    from framework.plan.profile import machine_profile
+
+    ddp_cfg = compose_config([*GPT_100M, "parallel=ddp"])
+    assert predict(ddp_cfg, 4, machine_profile(ddp_cfg, 4, "config"))["peak_bytes"] > budget * MB
     run = train_cli(
         [*GPT_100M, *LINK, "parallel=auto", f"plan.memory_budget_mb={budget}", "launch.nproc_per_node=4", "steps=1"],
         tmp_path,
@@ -34,9 +38,10 @@ def test_auto_under_a_budget_below_ddp_picks_a_sharded_layout_that_fits(tmp_path
     summary = read_summary(tmp_path)
     auto = summary["plan"]["auto"]
     assert auto["layout"] != "ddp" and summary["choices"]["parallel"] != "ddp"
-    assert "fit 1200 MB per rank" in auto["why"] and "parallel=auto:" in run.stdout
+    assert "fit 1500 MB per rank" in auto["why"] and "parallel=auto:" in run.stdout
     memory = summary["memory"]
     assert memory["param_bytes"] + memory["grad_bytes"] + memory["optim_bytes"] <= budget * MB
+    assert memory["rss_peak_bytes"] <= budget * MB  # the measured peak fits, not only the forecast
     assert_plan_holds(summary, auto["layout"])
 
 
