@@ -5,12 +5,19 @@ torch's elastic launcher, or, when a launcher such as torchrun already started t
 worker (RANK/WORLD_SIZE set), trains directly. See framework/launch.py.
 """
 
-import hydra
+import sys
+
+from framework.runlock import refuse_early
+
+if __name__ == "__main__":
+    refuse_early(sys.argv[1:])  # a live run's folder is refused before seconds of imports
+
+import hydra  # noqa: E402
 from omegaconf import DictConfig
 
-from framework.config import register_configs
-from framework.launch import main as launch_main
-from framework.launch import register_resolvers
+from framework.config import register_configs  # noqa: E402
+from framework.launch import main as launch_main  # noqa: E402
+from framework.launch import register_resolvers  # noqa: E402
 
 register_configs()
 register_resolvers()

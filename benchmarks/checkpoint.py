@@ -28,7 +28,7 @@ import time
 from types import SimpleNamespace
 
 import torch
-from common import ROOT, config, run, table
+from common import ROOT, config, recorded, run, table
 
 COMMON = ["model=gpt", "data=text", "model.n_layer=6", "model.n_embd=512", "model.n_head=8", "data.seq_len=64",
           "data.batch_size=8", "steps=30", "metrics.sample_every=0", "parallel=ddp"]  # fmt: skip
@@ -78,7 +78,7 @@ def _verify_worker(out: str) -> dict[str, list[float]] | None:
     info = init_distributed("cpu", "gloo", timeout_s=600)
     try:
         cfg = OmegaConf.create(config([*COMMON, "launch.nproc_per_node=2"]))
-        setup = build(cfg, info, out)
+        setup = build(cfg, info)
         model, optimizer = setup.par.module, setup.optimizer
         for p in model.parameters():  # AdamW state without a training step
             p.grad = torch.zeros_like(p)
@@ -164,5 +164,6 @@ def write_verify_result() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["verify"]:
-        main()
+        with recorded("checkpoint"):
+            main()
     write_verify_result()

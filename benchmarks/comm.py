@@ -9,7 +9,7 @@ algorithms. `ring bound` is the ring all-reduce's 2(N-1)/N x the gradient payloa
 
 from __future__ import annotations
 
-from common import run, table
+from common import recorded, run, table
 
 COMMON = ["experiment=smoke", "model.n_layer=4", "model.n_embd=128", "model.n_head=4", "data.seq_len=64",
           "data.batch_size=8", "steps=12", "metrics.sample_every=5"]  # fmt: skip
@@ -52,4 +52,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("comm"):
+        main()

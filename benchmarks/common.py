@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,5 +60,31 @@ def write_result(name: str, command: str, header: str, text: str) -> Path:
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
     )
-    out.write_text(f"# {name}\n\n`{command}`\n\nMachine: {machine}\n\n{header}\n\n{text}\n")
+    parts = [f"# {name}", f"`{command}`", f"Machine: {machine}", header, text]
+    out.write_text("\n\n".join(part for part in parts if part) + "\n")
     return out
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams: TextIO):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+@contextmanager
+def recorded(name: str) -> Iterator[None]:
+    """What the benchmark prints inside goes to the console and to docs/results/<name>.md, under
+    the command that ran it (this invocation) and the machine (write_result)."""
+    buffer = io.StringIO()
+    with redirect_stdout(_Tee(sys.stdout, buffer)):
+        yield
+    command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    print(f"written: {write_result(name, command, '', buffer.getvalue().strip())}")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import run, table
+from common import recorded, run, table
 
 
 def loader_table() -> None:
@@ -80,5 +80,6 @@ def varlen_table() -> None:
 
 
 if __name__ == "__main__":
-    loader_table()
-    varlen_table()
+    with recorded("data"):
+        loader_table()
+        varlen_table()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import ROOT, on_cpu, run, table
+from common import ROOT, on_cpu, recorded, run, table
 
 from framework.memory import peak_rss_of
 
@@ -132,10 +132,9 @@ def rss_table() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["rss"]:
+    with recorded("memory_rss" if sys.argv[1:] == ["rss"] else "memory"):
         rss_table()
-        sys.exit()
-    rss_table()
-    model_state_table()
-    activation_table()
-    measuring_cost_table()
+        if sys.argv[1:] != ["rss"]:
+            model_state_table()
+            activation_table()
+            measuring_cost_table()

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import table, write_result  # noqa: E402
+from common import recorded, table, write_result  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 128, "batch_size": 8}  # train.py's default gpt job
 WORLD = 2
@@ -153,4 +153,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("overhead"):
+        main()

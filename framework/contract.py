@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 TASKS = ("lm", "classify")
 # colwise/rowwise: a linear split by output/input features; output: the LM head (colwise over the
@@ -95,6 +97,22 @@ def factory_kwargs(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_cfg.items() if k not in RESERVED_KEYS}
 
 
+class _SkipNormalOnMeta(TorchFunctionMode):
+    """On the meta device an initialiser computes nothing, but torch's meta `normal_` runs through
+    its Python reference, whose first call imports torch._dynamo: seconds of start-up in every
+    process that builds on meta (the launcher's validation, each worker). Skipped; the weights are
+    initialised when the model is materialised."""
+
+    INITS = (torch.Tensor.normal_, nn.init.normal_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor")
+        if func in self.INITS and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **kwargs)
+
+
 def build_model(model_cfg: Any, device: torch.device | str = "meta") -> nn.Module:
     """Instantiate ``model._target_`` with its keyword arguments (Hydra's instantiate: nested
     ``_target_`` and ``_partial_`` work) under ``device``."""
@@ -102,7 +120,8 @@ def build_model(model_cfg: Any, device: torch.device | str = "meta") -> nn.Modul
     from omegaconf import OmegaConf
 
     node = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
-    with torch.device(device):
+    skip = _SkipNormalOnMeta() if torch.device(device).type == "meta" else nullcontext()
+    with torch.device(device), skip:
         return instantiate(factory_kwargs(node), _convert_="all")
 
 

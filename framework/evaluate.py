@@ -69,17 +69,18 @@ def load_model(path: str, module) -> None:
 
 def evaluate_rank(config: dict[str, Any], path: str, whole_file: bool) -> dict[str, Any]:
     """One rank: build the model as the run did, load the checkpoint's weights, evaluate."""
+    from framework.build import build
     from framework.config import resolve_backend, resolve_device
     from framework.data import build_dataset
     from framework.dist import destroy_distributed, init_distributed
     from framework.evaluation import build_eval_data, evaluate
-    from framework.trainer import build
+    from framework.parallel.dims import Strategy
 
     cfg = OmegaConf.create(config)
-    backend = None if cfg.parallel.name in ("none", "dp") else resolve_backend(cfg)
+    backend = resolve_backend(cfg) if Strategy.of(cfg.parallel).needs_backend else None
     info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
     try:
-        setup = build(cfg, info, os.path.dirname(path))
+        setup = build(cfg, info)
         load_model(path, setup.par.module)
         dataset = build_dataset(cfg.data, cfg.seed, setup.task, "train") if whole_file else None
         result = evaluate(setup, build_eval_data(cfg, setup, info.device, dataset), info, cfg.eval.steps)

@@ -29,7 +29,7 @@ from framework.data import build_dataset, to_device
 from framework.data.images import DeviceAugment
 from framework.dist import DistInfo, all_reduce_sum
 from framework.loss import IGNORE_INDEX, cross_entropy
-from framework.step import Setup
+from framework.step import Parts, Resumed
 from framework.tracking import Tracker
 
 
@@ -67,7 +67,7 @@ class EvalData:
             yield inputs, target
 
 
-def build_eval_data(cfg: DictConfig, setup: Setup, device: torch.device, dataset: Dataset | None = None) -> EvalData:
+def build_eval_data(cfg: DictConfig, setup: Parts, device: torch.device, dataset: Dataset | None = None) -> EvalData:
     """The validation split (or `dataset`) read by this rank. A pipeline runs the whole local batch
     of a step (accumulation_steps x batch_size) through its schedule, so it evaluates in those."""
     par = setup.par
@@ -80,7 +80,7 @@ def build_eval_data(cfg: DictConfig, setup: Setup, device: torch.device, dataset
     return EvalData(dataset, loader, repeats, transform)
 
 
-def _forward(setup: Setup, inputs: tuple, target: torch.Tensor) -> torch.Tensor | None:
+def _forward(setup: Parts, inputs: tuple, target: torch.Tensor) -> torch.Tensor | None:
     """Logits of a batch (None on pipeline ranks without the last stage). A pipeline goes
     through its schedule's forward-only path; DDP's wrapper is skipped (no gradients to sync)."""
     par = setup.par
@@ -114,7 +114,7 @@ def _no_local_gradient_handover(schedule):
 
 
 @torch.no_grad()
-def evaluate(setup: Setup, val: EvalData, info: DistInfo, max_batches: int = -1) -> dict[str, float]:
+def evaluate(setup: Parts, val: EvalData, info: DistInfo, max_batches: int = -1) -> dict[str, float]:
     """The loss over this split (all ranks together), perplexity (lm) or accuracy (classify), the
     number of loss terms and the seconds it took. Collective: every rank calls it."""
     t0 = time.perf_counter()
@@ -161,7 +161,8 @@ class Evaluator:
 
     cfg: DictConfig
     info: DistInfo
-    setup: Setup
+    parts: Parts
+    resumed: Resumed
     save_best: Callable[[int], None] | None = None  # checkpoint.monitor: save after step `done`
     val: EvalData | None = None
     best_loss: float = math.inf
@@ -170,17 +171,19 @@ class Evaluator:
     stopped_at: int | None = None  # eval.patience: the step the run stopped after
     history: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0
+    state: dict = field(default_factory=dict)  # best val_loss and its step, evaluations since (checkpointed)
 
     def __post_init__(self):
-        e, state = self.cfg.eval, self.setup.eval_state
+        e, state = self.cfg.eval, self.resumed.eval_state
+        self.state = state
         if state:  # resumed: the best evaluation before the checkpoint
             self.best_loss, self.best_step, self.stale = state["best_loss"], state["best_step"], state["stale"]
         if e.every > 0 or e.at_start:
-            self.val = build_eval_data(self.cfg, self.setup, self.info.device)
+            self.val = build_eval_data(self.cfg, self.parts, self.info.device)
 
     def run(self, done: int) -> dict[str, float]:
         """Evaluate after `done` optimizer steps; returns the metrics.jsonl fields."""
-        result = evaluate(self.setup, self.val, self.info, self.cfg.eval.steps)
+        result = evaluate(self.parts, self.val, self.info, self.cfg.eval.steps)
         self.seconds += result["seconds"]
         figures = {k: v for k, v in result.items() if k in ("loss", "perplexity", "accuracy")}
         self.history.append({"step": done, **figures, "terms": result["terms"]})
@@ -189,7 +192,7 @@ class Evaluator:
     def at_start(self, tracker: Tracker) -> None:
         """eval.at_start: the initial weights, logged as step 0 to W&B/TensorBoard (metrics.jsonl
         has lines of optimizer steps only) and in summary.eval.history; not a best checkpoint."""
-        if self.val is not None and self.cfg.eval.at_start and self.setup.start_step == 0:
+        if self.val is not None and self.cfg.eval.at_start and self.resumed.step == 0:
             tracker.log(tracker_names(self.run(0)), step=0)
 
     def after_step(self, done: int) -> dict[str, float] | None:
@@ -204,7 +207,7 @@ class Evaluator:
         self.best_loss, self.best_step = (loss, done) if improved else (self.best_loss, self.best_step)
         self.stale = 0 if improved else self.stale + 1
         # checkpointed with the run (a resumed run goes on from its best, not from scratch)
-        self.setup.eval_state = {"best_loss": self.best_loss, "best_step": self.best_step, "stale": self.stale}
+        self.state = {"best_loss": self.best_loss, "best_step": self.best_step, "stale": self.stale}
         if improved and self.save_best is not None:
             self.save_best(done)
         if self.cfg.eval.patience and self.stale >= self.cfg.eval.patience and done < self.cfg.steps:

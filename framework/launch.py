@@ -12,7 +12,6 @@ Three ways a process reaches ``main``:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -20,6 +19,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -30,7 +30,9 @@ from framework.config import ConfigError, backend_env, resolve_nproc, validate, 
 from framework.config.run_id import register_resolvers  # noqa: F401  (train.py's import)
 from framework.dist import adopt_slurm_env, launched_as_worker, local_launch_config, slurm_task
 from framework.integrity import CheckpointError
+from framework.parallel.dims import Strategy
 from framework.resilience import Preempted, exit_code
+from framework.run_files import Summary, read_summary, write_summary
 from framework.runlock import FolderInUse, RunLock
 
 log = logging.getLogger(__name__)
@@ -74,14 +76,18 @@ def process_start_time() -> float:
 _jobs_started = 0
 
 
+def job_start() -> float:
+    """Where summary.startup_s counts from: the process start for its first job, else this job's
+    start (a sweep's later jobs). Passed to the workers with the config."""
+    global _jobs_started
+    _jobs_started += 1
+    return process_start_time() if _jobs_started == 1 else time.time()
+
+
 def main(cfg: DictConfig) -> float | None:
     """Hydra task function. Returns the figure a sweeper optimises (`optimize`: tokens/s by
     default), NaN for a failed run (a search scores it as a failed trial), None on ranks > 0."""
-    # summary.startup_s counts from here: the process start for its first job, else this job's
-    # start (a sweep's later jobs); local workers inherit it
-    global _jobs_started
-    os.environ["HYDRADIST_START"] = str(process_start_time() if _jobs_started == 0 else time.time())
-    _jobs_started += 1
+    started = job_start()
     if slurm_task():
         adopt_slurm_env(cfg.launch.master_port)  # srun started this process as one rank
     hydra_cfg = HydraConfig.get()
@@ -90,54 +96,26 @@ def main(cfg: DictConfig) -> float | None:
     # a group's choice: its `name`, else what Hydra picked (a user's own model/<name>.yaml may have none)
     choices = {g: cfg[g].get("name") or hydra_cfg.runtime.choices.get(g) for g in GROUPS}
     choices["experiment"] = hydra_cfg.runtime.choices.get("experiment")
-
-    if sweeping and cfg.sweep.skip_done:
-        done = finished_summary(run_dir)
-        if done is not None:
-            print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
-            return objective(done, cfg.optimize)
+    if sweeping and cfg.sweep.skip_done and (done := finished_summary(run_dir)) is not None:
+        print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
+        return objective(done.to_dict(), cfg.optimize)
     try:
         lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/runlock.py)
-        if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
-            from framework.plan import resolve_auto
-
-            # ranks a launcher started decide from the config alone: every rank picks alike
-            resolve_auto(cfg, world_size_of(cfg), "config" if launched_as_worker() else "probe")
-            choices["parallel"] = cfg.parallel.name
-            if int(os.environ.get("RANK", 0)) == 0:
-                print(f"parallel=auto: {cfg.plan.auto.layout} ({' '.join(cfg.plan.auto.overrides)}): "
-                      f"{cfg.plan.auto.why}", flush=True)  # fmt: skip
-        validate(cfg)
-        check_best_exists(cfg, run_dir)
-        if launched_as_worker() and cfg.parallel.name == "none" and int(os.environ["WORLD_SIZE"]) != 1:
-            raise ConfigError(
-                "parallel",
-                f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
-            )
+        admit(cfg, run_dir, choices)
     except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
         if not sweeping:
             sys.exit(2)
         if isinstance(err, ConfigError):  # one bad job of a sweep: recorded as failed, the others still run
             lock.release()
-            write_failed_summary(run_dir, f"ConfigError: {err}", choices)
+            write_summary(run_dir, Summary.failed(f"ConfigError: {err}", choices))
         return failed_job(hydra_cfg, err)
-
-    config = OmegaConf.to_container(cfg, resolve=True)
-    if sweeping:
-        # the W&B runs of one sweep share a group (the sweep directory's name); each is named by
-        # the overrides that set it apart
-        config["logger"]["group"] = config["logger"]["group"] or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
-        config["logger"]["run_name"] = hydra_cfg.job.override_dirname or None
-
+    config, job = worker_config(cfg, hydra_cfg, sweeping), Job(run_dir, choices, started)
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them. They are part of the config, so the run's config dump and W&B record them.
     export_backend_env(backend_env(cfg.backend))
     try:
-        if launched_as_worker() or cfg.parallel.name == "none":
-            summary = train_here(config, run_dir, choices)
-        else:
-            summary = launch_local_workers(config, run_dir, choices, resolve_nproc(cfg))
+        summary = start(config, job)
     except Preempted as stop:  # saved; a sweep stops here too (rerun it with sweep.skip_done=true)
         if int(os.environ.get("RANK", 0)) == 0:
             print(resume_hint(stop, run_dir, sweeping, hydra_cfg.overrides.task), file=sys.stderr, flush=True)
@@ -154,6 +132,57 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         lock.release()
     return None if summary is None else objective(summary, cfg.optimize)
+
+
+def admit(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> None:
+    """Everything a run is checked for before any worker starts (the planner first, under
+    parallel=auto); a ConfigError names the key."""
+    if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
+        from framework.plan import resolve_auto
+
+        # ranks a launcher started decide from the config alone: every rank picks alike
+        resolve_auto(cfg, world_size_of(cfg), "config" if launched_as_worker() else "probe")
+        choices["parallel"] = cfg.parallel.name
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"parallel=auto: {cfg.plan.auto.layout} ({' '.join(cfg.plan.auto.overrides)}): "
+                  f"{cfg.plan.auto.why}", flush=True)  # fmt: skip
+    validate(cfg)
+    check_best_exists(cfg, run_dir)
+    if launched_as_worker() and Strategy.of(cfg.parallel).one_process and int(os.environ["WORLD_SIZE"]) != 1:
+        raise ConfigError(
+            "parallel",
+            f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
+        )
+
+
+def worker_config(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> DictConfig:
+    """The config every rank runs with, in the one form it keeps from here on: resolved (the
+    workers have no Hydra context to resolve `${hydra:...}` in) and in struct mode (a misspelt key
+    read anywhere below is an error, not None)."""
+    config = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if sweeping:
+        # the W&B runs of one sweep share a group (the sweep directory's name); each is named by
+        # the overrides that set it apart
+        config.logger.group = config.logger.group or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
+        config.logger.run_name = hydra_cfg.job.override_dirname or None
+    OmegaConf.set_struct(config, True)
+    return config
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank of a job is told besides its config."""
+
+    run_dir: str
+    choices: dict[str, str]  # the chosen name of each group, for the summary and W&B
+    started: float  # when this job started (job_start), for summary.startup_s
+
+
+def start(config: DictConfig, job: Job) -> dict[str, Any] | None:
+    """Train here (already a worker, or parallel=none) or start the local workers."""
+    if launched_as_worker() or Strategy.of(config.parallel).one_process:
+        return train_here(config, job)
+    return launch_local_workers(config, job, resolve_nproc(config))
 
 
 def job_id() -> str:
@@ -229,25 +258,13 @@ def check_best_exists(cfg: DictConfig, run_dir: str) -> None:
             )
 
 
-def finished_summary(run_dir: str) -> dict[str, Any] | None:
+def finished_summary(run_dir: str) -> Summary | None:
     """The summary of a run that already finished ok in `run_dir`, else None."""
-    try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            summary = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-    return summary if summary.get("status") == "ok" else None
+    summary = read_summary(run_dir)
+    return summary if summary is not None and summary.status == "ok" else None
 
 
-def write_failed_summary(run_dir: str, error: str, choices: dict[str, str]) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump({"status": "failed", "error": error, "choices": choices}, f, indent=2)
-
-
-def launch_local_workers(
-    config: dict[str, Any], run_dir: str, choices: dict[str, str], nproc: int
-) -> dict[str, Any] | None:
+def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, Any] | None:
     """Start `nproc` workers on this machine with torch's elastic agent and wait for them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -256,12 +273,10 @@ def launch_local_workers(
     for name in list(logging.Logger.manager.loggerDict):  # each elastic module's logger sets its own level
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, once
-    launch = config["launch"]
-    launch_config = local_launch_config(
-        nproc, launch["max_restarts"], launch["monitor_interval_s"], launch["start_method"]
-    )
+    launch, run_dir = config.launch, job.run_dir
+    launch_config = local_launch_config(nproc, launch.max_restarts, launch.monitor_interval_s, launch.start_method)
     try:
-        results = elastic_launch(launch_config, spawned_worker)(config, run_dir, choices)
+        results = elastic_launch(launch_config, spawned_worker)(config, job)
     except SignalException as err:  # this process got the signal; the agent passed it to the workers
         raise preempted(run_dir, err.sigval) from None
     except ChildFailedError as err:
@@ -270,7 +285,8 @@ def launch_local_workers(
             raise preempted(run_dir, max(codes) - 128) from None
         errors = [f"worker rank {rank} failed (exit code {failure.exitcode}): {_failure_message(failure)}"
                   for rank, failure in sorted(err.failures.items())]  # fmt: skip
-        cause = _summary(run_dir).get("error")  # the first failing rank's own error (others may exit first)
+        recorded = read_summary(run_dir)
+        cause = recorded.error if recorded else None  # the first failing rank's own error (others may exit first)
         if cause and cause.startswith(f"{CheckpointError.__name__}: "):  # one line says it all
             print(f"error: {cause.split(': ', 1)[1]}", file=sys.stderr)
             raise RunFailed(cause) from None
@@ -286,19 +302,11 @@ def launch_local_workers(
 def preempted(run_dir: str, signum: int) -> Preempted:
     """The preemption the workers recorded in summary.json (they saved a checkpoint); if they
     could not, the run still stops with the signal's exit code."""
-    summary = _summary(run_dir)
-    if summary.get("status") != "preempted":
+    summary = read_summary(run_dir)
+    if summary is None or summary.status != "preempted":
         print(f"error: stopped by {signal.Signals(signum).name} before a checkpoint was saved", file=sys.stderr)
         sys.exit(exit_code(signum))
-    return Preempted(signal.Signals[summary["signal"]], summary["step"], summary["checkpoint"])
-
-
-def _summary(run_dir: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
+    return Preempted(signal.Signals[summary.signal], summary.step, summary.checkpoint)
 
 
 def _failure_message(failure: Any) -> str:
@@ -308,35 +316,33 @@ def _failure_message(failure: Any) -> str:
     return str(failure.message or "no error file; see the worker's output above")
 
 
-def train_here(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+def train_here(config: DictConfig, job: Job) -> dict[str, Any] | None:
     """Train in this process (parallel=none; one rank of torchrun or srun). A checkpoint that
     does not verify, or a failed save, is one line (rank 0's; every rank has the same)."""
     try:
-        return worker_main(config, run_dir, choices)
+        return worker_main(config, job)
     except CheckpointError as err:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {err}", file=sys.stderr)
         raise RunFailed(str(err)) from None
 
 
-def spawned_worker(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+def spawned_worker(config: DictConfig, job: Job) -> dict[str, Any] | None:
     """The entrypoint of a worker the local launcher starts: a preempted worker exits with the
     signal's code (no traceback); the launcher reads the rest from summary.json."""
     try:
-        return worker_main(config, run_dir, choices)
+        return worker_main(config, job)
     except Preempted as stop:
         sys.exit(exit_code(stop.signum))
     except CheckpointError:
         sys.exit(1)  # the launcher prints its one line
 
 
-def worker_main(config: dict[str, Any], run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
+def worker_main(config: DictConfig, job: Job) -> dict[str, Any] | None:
     """One rank's whole life (module level, so the elastic launcher can start it by reference)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from framework.trainer import run
 
     # record() writes this rank's exception to the error file the launcher reads back.
-    cfg = OmegaConf.create(config)
-    OmegaConf.set_struct(cfg, True)  # a misspelt key read anywhere below is an error, not None
-    return record(run)(cfg, run_dir, choices)
+    return record(run)(config, job.run_dir, job.choices, job.started)

@@ -16,7 +16,6 @@ evenly: only the window's end is a true time on CUDA.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from framework.data import DataPipeline
 from framework.evaluation import tracker_names
 from framework.metrics import ForwardTimer, mfu
 from framework.run_files import RunFiles
-from framework.step import Setup, StepFigures
+from framework.step import Parts, PendingStep, StepFigures
 from framework.summary import RunStats
 from framework.tracking import Tracker
 
@@ -58,11 +57,12 @@ def syncs_after(cfg: DictConfig, step: int, start: int) -> bool:
 
 @dataclass
 class Entry:
-    figures: StepFigures
+    pending: PendingStep
     step: int  # 0-based
     epoch: int
     work: int  # tokens (samples for fixed-size data) this rank's batches held
     slots: int  # token positions, padding included
+    figures: StepFigures | None = None  # once settled
 
 
 class Ledger:
@@ -72,24 +72,19 @@ class Ledger:
         self.sequence_data = sequence_data  # report tokens (text, varlen)
         self.entries: list[Entry] = []
 
-    def add(self, figures: StepFigures, step: int, step_batches: list, data: DataPipeline) -> None:
-        """A step just run; `figures.applied` is optimizer_step's answer (a device bool under amp)."""
-        if isinstance(figures.applied, torch.Tensor):
-            figures.pending[6:7].copy_(figures.applied.reshape(1))
-        elif not figures.applied:
-            figures.pending[6:7].zero_()
+    def add(self, pending: PendingStep, step: int, step_batches: list, data: DataPipeline) -> None:
+        """A step just run."""
         work = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches)
         slots = sum(data.slots_in(b) or 0 for _, b in step_batches)
-        self.entries.append(Entry(figures, step, step_batches[-1][0], work, slots))
+        self.entries.append(Entry(pending, step, step_batches[-1][0], work, slots))
 
     def settle(self) -> list[Entry]:
         """Read every waiting step's figures in one host sync; the entries, oldest first."""
         entries, self.entries = self.entries, []
-        values = torch.stack([e.figures.pending for e in entries]).tolist()  # the sync
-        window = sum(e.figures.seconds for e in entries)
+        values = torch.stack([e.pending.values for e in entries]).tolist()  # the sync
+        seconds = sum(e.pending.seconds for e in entries) / len(entries)  # the window, shared evenly
         for entry, row in zip(entries, values, strict=True):
-            entry.figures.settle(row, self.sequence_data)
-            entry.figures.seconds = window / len(entries)
+            entry.figures = StepFigures.settled(entry.pending, row, seconds, self.sequence_data)
         return entries
 
 
@@ -101,7 +96,8 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
         figures = entry.figures
         if stats.first_step_s is None:
             stats.first_step_s = figures.seconds
-            stats.startup_s = time.time() - float(os.environ.get("HYDRADIST_START", time.time()))
+            # from the process start launch passed (none given, as under run_configs: 0)
+            stats.startup_s = time.time() - (stats.started if stats.started is not None else time.time())
         stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
         stats.losses.append(figures.loss)
         stats.skipped_steps += not figures.applied
@@ -111,7 +107,7 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
             stats.forward_s.append(forward_s)
 
 
-def log_step(entry: Entry, stats: RunStats, setup: Setup, peak: float | None, files: RunFiles,
+def log_step(entry: Entry, stats: RunStats, parts: Parts, peak: float | None, files: RunFiles,
              tracker: Tracker) -> None:  # fmt: skip
     """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
     figures, step = entry.figures, entry.step
@@ -120,12 +116,12 @@ def log_step(entry: Entry, stats: RunStats, setup: Setup, peak: float | None, fi
     record = {
         "step": step + 1,
         "loss": figures.loss,
-        "lr": setup.scheduler.get_last_lr()[0],
+        "lr": parts.scheduler.get_last_lr()[0],
         "grad_norm": figures.grad_norm,
         "step_time_s": seconds,
         "samples_per_s": figures.samples / seconds,
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu(setup.flops.model, tokens_per_s, peak, setup.flops.devices),
+        "mfu": mfu(parts.flops.model, tokens_per_s, peak, parts.flops.devices),
         "epoch": entry.epoch,
         "loss_scale": figures.loss_scale,
         "skipped": not figures.applied,  # non-finite gradients: the update was not applied

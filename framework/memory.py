@@ -211,11 +211,11 @@ def set_host_allocator(policy: str) -> bool:
     from the heaps, which return their free top to the system when it passes the trim threshold.
     - `lean`: blocks of 1 MiB and more get their own mapping, returned when freed. FSDP frees
       each unit's gathered parameters and reduce-scatter buffers all step long; from the heaps
-      that space would stay in the process (about 350 MB more RSS on a 100M gpt at 4 ranks).
+      that space would stay in the process (docs/host_allocator.md; docs/results/memory_rss.md).
     - `steady`: blocks up to 32 MiB come from the heaps, which keep up to 512 MiB of free top.
       A steady step allocates the same sizes every step: they are served again without the
-      system trimming them and the next forward faulting them back in (with glibc's adaptive
-      thresholds, a forward of the default gpt took 17 ms instead of 13 about one run in two).
+      system trimming them and the next forward faulting them back in (under glibc's adaptive
+      thresholds a steady step's forward slows when a trim lands between steps).
     - `glibc`: leave glibc's adaptive defaults.
     Returns whether a policy was applied."""
     libc = _libc()

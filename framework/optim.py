@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -42,5 +43,29 @@ def lr_factor(step: int, cfg: DictConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """Warm-up and cosine over `schedule_steps`. The length is an attribute, so it travels in the
+    scheduler's state_dict: a resumed run keeps the length it started with even when `steps` is
+    raised, and the LR does not jump."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: DictConfig, schedule_steps: int):
+        self.schedule_steps = schedule_steps
+        super().__init__(optimizer, lambda step: lr_factor(step, cfg, self.schedule_steps))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, total_steps: int) -> Schedule:
+    """The schedule spans `optim.schedule_steps`, else the run's `steps`."""
+    return Schedule(optimizer, cfg, cfg.get("schedule_steps") or total_steps)
+
+
+def resumed_schedule(scheduler: Any, cfg: DictConfig, steps: int) -> str | None:
+    """After loading a checkpoint's schedule: `optim.schedule_steps` re-plans it; otherwise it
+    keeps the length it was saved with. Returns the one line to print when that length is not
+    this run's `steps`, else None."""
+    saved = getattr(scheduler, "schedule_steps", None) or steps  # checkpoints before this key: steps
+    wanted = cfg.get("schedule_steps") or saved
+    scheduler.schedule_steps = wanted
+    if wanted == steps:
+        return None
+    how = "set by optim.schedule_steps" if cfg.get("schedule_steps") else "as saved; optim.schedule_steps=N re-plans it"
+    return f"steps={steps}: the LR schedule spans {wanted} steps ({how})"

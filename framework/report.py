@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from framework.plotting import curves
+from framework.plotting import MB, plot, speed
+from framework.run_files import SUMMARY_FILE, read_summary
 
-MB = 1e6
-MEMORY_KINDS = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes")
 CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
 
 
@@ -64,14 +63,12 @@ def find_runs(root: Path) -> list[Run]:
     """Every run directory under `root` (one that has a summary.json), in a stable order: job
     numbers numerically, then names."""
     runs = []
-    for summary_path in root.rglob("summary.json"):
+    for summary_path in root.rglob(SUMMARY_FILE):
         if "wandb" in summary_path.parts:
             continue
         run_dir = summary_path.parent
-        try:
-            summary = json.loads(summary_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            summary = {"status": "failed", "error": f"unreadable summary.json: {err}"}
+        found = read_summary(run_dir)
+        summary = found.to_dict() if found else {"status": "failed", "error": "unreadable summary.json"}
         runs.append(Run(run_dir, str(run_dir.relative_to(root)) or ".", summary, _overrides(run_dir), _losses(run_dir)))
 
     def order(run: Run) -> tuple:
@@ -166,12 +163,6 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def speed(run: Run) -> float | None:
-    """The figure that ranks runs by speed: tokens/s for sequence models, else samples/s."""
-    rates = run.summary.get("throughput") or {}
-    return rates.get("tokens_per_s") or rates.get("samples_per_s")
-
-
 def fastest(runs: list[Run]) -> tuple[Run, float | None] | None:
     """The fastest run that finished, and its lead: its speed over the next fastest's."""
     ranked = sorted((r for r in runs if r.ok and speed(r)), key=speed, reverse=True)
@@ -238,67 +229,6 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def plot(runs: list[Run], out_dir: Path) -> list[str]:
-    """The comparison plots as PNGs in `out_dir` (loss, validation loss with eval on, throughput,
-    memory, communication); returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in runs if r.ok]
-    positions = list(range(len(ok)))
-    paths = []
-
-    def bars(ax, values, bottom=None, **kw):
-        ax.bar(positions, values, bottom=bottom, **kw)
-        ax.set_xticks(positions, [r.name for r in ok])
-
-    def save(fig, name: str) -> None:
-        path = out_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(str(path))
-
-    save(curves(plt, runs, [r.losses for r in runs], "Loss"), "loss.png")
-    history = [[(h["step"], h["loss"]) for h in (r.summary.get("eval") or {}).get("history", [])] for r in runs]
-    if any(history):  # runs with eval.every: their validation curves
-        save(curves(plt, runs, history, "Validation loss"), "val_loss.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    unit = "tokens/s" if any((r.summary.get("throughput") or {}).get("tokens_per_s") for r in ok) else "samples/s"
-    bars(ax, [speed(r) or 0 for r in ok], color="tab:blue")
-    ax.set(xlabel="job", ylabel=unit, title=f"Throughput ({unit})")
-    save(fig, "throughput.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = [0.0] * len(ok)
-    for kind in MEMORY_KINDS:
-        values = [((r.summary.get("memory") or {}).get(kind) or 0) / MB for r in ok]
-        bars(ax, values, bottom=bottom, label=kind.removesuffix("_bytes"))
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set(xlabel="job", ylabel="MB per rank", title="Memory per rank")
-    ax.legend(fontsize=7)
-    save(fig, "memory.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ops = sorted({op for r in ok for op in ((r.summary.get("comm") or {}).get("by_op") or {})})
-    bottom = [0.0] * len(ok)
-    for op in ops:
-        values = [(((r.summary.get("comm") or {}).get("by_op") or {}).get(op, {}).get("bytes", 0)) / MB for r in ok]
-        bars(ax, values, bottom=bottom, label=op)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set(xlabel="job", ylabel="payload MB per step", title="Communication by collective")
-    if ops:
-        ax.legend(fontsize=7)
-    save(fig, "comm.png")
-    return paths
 
 
 def write_report(root: str | os.PathLike) -> tuple[Path, list[Run]]:

@@ -68,4 +68,14 @@ def choose(cfg: DictConfig, root: str, info: DistInfo) -> tuple[str | None, floa
             f"checkpoint.resume=auto: none of the {found} checkpoints under {root} verifies (each is named "
             "above); they are left as they are: move them aside to start fresh, or checkpoint.verify=off to load anyway"
         )
+    if info.is_main and resume == "auto":  # a run that meant to continue hears that it does not
+        print(fresh_start_line(root), flush=True)
     return None, time.perf_counter() - t0
+
+
+def fresh_start_line(root: str) -> str:
+    """What `checkpoint.resume=auto` says when the run has no checkpoint yet."""
+    return (
+        f"checkpoint.resume=auto: no checkpoint under {root}; starting fresh "
+        "(to continue a run, pass its folder: hydra.run.dir=<run dir>)"
+    )

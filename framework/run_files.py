@@ -1,15 +1,84 @@
 """A run directory's files, written by rank 0: metrics.jsonl (rewritten from a restart's
-checkpoint on), summary.json (atomically), and where checkpoints go."""
+checkpoint on), summary.json (atomically), and where checkpoints go.
+
+summary.json is the run's one record, whatever its end: a `Summary`, written by `write_summary`
+and read by `read_summary`, here and nowhere else."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+if TYPE_CHECKING:  # types only: framework.report reads summaries without importing torch
+    from omegaconf import DictConfig
 
-from framework.dist import DistInfo
+    from framework.dist import DistInfo
+
+SUMMARY_FILE = "summary.json"
+STATUSES = ("ok", "failed", "preempted", "aborted")
+PREEMPTION_KEYS = ("step", "checkpoint", "signal")
+
+
+@dataclass
+class Summary:
+    """summary.json. Every status has `status` and `choices`; a failed run its `error`; a
+    preempted one where it stopped; a finished one (ok) what it measured (framework.summary), whose
+    keys sit at the top level of the file beside the others."""
+
+    status: str  # one of STATUSES
+    choices: dict[str, Any]  # the chosen name of each config group
+    error: str | None = None  # failed: "ExceptionType: message" of the first failing rank
+    step: int | None = None  # preempted: the optimizer steps done and saved
+    checkpoint: str | None = None  # preempted: the checkpoint holding them
+    signal: str | None = None  # preempted: the signal's name (SIGTERM, ...)
+    figures: dict[str, Any] = field(default_factory=dict)  # ok: world_size, throughput, memory, ...
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"summary status: got {self.status!r}; allowed: {', '.join(STATUSES)}")
+
+    @classmethod
+    def failed(cls, error: BaseException | str, choices: dict[str, Any]) -> Summary:
+        return cls("failed", choices, error=error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object."""
+        out: dict[str, Any] = {"status": self.status}
+        if self.error is not None:
+            out["error"] = self.error
+        out["choices"] = self.choices
+        if self.status == "preempted":
+            out |= {"step": self.step, "checkpoint": self.checkpoint, "signal": self.signal}
+        return out | self.figures
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Summary:
+        rest = dict(data)
+        status, choices, error = rest.pop("status"), rest.pop("choices", None) or {}, rest.pop("error", None)
+        if status == "preempted":  # an ok run's `checkpoint` is a figure (saves, blocking_s)
+            return cls(status, choices, error, *(rest.pop(k, None) for k in PREEMPTION_KEYS), figures=rest)
+        return cls(status, choices, error, figures=rest)
+
+
+def write_summary(run_dir: str, summary: Summary) -> None:
+    """Write summary.json atomically: a reader never sees half a file."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary.to_dict(), f, indent=2)
+    os.replace(tmp, path)
+
+
+def read_summary(run_dir: str | os.PathLike) -> Summary | None:
+    """The run's summary.json; None when there is none, or it is not one (unreadable, no status)."""
+    try:
+        with open(os.path.join(run_dir, SUMMARY_FILE)) as f:
+            return Summary.from_dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def checkpoint_root(cfg: DictConfig, run_dir: str) -> str:
@@ -46,10 +115,7 @@ class RunFiles:
             self._metrics.write(json.dumps(record) + "\n")
             self._metrics.flush()
 
-    def write_summary(self, summary: dict[str, Any], any_rank: bool = False) -> None:
+    def write_summary(self, summary: Summary, any_rank: bool = False) -> None:
+        """Rank 0's (`any_rank`: whichever rank calls: a failing rank that may not be rank 0)."""
         if self.is_main or any_rank:
-            path = os.path.join(self.run_dir, "summary.json")
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(summary, f, indent=2)
-            os.replace(tmp, path)  # never a half-written summary
+            write_summary(self.run_dir, summary)

@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import datetime
@@ -82,6 +83,23 @@ def _live_elsewhere(path: str, holder: dict[str, Any]) -> bool:
     except OSError:
         return False
     return holder.get("host") != socket.gethostname() and age < LEASE_S
+
+
+def refuse_early(argv: list[str]) -> None:
+    """Before the heavy imports (torch, Hydra: seconds on a busy machine): a `python train.py`
+    given `hydra.run.dir=D` whose D a live run on this host holds exits 2 at once, with the
+    holder's line. Only the plain local case; RunLock.acquire stays the authority for the rest
+    (outside launchers' ranks, multirun, a folder chosen by the config)."""
+    if any(k in os.environ for k in ("RANK", "SLURM_PROCID")) or {"-m", "--multirun"} & set(argv):
+        return
+    dirs = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if not dirs:
+        return
+    path = os.path.join(os.path.expanduser(dirs[-1]), LOCK_FILE)
+    holder = _read(path)
+    if holder and holder.get("host") == socket.gethostname() and not _flock_free(path):
+        print(f"error: {FolderInUse(path, holder)}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 class RunLock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -14,10 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 from framework.comm import mean_totals
 from framework.config import backend_env
 from framework.dist import DistInfo, all_gather_object
-from framework.memory import SavedActivationMeter, device_peak_bytes, device_reserved_bytes, peak_rss_bytes
-from framework.metrics import Flops, Throughput, load_balance, mfu
-from framework.parallel import Parallelized
-from framework.peak import PARTS, PeakProbe
+from framework.measurements import Measurements
+from framework.memory import device_peak_bytes, device_reserved_bytes, peak_rss_bytes
+from framework.metrics import Throughput, load_balance, mfu
+from framework.peak import PARTS
+from framework.step import Parts
 from framework.tracking import Tracker
 
 
@@ -37,39 +38,15 @@ class RunStats:
     checkpoint_saves: int = 0
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
     checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
-    skipped_steps: int = 0
-    rss_baseline_bytes: int | None = (
-        None  # after imports and process-group set-up, before the model  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
-    )
+    skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
+    rss_baseline_bytes: int | None = None  # after imports and process-group set-up, before the model
+    started: float | None = None  # when the process started (time.time()), for startup_s; None: unknown
 
 
-def summarize(
-    cfg: DictConfig,
-    info: DistInfo,
-    par: Parallelized,
-    choices: dict[str, str],
-    stats: RunStats,
-    meters: tuple[SavedActivationMeter, PeakProbe],
-    flops: Flops,
-    peak: float | None,
-) -> dict[str, Any]:
-    """The run's summary.json: per-rank figures are the max over ranks (one gather, at the end)."""
-    meter, probe = meters
-    memory_bytes = {**stats.state_bytes, "activation_bytes": meter.peak if stats.state_bytes else None}
-    local = {
-        **memory_bytes,
-        "device_peak_bytes": device_peak_bytes(info.device),
-        "device_reserved_bytes": device_reserved_bytes(info.device),
-        "rss_peak_bytes": peak_rss_bytes(),
-        "rss_baseline_bytes": stats.rss_baseline_bytes,
-        "comm": mean_totals(stats.comm),
-        "work": stats.work,
-        "slots": stats.slots,
-        "forward": stats.forward_s,
-        "startup_s": stats.startup_s,
-    }
-    local["breakdown"] = breakdown(local, probe.parts)
-    everyone = all_gather_object(local, info)
+def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements) -> dict[str, Any]:
+    """The figures of the run's summary.json: per-rank figures are the max over ranks (one gather,
+    at the end)."""
+    everyone = all_gather_object(rank_figures(info, stats, measure), info)
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
     # the peak of the rank whose peak is largest, taken apart
     memory["breakdown"] = max((r["breakdown"] for r in everyone), key=lambda b: b["peak_bytes"] or 0)
@@ -81,11 +58,10 @@ def summarize(
     )
     if cfg.data.get("pack"):  # packed blocks hold no padding: the unused positions are document boundaries
         balance["boundary_waste"] = balance.pop("padding_waste")
+    par, flops, peak = parts.par, parts.flops, measure.peak_flops
     tokens_per_s = rates["tokens_per_s"]
     achieved = flops.model * tokens_per_s / flops.devices / 1e12 if flops.model and tokens_per_s else None
     summary = {
-        "status": "ok",
-        "choices": choices,
         "world_size": info.world_size,
         "parallel_dims": par.mesh.dims.degrees if par.mesh else {"dp": par.dp_size},
         # NCCL_*/GLOO_* knobs as this worker's environment holds them
@@ -116,6 +92,25 @@ def summarize(
     }
     summary["plan"] = plan_check(cfg, info.world_size, summary) if info.is_main else None  # once: rank 0 writes it
     return summary
+
+
+def rank_figures(info: DistInfo, stats: RunStats, measure: Measurements) -> dict[str, Any]:
+    """This rank's part of the summary, to gather."""
+    memory_bytes = {**stats.state_bytes, "activation_bytes": measure.meter.peak if stats.state_bytes else None}
+    local = {
+        **memory_bytes,
+        "device_peak_bytes": device_peak_bytes(info.device),
+        "device_reserved_bytes": device_reserved_bytes(info.device),
+        "rss_peak_bytes": peak_rss_bytes(),
+        "rss_baseline_bytes": stats.rss_baseline_bytes,
+        "comm": mean_totals(stats.comm),
+        "work": stats.work,
+        "slots": stats.slots,
+        "forward": stats.forward_s,
+        "startup_s": stats.startup_s,
+    }
+    local["breakdown"] = breakdown(local, measure.probe.parts)
+    return local
 
 
 def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any]) -> dict[str, Any]:
@@ -164,12 +159,34 @@ MEMORY_KEYS = (
 )
 
 
-def report(summary: dict[str, Any], run_dir: str, tracker: Tracker) -> None:
-    """Rank 0's closing lines: what the run did and where its files are."""
+class Segment(NamedTuple):
+    """What this process trained: a resumed run's closing line reports its own steps, not the
+    whole run's (summary.json keeps the whole run's first_loss)."""
+
+    start_step: int
+    steps: int
+    first_loss: float | None
+
+    @classmethod
+    def of(cls, start_step: int, losses: list[float]) -> Segment:
+        return cls(start_step, len(losses), losses[0] if losses else None)
+
+    def describe(self) -> str:
+        if self.start_step == 0:
+            return f"{self.steps} steps"
+        if self.steps == 0:
+            return f"no steps (resumed at step {self.start_step}, the run's last)"
+        last = self.start_step + self.steps
+        return f"steps {self.start_step + 1}-{last} ({self.steps} this run, resumed from step {self.start_step})"
+
+
+def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tracker) -> None:
+    """Rank 0's closing lines: what this process trained and where the run's files are."""
     rate = summary["throughput"]
     speed = f"{rate['tokens_per_s']:.0f} tokens/s" if rate["tokens_per_s"] else f"{rate['samples_per_s']:.1f} samples/s"
+    first = segment.first_loss if segment.first_loss is not None else summary["first_loss"]
     print(
-        f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+        f"done: {segment.describe()}, loss {first:.4f} -> {summary['final_loss']:.4f}, "
         f"{speed}, {summary['step_time_s'] * 1000:.1f} ms/step on {summary['world_size']} rank(s)\n"
         f"run dir: {run_dir}",
         flush=True,

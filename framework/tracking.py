@@ -53,7 +53,7 @@ class WandbTracker:
             group=cfg.group,
             tags=list(cfg.tags) + [f"{g}={c}" for g, c in choices.items() if c],
             config={**config, "choices": choices},  # the whole resolved config (holds no secrets)
-            settings=wandb.Settings(x_disable_stats=True, console="off"),
+            settings=quiet_settings(wandb, cfg.mode),
         )
 
     @property
@@ -68,6 +68,13 @@ class WandbTracker:
 
     def finish(self, ok: bool) -> None:
         self.run.finish(exit_code=0 if ok else 1)
+
+
+def quiet_settings(wandb: Any, mode: str) -> Any:
+    """W&B prints nothing of its own offline (no history sparklines before `done:`): the run's
+    closing lines name the offline folder and the `wandb sync` command. Online it keeps the
+    essentials (the run's URL)."""
+    return wandb.Settings(x_disable_stats=True, console="off", quiet=True, silent=mode == "offline")
 
 
 class TensorBoardTracker:

@@ -1,37 +1,29 @@
-"""One rank's training run, readable top to bottom: build, loop (accumulate, step, measure, log,
-save), summarise. Every rank runs this; rank-0-only work is marked as such."""
+"""One rank's training run, readable top to bottom: build (framework.build), loop (accumulate,
+step, measure, log, save), summarise. Every rank runs this; rank-0-only work is marked as such."""
 
 from __future__ import annotations
 
 import math
 import os
-import random
 import signal
 import time
-from contextlib import closing, nullcontext
+from contextlib import closing
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from framework import checkpoint
+from framework.build import build, build_measurements, generators, layout, resume
 from framework.checkpoint import Checkpointer, TrainerState
-from framework.comm import CommCounter
 from framework.config import resolve_backend, resolve_device
-from framework.contract import build_model, spec_of
-from framework.data import build_data
-from framework.dist import (
-    DistInfo,
-    destroy_distributed,
-    init_distributed,
-    restart_count,
-)
+from framework.dist import DistInfo, destroy_distributed, init_distributed
 from framework.evaluation import Evaluator
 from framework.integrity import CheckpointError
 from framework.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
+from framework.measurements import Measurements
 from framework.memory import (
-    SavedActivationMeter,
     current_rss_bytes,
     host_allocator,
     model_state_bytes,
@@ -39,56 +31,46 @@ from framework.memory import (
     reset_peaks,
     set_host_allocator,
 )
-from framework.metrics import (
-    ForwardTimer,
-    count_flops,
-    peak_flops,
+from framework.parallel.dims import Strategy
+from framework.resilience import Aborted, Guard, NonFiniteLoss, Preempted, diagnose, inject_fault, is_collective_failure
+from framework.run_files import RunFiles, Summary, checkpoint_root
+from framework.step import (
+    Parts,
+    PendingStep,
+    Resumed,
+    StepFigures,
+    StepInput,
+    forward_backward,
+    optimizer_step,
+    reduce_step_figures,
 )
-from framework.modules import materialize_model
-from framework.optim import build_optimizer, build_scheduler
-from framework.parallel import Parallelized, parallelize
-from framework.peak import PeakProbe
-from framework.precision import build_precision
-from framework.profiling import build_profiler
-from framework.resilience import (
-    Aborted,
-    Guard,
-    NonFiniteLoss,
-    Preempted,
-    diagnose,
-    inject_fault,
-    is_collective_failure,
-)
-from framework.resume import choose as choose_resume
-from framework.run_files import RunFiles, checkpoint_root
-from framework.step import Setup, StepFigures, forward_backward, optimizer_step, reduce_step_figures
-from framework.summary import RunStats, report, summarize
+from framework.summary import RunStats, Segment, report, summarize
 from framework.tracking import Tracker, build_tracker
 
 
-def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
-    """Train as one rank; returns the run summary on rank 0 (None elsewhere). Raises `Preempted`
-    after a signal (the checkpoint is saved); a failure marks the run aborted for every rank."""
-    backend = None if cfg.parallel.name in ("none", "dp") else resolve_backend(cfg)
+def run(cfg: DictConfig, run_dir: str, choices: dict[str, str], started: float | None = None) -> dict[str, Any] | None:
+    """Train as one rank; returns the run summary on rank 0 (None elsewhere). `started`: when the
+    process started (for summary.startup_s). Raises `Preempted` after a signal (the checkpoint is
+    saved); a failure marks the run aborted for every rank."""
+    backend = resolve_backend(cfg) if Strategy.of(cfg.parallel).needs_backend else None
     info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
     files = RunFiles(run_dir, info)
     try:
         with Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
             try:
-                summary = train(cfg, info, files, choices, guard)
+                summary = train(cfg, info, files, choices, guard, started)
             except Preempted as stop:
-                files.write_summary({"status": "preempted", "step": stop.step, "checkpoint": stop.path,
-                                     "signal": signal.Signals(stop.signum).name, "choices": choices})  # fmt: skip
+                files.write_summary(Summary("preempted", choices, step=stop.step, checkpoint=stop.path,
+                                            signal=signal.Signals(stop.signum).name))  # fmt: skip
                 raise
             except Aborted:
                 raise  # the failing rank wrote the summary
             except CheckpointError as err:  # every rank has it (a collective verdict): no abort
-                files.write_summary({"status": "failed", "error": f"CheckpointError: {err}", "choices": choices})
+                files.write_summary(Summary.failed(err, choices))
                 raise
             except BaseException as err:
                 # any failing rank writes it (rank 0 may be the one left waiting), then tells the others
-                files.write_summary({"status": "failed", "error": f"{type(err).__name__}: {err}", "choices": choices},
-                                    any_rank=True)  # fmt: skip
+                files.write_summary(Summary.failed(err, choices), any_rank=True)
                 guard.abort(f"{type(err).__name__}: {err}")
                 raise
         return summary if info.is_main else None
@@ -96,105 +78,8 @@ def run(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any
         destroy_distributed()  # on error paths too
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def build(cfg: DictConfig, info: DistInfo, run_dir: str) -> Setup:
-    # The build order. Process group (already up) -> model, from the same seed on every rank so
-    # replicas start identical -> parallelize (pipeline split, tensor parallel, activation
-    # checkpointing, FSDP/DDP: that order, written once in framework.parallel.parallelize) ->
-    # optimizer (over the final, possibly sharded parameters) -> resume -> data (split over the
-    # data-parallel ranks the strategy defines) -> precision.
-    seed_everything(cfg.seed)
-    meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
-    spec = spec_of(meta, cfg.model)
-    flops = count_flops(meta, spec, cfg, info.world_size)
-    # Models with an init rule (gpt), and pretrained weights, stay on the meta device. Strategies
-    # that shard or split them (FSDP2, tensor parallel, pipeline) allocate and fill only this
-    # rank's part after parallelizing; the others (none, dp, ddp, FSDP1) the whole model before.
-    # Either way the values are the single-process model's (row-seeded: models/init.py). Models
-    # without one are built on the device whole, with their own initialisation.
-    on_meta = spec.on_meta or cfg.model.get("pretrained") is not None
-    late = on_meta and on_mesh(cfg) and not fsdp_v1(cfg)
-    if on_meta:
-        model = meta
-        if not late:
-            materialize_model(model, spec, cfg, info.device)
-    else:
-        seed_everything(cfg.seed)
-        model = build_model(cfg.model, info.device)
-    decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
-    par = parallelize(model, spec, cfg, info)
-    if late:
-        materialize_model(par.module, spec, cfg, info.device)
-    del model, meta  # the plain model object keeps nothing alive beyond what `par` holds
-    optimizer = build_optimizer(par.module, cfg.optim, decay)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
-    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, spec.task)
-    precision = build_precision(cfg.precision, info.device, sharded=fsdp_v1(cfg))
-    setup = Setup(flops, par, optimizer, scheduler, data, precision, spec.task)
-    # the checkpoint to continue from (checkpoint.resume, or the newest after an elastic restart),
-    # verified first: framework/resume.py
-    resume, setup.verify_s = choose_resume(cfg, checkpoint_root(cfg, run_dir), info)
-    if restart_count() > 0 and info.is_main:
-        print(f"restart {restart_count()} of launch.max_restarts={cfg.launch.max_restarts} after a worker failed: "
-              f"continuing from {resume or 'the start (no checkpoint yet)'}", flush=True)  # fmt: skip
-    if resume:
-        t0 = time.perf_counter()
-        resume_from(resume, setup, info)
-        setup.load_s = setup.verify_s + time.perf_counter() - t0
-        if info.is_main:  # a resumed run says so, and from where
-            print(f"resumed from step {setup.start_step} (checkpoint {resume})", flush=True)
-    return setup
-
-
-def on_mesh(cfg: DictConfig) -> bool:
-    """fsdp, tp, pp and hybrid: laid out on a device mesh (framework.parallel)."""
-    return cfg.parallel.name not in ("none", "dp", "ddp")
-
-
-def fsdp_v1(cfg: DictConfig) -> bool:
-    return on_mesh(cfg) and cfg.parallel.version == 1
-
-
-def generators(setup: Setup) -> dict[str, torch.Generator]:
-    """Random generators of this rank beyond the global ones, saved with its RNG state."""
-    augment = setup.data.device_transform
-    return {"augment": augment.generator} if augment is not None else {}
-
-
-def layout(cfg: DictConfig, info: DistInfo, par: Parallelized) -> dict[str, Any]:
-    return {"parallel": cfg.parallel.name, "world_size": info.world_size, "dp_size": par.dp_size}
-
-
-def resume_from(path: str, setup: Setup, info: DistInfo) -> None:
-    """Continue from checkpoint `path`: model and optimizer (resharded to this layout), the LR
-    schedule, the loss scaler, the data position and, on the same layout, every rank's RNG."""
-    state, rng = checkpoint.load(path, setup.par.module, setup.optimizer, info.rank)
-    data = setup.data
-    if state.data["global_batch"] != data.global_batch:
-        raise ValueError(
-            f"checkpoint.resume: {path} was saved reading {state.data['global_batch']!r} per step "
-            f"(parallel={state.layout['parallel']} at {state.layout['world_size']} ranks); this run reads "
-            f"{data.global_batch!r}, so the data position cannot map. Keep the global batch: data.batch_size "
-            "(or max_tokens, rank_batch_sizes) x data-parallel ranks"
-        )
-    setup.scheduler.load_state_dict(state.scheduler)
-    if state.scaler and setup.precision.scaler.is_enabled():
-        setup.precision.scaler.load_state_dict(state.scaler)
-    setup.start_step, setup.data_position = state.step, (state.data["epoch"], state.data["offset"])
-    setup.skipped_steps = state.counters.get("nonfinite_skipped", 0)
-    setup.eval_state = state.counters.get("eval", {})  # the best evaluation so far, for monitor and patience
-    same_ranks = (state.layout["world_size"], state.layout["dp_size"]) == (info.world_size, setup.par.dp_size)
-    if rng is not None and same_ranks:
-        checkpoint.set_rng_state(rng, generators(setup))
-    else:  # another layout: per-rank random streams cannot map; start fresh ones, deterministically
-        seed_everything(hash((state.step, info.rank)) % 2**31)
-
-
-def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str], guard: Guard) -> dict[str, Any]:
+def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str], guard: Guard,
+          started: float | None = None) -> dict[str, Any]:  # fmt: skip
     set_host_allocator(host_allocator(cfg.memory.host_allocator, cfg.parallel.name))
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it anyway: count it in the baseline)
 
@@ -204,179 +89,180 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
     # while the first steps run (on a small machine it competes with them for the cores).
     tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main)
     try:
-        setup = build(cfg, info, files.run_dir)
-        files.truncate_metrics(setup.start_step)  # a restarted run rewrites the steps after its checkpoint
-        setup.rss_baseline_bytes = baseline
-        summary = loop(cfg, info, setup, files, tracker, choices, guard)
+        parts = build(cfg, info)
+        resumed = resume(cfg, info, parts, files.run_dir)
+        files.truncate_metrics(resumed.step)  # a restarted run rewrites the steps after its checkpoint
+        stats = RunStats(losses=list(files.prior_losses), skipped_steps=resumed.skipped_steps,
+                         rss_baseline_bytes=baseline, started=started)  # fmt: skip
+        trainer = Trainer(cfg, info, parts, resumed, stats, files, tracker, guard)
+        summary = trainer.loop(choices)
+        segment = Segment.of(resumed.step, stats.losses[len(files.prior_losses) :])
     except BaseException:
         tracker.finish(ok=False)
         raise
     tracker.summary(summary)
     tracker.finish(ok=True)
     if info.is_main:
-        report(summary, files.run_dir, tracker)
+        report(summary, segment, files.run_dir, tracker)
     return summary
 
 
-def loop(
-    cfg: DictConfig, info: DistInfo, setup: Setup, files: RunFiles, tracker: Tracker, choices: dict, guard: Guard
-) -> dict:
-    par, data, accum = setup.par, setup.data, cfg.accumulation_steps
-    stats = RunStats(losses=list(files.prior_losses), skipped_steps=setup.skipped_steps,
-                     rss_baseline_bytes=setup.rss_baseline_bytes)  # fmt: skip
-    meter = SavedActivationMeter(par.module)
-    probe = PeakProbe(par.module, setup.optimizer, meter, info.device)
-    # this rank's forward time per step: compute with no gradient communication in it (DDP and
-    # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
-    forward_timer = ForwardTimer(info.device)
-    dtype, tf32 = setup.precision.dtype, setup.precision.tf32
-    peak = peak_flops(info.device, cfg.metrics.peak_tflops, dtype, tf32) if setup.flops.model else None
-    profiler = build_profiler(cfg.profile, cfg.profiler, files.run_dir, info.rank, info.device)
-    saver = Checkpointer(checkpoint_root(cfg, files.run_dir), info.rank, cfg.checkpoint)
-    sequence_data = cfg.data.name in ("text", "varlen") or setup.task == "lm"  # report tokens/s
-    evaluator = build_evaluator(cfg, info, setup, stats, saver.root)
-    evaluator.at_start(tracker)
-    batches, ledger = data.batches(*setup.data_position), Ledger(sequence_data)
-    progress = tqdm(  # rank 0 only
-        total=cfg.steps, initial=setup.start_step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
-    )
-    par.module.train()
-    with profiler, closing(saver):
-        for step in range(setup.start_step, cfg.steps):
-            poison = inject_fault(step, info)
-            t0 = time.perf_counter()
-            step_batches = [next(batches) for _ in range(accum)]
-            try:
-                figures = train_step(
-                    cfg, info, setup, stats, step, step_batches, (meter, forward_timer, probe), poison, guard
-                )
-            except RuntimeError as err:
-                if info.distributed and is_collective_failure(err):
-                    raise diagnose(err, guard, step + 1) from None
-                raise
-            figures.seconds = time.perf_counter() - t0  # the host's time: on CUDA the GPU may still run it
-            forward_timer.end_step()
-            ledger.add(figures, step, step_batches, data)
-            if step == setup.start_step:
-                guard.shorten_timeout(cfg.backend.step_timeout_s)
-            progress.update(1)
-            profiler.step()
-            figures.val = evaluator.after_step(step + 1)  # after the step's time is taken: not in throughput
-            if not (syncs_after(cfg, step, setup.start_step) or figures.val):
-                continue  # its figures wait on the device (framework.ledger): no host sync
-            settled = ledger.settle()  # the one host sync of these steps
-            record_steps(stats, settled, par.counts_data, forward_timer)
-            if is_logged(cfg, step) or figures.val:
-                log_step(settled[-1], stats, setup, peak, files, tracker)
-            progress.set_postfix(loss=f"{settled[-1].figures.loss:.4f}", refresh=False)
-            end_of_step(cfg, info, setup, stats, [e.figures for e in settled], step + 1, saver, guard)
-            if evaluator.stop:  # eval.patience: every rank decides alike, after the same step
-                break
-        if saver.pending is not None:  # the last async save: training has ended, but the run waits for it
-            t0 = time.perf_counter()
-            saver.wait()
-            stats.checkpoint_s.append(time.perf_counter() - t0)
-    stats.checkpoint_io = {"verify_s": setup.verify_s, "load_s": setup.load_s, "failed_saves": saver.failed}
-    progress.close()
-    if cfg.checkpoint.export:
-        checkpoint.export(os.path.join(files.run_dir, "model.pt"), par, info.is_main)
+@dataclass
+class Trainer:
+    """One rank's training, its parts named: what it trains (`parts`), from where (`resumed`),
+    what it gathers (`stats`) and measures (`measure`), where it writes (`files`, `tracker`,
+    `saver`), and who tells it to stop (`guard`: signals, a failed peer)."""
 
-    summary = summarize(cfg, info, par, choices, stats, (meter, probe), setup.flops, peak)
-    summary |= {"eval": evaluator.summary(), "stopped_early": evaluator.stopped_at}
-    files.write_summary(summary)  # rank 0 only
-    return summary
+    cfg: DictConfig
+    info: DistInfo
+    parts: Parts
+    resumed: Resumed
+    stats: RunStats
+    files: RunFiles
+    tracker: Tracker
+    guard: Guard
+    measure: Measurements = field(init=False)
+    saver: Checkpointer = field(init=False)
+    evaluator: Evaluator = field(init=False)
 
+    def __post_init__(self):
+        self.measure = build_measurements(self.cfg, self.info, self.parts, self.files.run_dir)
+        self.saver = Checkpointer(checkpoint_root(self.cfg, self.files.run_dir), self.info.rank, self.cfg.checkpoint)
+        self.evaluator = self.build_evaluator()
 
-def train_step(
-    cfg: DictConfig,
-    info: DistInfo,
-    setup: Setup,
-    stats: RunStats,
-    step: int,
-    step_batches: list,
-    timers: tuple[SavedActivationMeter, ForwardTimer, PeakProbe],
-    poison: bool,
-    guard: Guard,
-) -> StepFigures:
-    """One optimizer step: forward and backward over the micro-batches, the update (skipped for
-    non-finite gradients under nonfinite=skip, or by amp's scaler), and the step's figures."""
-    meter, forward_timer, probe = timers
-    # On a few sampled steps, count every collective (forward, backward, clipping, update)
-    # and the bytes saved for backward; both slow the step, so other steps run bare.
-    sampled = is_sampled(step, setup.start_step, cfg.steps, cfg.metrics.sample_every)
-    counter = CommCounter() if sampled else nullcontext()
-    with counter, probe.watch(counter.in_flight) if sampled else nullcontext():
-        step_loss = forward_backward(cfg, info, setup, step_batches, meter if sampled else None, forward_timer, poison)
-        grad_norm, applied = optimizer_step(setup, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")
-    if sampled:
-        # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
-        stats.state_bytes = model_state_bytes(setup.par.module, setup.optimizer, info.device)
-        stats.comm.append(counter.totals())
-    setup.optimizer.zero_grad(set_to_none=True)
-    setup.scheduler.step()
-    if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
-        release_cached_memory(info.device)
-    figures = reduce_step_figures(cfg, info, setup, step_batches, step_loss, grad_norm, guard.requested)
-    figures.sampled, figures.applied = sampled, applied
-    return figures
-
-
-def end_of_step(
-    cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, settled: list[StepFigures], done: int,
-    saver: Checkpointer, guard: Guard,
-) -> None:  # fmt: skip
-    """After step `done`, the last of the steps just settled: stop on a non-finite step among them
-    (nonfinite=stop), save when due, and stop with a checkpoint when any rank got a signal (every
-    rank sees it after the same step)."""
-    for k, figures in enumerate(settled):
-        bad = not math.isfinite(figures.loss) or (
-            not math.isfinite(figures.grad_norm) and not setup.precision.scaler.is_enabled()
+    def loop(self, choices: dict[str, str]) -> dict[str, Any]:
+        cfg, info, parts, stats = self.cfg, self.info, self.parts, self.stats
+        sequence_data = cfg.data.name in ("text", "varlen") or parts.task == "lm"  # report tokens/s
+        self.evaluator.at_start(self.tracker)
+        batches, ledger = parts.data.batches(*self.resumed.data_position), Ledger(sequence_data)
+        progress = tqdm(  # rank 0 only
+            total=cfg.steps, initial=self.resumed.step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
         )
-        if bad and cfg.nonfinite == "stop":
-            raise NonFiniteLoss(
-                f"step {done - len(settled) + 1 + k}: loss {figures.loss}, gradient norm {figures.grad_norm} "
-                "(nonfinite=stop; nonfinite=skip leaves such steps out). Last good checkpoint: "
-                f"{checkpoint.latest(saver.root) or 'none (checkpoint.every=0)'}"
-            )
-    figures = settled[-1]
-    due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
-    if due or figures.preempt:
-        state = trainer_state(cfg, info, setup, stats, done)
+        parts.par.module.train()
+        with self.measure.profiler, closing(self.saver):
+            for step in range(self.resumed.step, cfg.steps):
+                if self.run_step(step, batches, ledger, progress):
+                    break  # eval.patience: every rank decides alike, after the same step
+            if self.saver.pending is not None:  # the last async save: training has ended, but the run waits for it
+                t0 = time.perf_counter()
+                self.saver.wait()
+                stats.checkpoint_s.append(time.perf_counter() - t0)
+        stats.checkpoint_io = {"verify_s": self.resumed.verify_s, "load_s": self.resumed.load_s,
+                               "failed_saves": self.saver.failed}  # fmt: skip
+        progress.close()
+        if cfg.checkpoint.export:
+            checkpoint.export(os.path.join(self.files.run_dir, "model.pt"), parts.par, info.is_main)
+        figures = summarize(cfg, info, parts, stats, self.measure)
+        figures |= {"eval": self.evaluator.summary(), "stopped_early": self.evaluator.stopped_at}
+        summary = Summary("ok", choices, figures=figures)
+        self.files.write_summary(summary)  # rank 0 only
+        return summary.to_dict()
+
+    def run_step(self, step: int, batches: Any, ledger: Ledger, progress: tqdm) -> bool:
+        """Run step `step` (0-based); settle, log and save when due. True: stop (eval.patience)."""
+        cfg, info, start = self.cfg, self.info, self.resumed.step
+        poison = inject_fault(step, info)
         t0 = time.perf_counter()
-        path = saver.save(done, setup.par.module, setup.optimizer, state, generators(setup))
-        stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
-        stats.checkpoint_saves += 1
-    if figures.preempt:
-        if not saver.wait() or path is None:  # on disk before the process exits
-            raise CheckpointError(f"preempted after step {done}; its checkpoint could not be saved (see above)")
-        raise Preempted(guard.signum or signal.SIGTERM, done, path)
+        sampled = is_sampled(step, start, cfg.steps, cfg.metrics.sample_every)
+        work = StepInput([next(batches) for _ in range(cfg.accumulation_steps)], sampled, poison)
+        try:
+            values = self.train_step(step, work)
+        except RuntimeError as err:
+            if info.distributed and is_collective_failure(err):
+                raise diagnose(err, self.guard, step + 1) from None
+            raise
+        seconds = time.perf_counter() - t0  # the host's time: on CUDA the GPU may still run it
+        self.measure.forward_timer.end_step()
+        if step == start:
+            self.guard.shorten_timeout(cfg.backend.step_timeout_s)
+        progress.update(1)
+        self.measure.profiler.step()
+        val = self.evaluator.after_step(step + 1)  # after the step's time is taken: not in throughput
+        ledger.add(PendingStep(values, sampled, seconds, val), step, work.batches, self.parts.data)
+        if not (syncs_after(cfg, step, start) or val):
+            return False  # its figures wait on the device (framework.ledger): no host sync
+        settled = ledger.settle()  # the one host sync of these steps
+        record_steps(self.stats, settled, self.parts.par.counts_data, self.measure.forward_timer)
+        if is_logged(cfg, step) or val:
+            log_step(settled[-1], self.stats, self.parts, self.measure.peak_flops, self.files, self.tracker)
+        progress.set_postfix(loss=f"{settled[-1].figures.loss:.4f}", refresh=False)
+        self.end_of_step([e.figures for e in settled], step + 1)
+        return self.evaluator.stop
 
+    def train_step(self, step: int, work: StepInput):
+        """One optimizer step: forward and backward over the micro-batches, the update (skipped for
+        non-finite gradients under nonfinite=skip, or by amp's scaler); returns the step's figures,
+        waiting on the device (framework.step.reduce_step_figures)."""
+        cfg, info, parts = self.cfg, self.info, self.parts
+        with self.measure.sampled_step(work.sampled) as counter:
+            step_loss = forward_backward(cfg, info, parts, work, self.measure)
+            update = optimizer_step(parts, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")
+        if work.sampled:
+            # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
+            self.stats.state_bytes = model_state_bytes(parts.par.module, parts.optimizer, info.device)
+            self.stats.comm.append(counter.totals())
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.scheduler.step()
+        if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
+            release_cached_memory(info.device)
+        return reduce_step_figures(info, parts, work.batches, step_loss, update, self.guard.requested)
 
-def trainer_state(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, done: int) -> TrainerState:
-    """What a checkpoint after step `done` holds besides the model and optimizer."""
-    return TrainerState(
-        step=done,
-        scheduler=setup.scheduler.state_dict(),
-        scaler=setup.precision.scaler.state_dict(),
-        data=setup.data.position(),
-        layout=layout(cfg, info, setup.par),
-        counters={"nonfinite_skipped": stats.skipped_steps, "eval": setup.eval_state},
-    )
+    def end_of_step(self, settled: list[StepFigures], done: int) -> None:
+        """After step `done`, the last of the steps just settled: stop on a non-finite step among
+        them (nonfinite=stop), save when due, and stop with a checkpoint when any rank got a signal
+        (every rank sees it after the same step)."""
+        cfg, saver = self.cfg, self.saver
+        for k, figures in enumerate(settled):
+            bad = not math.isfinite(figures.loss) or (
+                not math.isfinite(figures.grad_norm) and not self.parts.precision.scaler.is_enabled()
+            )
+            if bad and cfg.nonfinite == "stop":
+                raise NonFiniteLoss(
+                    f"step {done - len(settled) + 1 + k}: loss {figures.loss}, gradient norm {figures.grad_norm} "
+                    "(nonfinite=stop; nonfinite=skip leaves such steps out). Last good checkpoint: "
+                    f"{checkpoint.latest(saver.root) or 'none (checkpoint.every=0)'}"
+                )
+        preempt = settled[-1].preempt
+        due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
+        if due or preempt:
+            t0 = time.perf_counter()
+            path = saver.save(
+                done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts)
+            )
+            self.stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
+            self.stats.checkpoint_saves += 1
+        if preempt:
+            if not saver.wait() or path is None:  # on disk before the process exits
+                raise CheckpointError(f"preempted after step {done}; its checkpoint could not be saved (see above)")
+            raise Preempted(self.guard.signum or signal.SIGTERM, done, path)
 
+    def state(self, done: int) -> TrainerState:
+        """What a checkpoint after step `done` holds besides the model and optimizer."""
+        parts = self.parts
+        return TrainerState(
+            step=done,
+            scheduler=parts.scheduler.state_dict(),
+            scaler=parts.precision.scaler.state_dict(),
+            data=parts.data.position(),
+            layout=layout(self.cfg, self.info, parts.par),
+            counters={"nonfinite_skipped": self.stats.skipped_steps, "eval": self.evaluator.state},
+        )
 
-def build_evaluator(cfg: DictConfig, info: DistInfo, setup: Setup, stats: RunStats, root: str) -> Evaluator:
-    """Evaluation during training (framework.evaluation); with checkpoint.monitor=val_loss it
-    keeps one complete checkpoint of the best evaluation under <checkpoint root>/best. The
-    resolved config goes beside the checkpoints, for `framework.evaluate` and `framework.generate`."""
-    if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):
-        checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
-    if not cfg.checkpoint.monitor:
-        return Evaluator(cfg, info, setup)
-    options = OmegaConf.merge(cfg.checkpoint, {"keep_last": 1, "async_save": False})  # complete before training goes on
-    best = Checkpointer(checkpoint.best_root(root), info.rank, options)
+    def build_evaluator(self) -> Evaluator:
+        """Evaluation during training (framework.evaluation); with checkpoint.monitor=val_loss it
+        keeps one complete checkpoint of the best evaluation under <checkpoint root>/best. The
+        resolved config goes beside the checkpoints, for `framework.evaluate` and `framework.generate`."""
+        cfg, info, root = self.cfg, self.info, self.saver.root
+        if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):
+            checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
+        if not cfg.checkpoint.monitor:
+            return Evaluator(cfg, info, self.parts, self.resumed)
+        options = OmegaConf.merge(
+            cfg.checkpoint, {"keep_last": 1, "async_save": False}
+        )  # complete before training goes on
+        best = Checkpointer(checkpoint.best_root(root), info.rank, options)
 
-    def save_best(done: int) -> None:
-        state = trainer_state(cfg, info, setup, stats, done)
-        best.save(done, setup.par.module, setup.optimizer, state, generators(setup))
+        def save_best(done: int) -> None:
+            best.save(done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts))
 
-    return Evaluator(cfg, info, setup, save_best)
+        return Evaluator(cfg, info, self.parts, self.resumed, save_best)

@@ -17,7 +17,7 @@ class ResNet(nn.Module):
 
     def __init__(self, arch: str = "resnet18", num_classes: int = 10, small_input: bool = True):
         super().__init__()
-        import torchvision  # here, not at import: a gpt run never pays for it (about 1 s and 100 MB)
+        import torchvision  # here, not at import: a gpt run never pays for its start-up time and memory
 
         builder = getattr(torchvision.models, arch)
         net = builder(weights=None, num_classes=num_classes)

@@ -1,6 +1,7 @@
-"""The codebase keeps its shape: small functions and modules, models free of torch.distributed,
-and a layered import graph: no module imports, directly or not, a module that imports it,
-counting imports inside functions and the package `__init__` every import runs first."""
+"""The codebase keeps its shape: small functions and modules, and a layered import graph in
+framework/: no module imports, directly or not, a module that imports it, counting imports
+inside functions and the package `__init__` every import runs first; and every import points
+down the layers of docs' design (a deferred import, for start-up time, may point down only)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,68 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 FRAMEWORK = ROOT / "framework"
+
+MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 350
+MAX_PARAMETERS = 6  # self and cls not counted; a dataclass's generated __init__ is not in the source
+
+# The layers, bottom first: a module may import its own layer's modules and those below.
+# A module's layer is that of the longest prefix listed.
+LAYERS: list[tuple[str, ...]] = [
+    # config's schemas, resolvers and run id; the machine; one-concern modules the parts share
+    (
+        "config.errors",
+        "config.schema",
+        "config.model_schema",
+        "config.resolve",
+        "config.run_id",
+        "machine",
+        "dist",
+        "contract",
+        "loss",
+        "integrity",
+        "datasheet",
+        "plotting",
+        "tracking",
+        "runlock",
+        "precision",
+        "profiling",
+        "modules",
+        "hf",
+        "memory",
+        "comm",
+        "peak",
+        "metrics",
+        "checkpoint_io",
+        "checkpoint",
+        "resilience",
+        "optim",
+        "resume",
+        "export",
+        "measurements",
+    ),  # fmt: skip
+    # the parts, with their own checks (ParallelDims, the data checks); the run folder's files
+    ("parallel", "data", "run_files"),
+    # validation, which asks the parts' checks
+    ("config",),
+    # the planner: a pure function of the config, the model's shapes and the machine
+    ("plan",),
+    # one rank's run
+    ("step", "summary", "evaluation", "ledger", "build", "trainer", "sweep"),
+    # launch and the front doors
+    ("launch", "compose", "evaluate", "generate", "report", "plan.__main__"),
+]
+
+# Edges that point up today in modules other engineers own (issue 24's config part): each is
+# to go when that part lands. Nothing of trainer, launch, parallel, data or summary is here.
+PENDING_UPWARD = {("framework.config.run_id", "framework.data")}
+# Size limits crossed today in modules other engineers own (config/ and plan/, issues 24 and 26).
+PENDING_SIZE = {
+    "framework/config/schema.py",
+    "framework/config/validate.py",
+    "framework/config/validate.py:_check_values",
+    "framework/plan/model.py",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -52,29 +115,65 @@ def import_graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, as the strongly connected components of more than one module (Tarjan),
+    each sorted, the list sorted: no cycle gives []."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
 
-    def visit(node: str, trail: list[str]) -> list[str] | None:
-        state[node] = 1
-        for dep in sorted(graph[node]):
-            if state.get(dep) == 1:
-                path = [*trail, node]
-                return path[path.index(dep) :] + [dep]
-            if dep not in state and (cycle := visit(dep, [*trail, node])):
-                return cycle
-        state[node] = 2
-        return None
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
 
     for name in sorted(graph):
-        if name not in state and (cycle := visit(name, [])):
-            return cycle
-    return None
+        if name not in index:
+            visit(name)
+    return sorted(found)
+
+
+def layer_of(module: str) -> int:
+    short = module.removeprefix("framework.")
+    best = max(
+        ((len(prefix), layer) for layer, prefixes in enumerate(LAYERS) for prefix in prefixes
+         if short == prefix or short.startswith(prefix + ".")),
+        default=None,
+    )  # fmt: skip
+    assert best is not None, f"{module}: in no layer of LAYERS; add it where it belongs"
+    return best[1]
+
+
+def upward_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, deps in graph.items() for b in deps if layer_of(b) > layer_of(a)}
 
 
 def test_framework_import_graph_has_no_cycles():
-    cycle = find_cycle(import_graph())
-    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    found = cycles(import_graph())
+    assert not found, f"{len(found)} import cycle(s): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_every_import_points_down_the_layers():
+    up = upward_edges(import_graph()) - PENDING_UPWARD
+    assert not up, "imports pointing up the layers: " + ", ".join(f"{a} -> {b}" for a, b in sorted(up))
 
 
 def test_the_graph_sees_function_local_imports_and_package_inits():
@@ -84,16 +183,71 @@ def test_the_graph_sees_function_local_imports_and_package_inits():
     assert "framework.config" not in graph["framework.config.validate"]  # its own package: already running
     # importing framework.parallel.pipeline runs framework.parallel's __init__ first
     assert {"framework.parallel", "framework.parallel.pipeline"} <= graph["framework.config.validate"]
-    assert find_cycle({"a": {"b.c"}, "b.c": set(), "b": {"b.d"}, "b.d": {"a"}}) is None  # b.c alone
-    assert find_cycle({"a": {"b", "b.c"}, "b.c": set(), "b": {"b.d"}, "b.d": {"a"}}) == ["a", "b", "b.d", "a"]
+    assert cycles({"a": {"b.c"}, "b.c": set(), "b": {"b.d"}, "b.d": {"a"}}) == []  # b.c alone
+    assert cycles({"a": {"b", "b.c"}, "b.c": set(), "b": {"b.d"}, "b.d": {"a"}}) == [["a", "b", "b.d"]]
+    two = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}}
+    assert cycles(two) == [["a", "b"], ["c", "d", "e"]]  # counted one by one
+    assert layer_of("framework.plan.profile") == layer_of("framework.plan") < layer_of("framework.plan.__main__")
+    assert upward_edges({"framework.dist": {"framework.trainer"}, "framework.trainer": {"framework.dist"}}) == {
+        ("framework.dist", "framework.trainer")
+    }
+
+
+def parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    a = node.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+    return [n for n in names if n not in ("self", "cls")]
+
+
+def functions(tree: ast.AST, prefix: str = ""):
+    """(qualified name, node) of every function, nested ones and methods included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                yield name, node
+            yield from functions(node, name + ".")
+        else:
+            yield from functions(node, prefix)
+
+
+def size_faults(path: Path) -> dict[str, str]:
+    """What in one file crosses the limits: {"file" or "file:qualified.function": why}."""
+    source = path.read_text()
+    where = str(path.relative_to(ROOT))
+    faults = {}
+    if source.count("\n") > MAX_MODULE_LINES:
+        faults[where] = f"{source.count(chr(10))} lines"
+    for name, node in functions(ast.parse(source)):
+        lines, params = node.end_lineno - node.lineno + 1, len(parameters(node))
+        if lines > MAX_FUNCTION_LINES or params > MAX_PARAMETERS:
+            faults[f"{where}:{name}"] = f"line {node.lineno}: {lines} lines, {params} parameters"
+    return faults
 
 
 def test_functions_and_modules_stay_small():
-    too_long = []
-    for path in FRAMEWORK.rglob("*.py"):
-        source = path.read_text()
-        assert source.count("\n") <= 400, f"{path.relative_to(ROOT)}: {source.count(chr(10))} lines"
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80:
-                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
-    assert not too_long, too_long
+    faults = {}
+    for path in sorted(FRAMEWORK.rglob("*.py")):
+        faults |= size_faults(path)
+    over = {k: v for k, v in faults.items() if k not in PENDING_SIZE}
+    assert not over, (
+        f"over {MAX_FUNCTION_LINES} lines, {MAX_PARAMETERS} parameters or a {MAX_MODULE_LINES}-line module: {over}"
+    )
+
+
+def test_the_size_check_counts_what_it_says(tmp_path):
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    source = (
+        "class A:\n    def method(self, a, b, c, d, e, f):\n        pass\n"  # 6, self aside: fine
+        "def many(a, b, c, d, *args, e, **kw):\n    pass\n"  # 7
+        f"def long():\n{long_body}"  # 61 lines
+    )
+    path = ROOT / "framework" / "_shape_probe.py"
+    path.write_text(source)
+    try:
+        faults = size_faults(path)
+    finally:
+        path.unlink()
+    assert set(faults) == {"framework/_shape_probe.py:many", "framework/_shape_probe.py:long"}
+    assert "framework/_shape_probe.py:A.method" not in faults

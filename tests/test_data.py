@@ -7,13 +7,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.data.datasets import PackedSequences, VarlenSequences
+from framework.data.datasets import PackedSequences, VarlenSequences, VarlenShape
 from framework.data.samplers import LengthGroupedBatchSampler, TokenBudgetBatchSampler, WeightedBatchSampler
 from framework.sweep import run_configs
 from models import GPT
 from tests.helpers import losses, run_workers, world_config
 
-LENGTHS = VarlenSequences(1000, 32, 4, 4, 128, 24, seed=0).lengths.tolist()
+LENGTHS = VarlenSequences(VarlenShape(1000, 32, 4, 4, 128, 24), seed=0).lengths.tolist()
 
 
 def samplers(world: int, kind: str):
@@ -70,7 +70,7 @@ def test_packed_gpt_keeps_attention_within_each_sequence():
 
 
 def test_packing_masks_the_loss_at_boundaries():
-    base = VarlenSequences(50, 32, 4, 4, 20, 8, seed=0, task="lm")
+    base = VarlenSequences(VarlenShape(50, 32, 4, 4, 20, 8), seed=0, task="lm")
     packed = PackedSequences(base, block_len=32, seed=0)
     (tokens, docs), target = packed[0]
     boundary = torch.nonzero(docs[1:] != docs[:-1]).flatten()
@@ -157,15 +157,19 @@ def _token_budget_step(rank: int, world: int):
 
     from framework.dist import DistInfo, all_gather_object
     from framework.loss import IGNORE_INDEX, cross_entropy
+    from framework.measurements import Measurements
     from framework.metrics import ForwardTimer
-    from framework.step import forward_backward
+    from framework.step import StepInput, forward_backward
     from framework.trainer import build
 
     cfg = OmegaConf.create(config(["model=gpt", "data=varlen", "data.sampler=token_budget", "data.max_tokens=512"], 2))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
-    setup = build(cfg, info, "/nonexistent")
+    setup = build(cfg, info)
     step_batches = [next(setup.data.batches())]
-    forward_backward(cfg, info, setup, step_batches, None, ForwardTimer(info.device))
+    timer = Measurements(
+        meter=None, probe=None, forward_timer=ForwardTimer(info.device), profiler=None, peak_flops=None
+    )
+    forward_backward(cfg, info, setup, StepInput(step_batches), timer)
     grads = {n: p.grad.clone() for n, p in setup.par.module.module.named_parameters()}
 
     torch.manual_seed(cfg.seed)  # the same initial weights, one process, the union batch

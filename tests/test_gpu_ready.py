@@ -291,13 +291,13 @@ def test_lstm_lengths_stay_in_host_memory():
     """The meta device stands in for CUDA: the tokens move, the lengths (read by
     pack_padded_sequence on the host) do not."""
     from framework.data import to_device
-    from framework.data.datasets import VarlenSequences
+    from framework.data.datasets import VarlenSequences, VarlenShape
 
-    data = VarlenSequences(8, 32, 4, 2, 10, 5.0, 0, "classify", "synthetic", None)
+    data = VarlenSequences(VarlenShape(8, 32, 4, 2, 10, 5.0), 0, "classify", "synthetic", None)
     (tokens, lengths), target = to_device(data.collate([data[i] for i in range(4)]), torch.device("meta"),
                                           host=data.host_inputs)  # fmt: skip
     assert tokens.device.type == "meta" and target.device.type == "meta" and lengths.device.type == "cpu"
-    assert VarlenSequences(8, 32, 4, 2, 10, 5.0, 0, "lm", "synthetic", None).host_inputs == ()
+    assert VarlenSequences(VarlenShape(8, 32, 4, 2, 10, 5.0), 0, "lm", "synthetic", None).host_inputs == ()
 
 
 def test_the_link_probe_reaches_a_few_hundred_megabytes_on_cuda():
@@ -325,6 +325,7 @@ def test_every_rank_pops_its_forward_timings():
         with timer:
             pass
         timer.end_step()
-    figures = [StepFigures(loss=1.0, tokens=8, samples=2, grad_norm=0.5, seconds=0.1, preempt=False) for _ in range(3)]
-    record_steps(stats, [Entry(f, k, 0, 8, 8) for k, f in enumerate(figures)], False, timer)
+    figures = [StepFigures(loss=1.0, tokens=8, samples=2, grad_norm=0.5, seconds=0.1, preempt=False, sampled=False,
+                           applied=True, loss_scale=None, val=None) for _ in range(3)]  # fmt: skip
+    record_steps(stats, [Entry(None, k, 0, 8, 8, f) for k, f in enumerate(figures)], False, timer)
     assert timer.steps == [] and stats.forward_s == [] and stats.losses == [1.0] * 3

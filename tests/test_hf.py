@@ -125,7 +125,7 @@ def _load_probe(rank: int, world: int, overrides: list[str]) -> tuple[int, int, 
 
     framework.modules.load_pretrained = probed
     cfg = OmegaConf.create(world_config(overrides, world))
-    setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
+    setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"))
     params = list(setup.par.module.parameters())
     shards = sum(p.to_local().numel() * p.element_size() for p in params)
     largest = max(p.numel() * p.element_size() for p in params)

@@ -192,7 +192,7 @@ def _fsdp_units(rank, world, overrides):
     from framework.trainer import build
 
     cfg = OmegaConf.create(world_config(overrides, world))
-    module = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent").par.module
+    module = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")).par.module
     return [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
 
 
@@ -287,7 +287,7 @@ def _readme_blocks(language: str) -> list[str]:
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("## Train your own model", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## 6. Your own model and data", 1)[1].split("\n## ", 1)[0]
     return [b.split("\n", 1)[1] for b in section.split("```")[1::2] if b.startswith(language)]
 
 

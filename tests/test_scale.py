@@ -25,7 +25,7 @@ def _built_equals_single_process(rank: int, world: int, overrides: list[str]) ->
 
     cfg = OmegaConf.create(world_config(overrides, world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
-    full = full_model_state_dict(build(cfg, info, "/nonexistent").par)
+    full = full_model_state_dict(build(cfg, info).par)
     torch.manual_seed(cfg.seed)
     plain = build_model(cfg.model, "cpu").state_dict()
     assert full.keys() == plain.keys()
@@ -70,7 +70,7 @@ def _largest_allocation(rank: int, world: int, overrides: list[str]) -> tuple[in
     cfg = OmegaConf.create(world_config(overrides, world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
     with Allocations() as probe:
-        setup = build(cfg, info, "/nonexistent")
+        setup = build(cfg, info)
     params = list(setup.par.module.parameters())
     full = max(p.numel() for p in params)  # DTensor: the global size
     local = max((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
@@ -127,7 +127,7 @@ def _optimizer_groups(rank: int, world: int, overrides: list[str]) -> tuple[int,
     from framework.trainer import build
 
     cfg = OmegaConf.create(world_config(overrides, world))
-    setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
+    setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"))
     decay, no_decay = setup.optimizer.param_groups
     assert decay["weight_decay"] == cfg.optim.weight_decay > 0 and no_decay["weight_decay"] == 0
     return len(decay["params"]), len(no_decay["params"]), type(setup.precision.scaler).__name__

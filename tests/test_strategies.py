@@ -193,7 +193,7 @@ def _pipeline_actions(rank: int, world: int, schedules: list[str]) -> dict[str, 
     for schedule in schedules:
         args = ["experiment=smoke", "logger=none", "parallel=pp", f"parallel.schedule={schedule}", "data.batch_size=8"]
         cfg = OmegaConf.create(world_config(args, world))
-        setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"), "/nonexistent")
+        setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"))
         actions: list[str] = []
 
         def record(module, args, output, actions=actions):
@@ -228,7 +228,7 @@ def test_grad_clip_scales_the_update_in_a_run_designed_to_clip(tmp_path):
     sgd = ["optim=sgd", "optim.momentum=0.0", "optim.lr=0.5", "optim.schedule=constant", "optim.warmup_steps=0",
            "steps=1", "parallel=none", f"data.batch_size={GLOBAL_BATCH}"]  # fmt: skip
     cfg = OmegaConf.create(config(sgd, 1))
-    start = build(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None), "/nonexistent").par.module.state_dict()
+    start = build(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None)).par.module.state_dict()
     weights = {}
     for name, clip in (("clipped", 0.1), ("free", 0.0)):
         run(OmegaConf.create(config([*sgd, f"optim.grad_clip={clip}"], 1)), str(tmp_path / name), {"parallel": "none"})

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.config.schema import OptimConfig, PrecisionConfig
-from framework.data.datasets import VarlenSequences
+from framework.data.datasets import VarlenSequences, VarlenShape
 from framework.data.samplers import ResumableDistributedSampler
 from framework.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes
 from framework.optim import build_optimizer, lr_factor
@@ -185,7 +185,7 @@ def test_resumed_sampler_continues_where_it_stopped():
 
 
 def test_varlen_lengths_are_long_tailed_and_labels_learnable():
-    data = VarlenSequences(2000, vocab_size=32, num_classes=4, min_len=4, max_len=128, mean_len=24, seed=0)
+    data = VarlenSequences(VarlenShape(2000, vocab_size=32, num_classes=4, min_len=4, max_len=128, mean_len=24), seed=0)
     lengths = data.lengths.float()
     assert lengths.min() >= 4 and lengths.max() <= 128
     assert lengths.max() > 3 * lengths.median()  # a long tail
@@ -220,7 +220,7 @@ def test_backend_knobs_of_one_sweep_job_do_not_leak_into_the_next(monkeypatch):
 
 def test_varlen_text_source_reads_paragraphs_of_the_corpus(tmp_path):
     (tmp_path / "doc.txt").write_bytes(b"short one\n\n" + b"x" * 40 + b"\n\n" + b"y" * 300)
-    data = VarlenSequences(10, 256, 4, 4, 64, 24, seed=0, task="lm", source="text", path=str(tmp_path))
+    data = VarlenSequences(VarlenShape(10, 256, 4, 4, 64, 24), seed=0, task="lm", source="text", path=str(tmp_path))
     assert data.lengths.tolist() == [9, 40, 64]  # paragraphs, cut at max_len
     (inputs,), target = data.collate([data[0], data[2]])
     assert inputs.shape == (2, 63) and (target[0, 8:] == -100).all()  # padding carries no loss

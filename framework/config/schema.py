@@ -208,6 +208,7 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | constant
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    schedule_steps: int | None = None  # the LR schedule's length (null: steps; a resumed run keeps its own)
 
 
 @dataclass

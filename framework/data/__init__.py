@@ -18,6 +18,7 @@ from framework.data.datasets import (
     SyntheticVectors,
     UserDataset,
     VarlenSequences,
+    VarlenShape,
 )
 from framework.data.images import DeviceAugment, ImageFiles
 from framework.data.samplers import (
@@ -73,8 +74,8 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
         data = ByteTextDataset(cfg.path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
         return text_region(data, held, split) if held else data
     if cfg.name == "varlen":
-        data = VarlenSequences(cfg.num_samples, cfg.vocab_size, cfg.num_classes, cfg.min_len, cfg.max_len,
-                               cfg.mean_len, seed, task, cfg.source, cfg.path)  # fmt: skip
+        shape = VarlenShape(cfg.num_samples, cfg.vocab_size, cfg.num_classes, cfg.min_len, cfg.max_len, cfg.mean_len)
+        data = VarlenSequences(shape, seed, task, cfg.source, cfg.path)
         data = document_split(data, held, seed, split) if held else data  # by document, before packing
         return PackedSequences(data, cfg.pack_len, seed) if cfg.pack else data
     if cfg.name == "images" and cfg.source == "synthetic":

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import sysconfig
+from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -25,15 +27,40 @@ def default_corpus_files() -> list[Path]:
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
-def read_corpus(path: str | None, max_bytes: int) -> bytes:
-    """Read a file, a folder (all files, sorted, recursively) or the default corpus."""
+def corpus_files(path: str | None) -> list[Path]:
+    """A file, a folder (all files, sorted, recursively) or the default corpus."""
     if path is None:
-        files = default_corpus_files()
-    else:
-        root = Path(path)
-        if not root.exists():
-            raise FileNotFoundError(f"data.path: no file or folder at {path!r}")
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        return default_corpus_files()
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"data.path: no file or folder at {path!r}")
+    return [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def truncation_line(cfg: Any) -> str:
+    """The line (with its newline) saying that `data.max_bytes` cuts the text corpus short, a
+    preset's (experiment=smoke) or the default's; else ''."""
+    if cfg.name != "text" or cfg.get("_target_"):
+        return ""
+    note = truncation_note(cfg.path, cfg.max_bytes)
+    return f"{note}\n" if note else ""
+
+
+def truncation_note(path: str | None, max_bytes: int) -> str | None:
+    """One line when `data.max_bytes` cuts the corpus short (sizes only; nothing is read)."""
+    try:
+        total = sum(f.stat().st_size for f in corpus_files(path))
+    except OSError:
+        return None  # a missing path is validate's to report
+    if total <= max_bytes:
+        return None
+    where = path or "this Python's standard library source"
+    return f"data: reading the first {max_bytes:,} of {total:,} bytes of {where} (data.max_bytes={max_bytes})"
+
+
+def read_corpus(path: str | None, max_bytes: int) -> bytes:
+    """Read the first `max_bytes` of a file, a folder or the default corpus (corpus_files)."""
+    files = corpus_files(path)
     chunks, total = [], 0
     for f in files:
         data = f.read_bytes()[: max_bytes - total]
@@ -127,6 +154,18 @@ class SyntheticVectors(Dataset):
     tokens_in = staticmethod(lambda batch: None)
 
 
+@dataclass(frozen=True)
+class VarlenShape:
+    """How many sequences, of which tokens, classes and lengths (VarlenSequences)."""
+
+    num_samples: int
+    vocab_size: int
+    num_classes: int
+    min_len: int
+    max_len: int
+    mean_len: float  # synthetic: the log-normal lengths' mean
+
+
 class VarlenSequences(Dataset):
     """Variable-length token sequences with a long-tailed length distribution.
 
@@ -137,9 +176,9 @@ class VarlenSequences(Dataset):
     within each sequence, padding ignored by the loss (target -100).
     """
 
-    def __init__(self, num_samples: int, vocab_size: int, num_classes: int, min_len: int, max_len: int,
-                 mean_len: float, seed: int, task: str = "classify", source: str = "synthetic",
+    def __init__(self, shape: VarlenShape, seed: int, task: str = "classify", source: str = "synthetic",
                  path: str | None = None, max_bytes: int = 4_000_000):  # fmt: skip
+        num_samples, vocab_size, num_classes, min_len, max_len, mean_len = astuple(shape)
         g = torch.Generator().manual_seed(seed)
         if source == "text":
             # paragraphs (text between blank lines) of the corpus: naturally long-tailed lengths

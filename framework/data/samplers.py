@@ -46,6 +46,11 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start = state["start"]
 
 
+# Length-sorting happens within chunks of this many global batches: long enough to group similar
+# lengths, short enough that an epoch still mixes the whole dataset.
+MEGA_BATCHES = 64
+
+
 class _EpochBatchSampler(Sampler[list[int]]):
     """Base: this rank's batches of an epoch, computed from (seed, epoch), resumable by batch."""
 
@@ -109,10 +114,13 @@ def _balanced_split(indices: list[int], lengths: Sequence[int], parts: int, equa
 
 
 class LengthGroupedBatchSampler(_EpochBatchSampler):
-    def __init__(self, lengths: Sequence[int], batch_size: int, num_replicas: int, rank: int, seed: int,
-                 shuffle: bool = True, mega_batches: int = 64):  # fmt: skip
+    mega = MEGA_BATCHES
+
+    def __init__(
+        self, lengths: Sequence[int], batch_size: int, num_replicas: int, rank: int, seed: int, shuffle: bool = True
+    ):
         super().__init__(num_replicas, rank, seed, shuffle)
-        self.lengths, self.batch_size, self.mega = list(lengths), batch_size, mega_batches
+        self.lengths, self.batch_size = list(lengths), batch_size
 
     def epoch_batches(self) -> list[list[list[int]]]:
         order = self.permutation(len(self.lengths))
@@ -128,10 +136,13 @@ class LengthGroupedBatchSampler(_EpochBatchSampler):
 
 
 class TokenBudgetBatchSampler(_EpochBatchSampler):
-    def __init__(self, lengths: Sequence[int], max_tokens: int, num_replicas: int, rank: int, seed: int,
-                 shuffle: bool = True, mega_batches: int = 64):  # fmt: skip
+    mega = MEGA_BATCHES
+
+    def __init__(
+        self, lengths: Sequence[int], max_tokens: int, num_replicas: int, rank: int, seed: int, shuffle: bool = True
+    ):
         super().__init__(num_replicas, rank, seed, shuffle)
-        self.lengths, self.max_tokens, self.mega = list(lengths), max_tokens, mega_batches
+        self.lengths, self.max_tokens = list(lengths), max_tokens
 
     def epoch_batches(self) -> list[list[list[int]]]:
         """Global batches whose padded size (samples x longest) stays within max_tokens x world,

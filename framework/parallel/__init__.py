@@ -21,6 +21,7 @@ each sequence a rank computes.
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -31,11 +32,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from framework.contract import ModelSpec, blocks_of
+from framework.contract import ModelSpec, blocks_of, build_model
 from framework.dist import DistInfo
 from framework.memory import apply_activation_checkpointing
-from framework.modules import map_blocks
-from framework.parallel.dims import Mesh, ParallelDims
+from framework.modules import map_blocks, materialize_model
+from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split
 
 
@@ -56,6 +57,7 @@ class Parallelized:
     split_batch: Callable[[tuple, torch.Tensor], tuple[tuple, dict, torch.Tensor]] = lambda i, t: (i, {}, t)
     cp_size: int = 1  # ranks that split each sequence: gradients are averaged over dp x cp
     counts_loss: bool = True  # this rank's loss is a part of the step's (tp peers hold the same one)
+    decay: set[str] = field(default_factory=set)  # parameters with weight decay: the plain model's matrices
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
@@ -80,20 +82,44 @@ def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | Non
     return (len(blocks) or None), spec.heads
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
-    name = cfg.parallel.name
-    if name == "none":
-        _checkpoint_and_compile(model, spec, cfg)
-        return Parallelized(model)
-    if name == "dp":
+def parallelize(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
+    """The model built on the meta device, laid out by the strategy and materialised: this rank's
+    part, with the values of the single-process model.
+
+    Models with an init rule (gpt), and pretrained weights, stay on the meta device until the
+    strategy says when to allocate them (`Strategy.materialise_late`): either way the values are
+    the single-process model's (row-seeded: models/init.py). Models without one are built on the
+    device whole, from the run's seed, with their own initialisation."""
+    strategy = Strategy.of(cfg.parallel)
+    on_meta = spec.on_meta or cfg.model.get("pretrained") is not None
+    late = strategy.materialise_late(on_meta)
+    if on_meta:
+        model = meta
+        if not late:
+            materialize_model(model, spec, cfg, info.device)
+    else:
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model, info.device)
+    decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
+    par = _wrap(model, spec, cfg, info, strategy)
+    if late:
+        materialize_model(par.module, spec, cfg, info.device)
+    par.decay = decay
+    return par
+
+
+def _wrap(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, strategy: Strategy) -> Parallelized:
+    if strategy.on_mesh:
+        return _parallelize_on_mesh(model, spec, cfg, info, strategy)
+    _checkpoint_and_compile(model, spec, cfg)
+    if strategy.name == "dp":
         from framework.parallel.dp import apply_dp
 
-        _checkpoint_and_compile(model, spec, cfg)
         return Parallelized(apply_dp(model))
-    if name == "ddp":
+    if strategy.name == "ddp":
         from framework.parallel.ddp import apply_ddp
 
-        _checkpoint_and_compile(model, spec, cfg)
         ddp = apply_ddp(model, cfg.parallel, info)
         return Parallelized(
             ddp,
@@ -101,7 +127,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistIn
             dp_rank=info.rank,
             dp_size=info.world_size,
         )
-    return _parallelize_on_mesh(model, spec, cfg, info)
+    return Parallelized(model)
 
 
 def _checkpoint_and_compile(module: nn.Module, spec: ModelSpec, cfg: DictConfig) -> None:
@@ -122,17 +148,51 @@ def _checkpoint_and_compile(module: nn.Module, spec: ModelSpec, cfg: DictConfig)
             module.compile()
 
 
-def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def _parallelize_on_mesh(
+    model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, strategy: Strategy
+) -> Parallelized:
     """fsdp, tp, pp and hybrid: degrees from the config, one mesh pp x dp_replicate x dp_shard x tp."""
-    from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2, fsdp2_grad_sync
-    from framework.parallel.pipeline import LocalStages, build_pipeline, build_stages
+    from framework.parallel.pipeline import LocalStages, build_pipeline
+
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size, *model_dims(model, spec))
+    mesh = Mesh(dims, dims.build_mesh(info.device.type))
+    stages, stage_ids, n_stages = _stages(model, spec, cfg, info, mesh, strategy)
+    par = Parallelized(
+        module=stages[0] if dims.pp == 1 else LocalStages(stages, spec.blocks),
+        mesh=mesh,
+        dp_rank=mesh.dp_rank,
+        dp_size=dims.dp,
+        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0 and mesh.cp_rank == 0,
+        pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
+        cp_size=dims.cp,
+        counts_loss=mesh.tp_rank == 0 and mesh.pp_rank == 0,
+    )
+    if dims.pp > 1:
+        par.pipeline = build_pipeline(stages, stage_ids, n_stages, cfg.parallel, par.pp_group, info.device)
+        par.holds_loss = par.pipeline.has_last
+    _sync_and_clip(par, stages[0], cfg.parallel, strategy)
+    if dims.tp > 1 and cfg.parallel.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        par.loss_context = loss_parallel
+    if dims.cp > 1:
+        from framework.parallel.context import apply_cp
+
+        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], cfg.parallel.cp_impl)
+        par.loss_context = _stacked(par.loss_context, attention)
+    return par
+
+
+def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, mesh: Mesh, strategy: Strategy):
+    """Steps 1 to 6 of the order on a mesh: this rank's stages (stage ids, stage count: None without
+    a pipeline), each tensor-parallel, checkpointed, compiled and sharded like a model of its own."""
+    from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2
+    from framework.parallel.pipeline import build_stages
     from framework.parallel.tensor import apply_tp
 
-    parallel_cfg = cfg.parallel
-    dims = ParallelDims.from_config(parallel_cfg, info.world_size, *model_dims(model, spec))
-    mesh = Mesh(dims, dims.build_mesh(info.device.type))
-
+    dims, parallel_cfg = mesh.dims, cfg.parallel
     # 1. pipeline split: this rank's stages, each parallelized below like a model of its own
+    stage_ids = n_stages = None
     if dims.pp > 1:
         split = trace_split(model, spec, cfg.data.seq_len)
         stages, stage_ids, n_stages = build_stages(model, split, parallel_cfg, mesh.pp_rank, dims.pp)
@@ -145,53 +205,32 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
         # 4. activation checkpointing, 5. compile
         _checkpoint_and_compile(stage, spec, cfg)
-    # 6. FSDP over the data-parallel axes (HSDP when dp_replicate > 1; dp_shard x cp with context
-    # parallel); parallel=fsdp shards even on one rank, so that a single GPU exercises FSDP's code
-    # path (mixed precision, CPU offload)
-    shard = dims.dp * dims.cp > 1 or cfg.parallel.name == "fsdp"
-    fsdp_v1 = shard and parallel_cfg.version == 1
-    if shard:
-        if fsdp_v1:
-            stages = [apply_fsdp1(p, blocks_of(p, spec), mesh.dp_mesh, cfg, info.device) for p in stages]
-        else:
-            for stage in stages:
-                apply_fsdp2(stage, blocks_of(stage, spec), mesh.dp_mesh, cfg)
+    # 6. FSDP over the data-parallel axes (HSDP when dp_replicate > 1; dp_shard x cp with context parallel)
+    if strategy.shards(dims) and strategy.fsdp1:
+        stages = [apply_fsdp1(p, blocks_of(p, spec), mesh.dp_mesh, cfg, info.device) for p in stages]
+    elif strategy.shards(dims):
+        for stage in stages:
+            apply_fsdp2(stage, blocks_of(stage, spec), mesh.dp_mesh, cfg)
+    return stages, stage_ids, n_stages
 
-    par = Parallelized(
-        module=stages[0] if dims.pp == 1 else LocalStages(stages, spec.blocks),
-        mesh=mesh,
-        dp_rank=mesh.dp_rank,
-        dp_size=dims.dp,
-        counts_data=mesh.tp_rank == 0 and mesh.pp_rank == 0 and mesh.cp_rank == 0,
-        pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
-        cp_size=dims.cp,
-        counts_loss=mesh.tp_rank == 0 and mesh.pp_rank == 0,
-    )
-    if dims.pp > 1:
-        par.pipeline = build_pipeline(stages, stage_ids, n_stages, parallel_cfg, par.pp_group, info.device)
-        par.holds_loss = par.pipeline.has_last
-    elif shard and not fsdp_v1:
-        root = stages[0]
+
+def _sync_and_clip(par: Parallelized, root: nn.Module, parallel_cfg: DictConfig, strategy: Strategy) -> None:
+    """The gradient-sync switch for accumulation (a pipeline's schedule syncs itself) and gradient
+    clipping that knows how the gradients are sharded."""
+    from framework.parallel.fsdp import fsdp2_grad_sync
+
+    dims = par.mesh.dims
+    sharded_fsdp1 = strategy.shards(dims) and strategy.fsdp1
+    if par.pipeline is None and strategy.shards(dims) and not strategy.fsdp1:
         par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, parallel_cfg)
-    elif fsdp_v1:
-        root = stages[0]
+    elif par.pipeline is None and sharded_fsdp1:
         par.grad_sync = lambda enabled: (
             nullcontext() if enabled or parallel_cfg.sync_every_microbatch else root.no_sync()
         )
-    if fsdp_v1:
-        par.clip_grad_norm = stages[0].clip_grad_norm_
+    if sharded_fsdp1:
+        par.clip_grad_norm = root.clip_grad_norm_
     else:
         par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims)
-    if dims.tp > 1 and parallel_cfg.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        par.loss_context = loss_parallel
-    if dims.cp > 1:
-        from framework.parallel.context import apply_cp
-
-        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], parallel_cfg.cp_impl)
-        par.loss_context = _stacked(par.loss_context, attention)
-    return par
 
 
 def _stacked(*contexts: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:

@@ -60,11 +60,14 @@ def zigzag_unshard(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 def ring_sdpa(group: dist.ProcessGroup) -> Callable:
     """A drop-in for F.scaled_dot_product_attention on zigzag shards: causal, no mask, no dropout."""
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or not is_causal or dropout_p > 0 or enable_gqa:
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, **options):
+        # F.scaled_dot_product_attention's keyword options: is_causal, scale, enable_gqa
+        is_causal, scale = options.pop("is_causal", False), options.pop("scale", None)
+        if attn_mask is not None or not is_causal or dropout_p > 0 or options.pop("enable_gqa", False) or options:
             raise NotImplementedError(
                 "context parallel (cp_impl=ring) computes causal attention without a mask, dropout or grouped "
                 f"heads; got is_causal={is_causal}, attn_mask={attn_mask is not None}, dropout_p={dropout_p}"
+                + (f", {sorted(options)}" if options else "")
             )
         return ring_attention(query, key, value, group, scale)
 

@@ -23,6 +23,50 @@ class DimsError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
+@dataclass(frozen=True)
+class Strategy:
+    """What the chosen strategy means to the rest of the run, answered here once: the trainer,
+    `parallelize` and the launcher ask it instead of comparing names."""
+
+    name: str  # parallel.name: none | dp | ddp | fsdp | tp | pp | hybrid
+    version: int = 2  # FSDP's (parallel.version), on a mesh
+
+    @classmethod
+    def of(cls, parallel: DictConfig) -> Strategy:
+        return cls(parallel.name, parallel.get("version", 2))
+
+    @property
+    def one_process(self) -> bool:
+        """Trains in the launching process itself (no workers to start; a launcher's world is 1)."""
+        return self.name == "none"
+
+    @property
+    def needs_backend(self) -> bool:
+        """Needs a process group: every strategy but none and dp (one process drives every GPU)."""
+        return self.name not in ("none", "dp")
+
+    @property
+    def on_mesh(self) -> bool:
+        """fsdp, tp, pp and hybrid: laid out on a device mesh (ParallelDims)."""
+        return self.name not in ("none", "dp", "ddp")
+
+    @property
+    def fsdp1(self) -> bool:
+        """FullyShardedDataParallel (it flattens parameters, and wants a sharded grad scaler)."""
+        return self.on_mesh and self.version == 1
+
+    def shards(self, dims: ParallelDims) -> bool:
+        """FSDP over the data-parallel axes: when they hold more than one rank, and always under
+        parallel=fsdp, so that a single GPU exercises FSDP's code path (mixed precision, offload)."""
+        return self.on_mesh and (dims.dp * dims.cp > 1 or self.name == "fsdp")
+
+    def materialise_late(self, on_meta: bool) -> bool:
+        """A model kept on the meta device is allocated after parallelizing, this rank's part only,
+        by the strategies that shard or split it (FSDP2, tensor parallel, pipeline); the others
+        (none, dp, ddp, FSDP1) allocate the whole model before wrapping it."""
+        return on_meta and self.on_mesh and not self.fsdp1
+
+
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise DimsError(key, message)

@@ -26,6 +26,8 @@ plain matmuls.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -83,9 +85,25 @@ def attend(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Ten
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc)), lse
 
 
-def attend_backward(q, k, v, dout, out, lse, delta, scale: float, causal: bool):
-    """Gradients (dq, dk, dv) of one block, in the accumulation dtype, given the row's final
-    output `out`, log-sum-exp `lse` and `delta` = rowsum(dout * out) (over every block of the row)."""
+class Rows(NamedTuple):
+    """What backward needs of a set of query rows: the queries, the output's gradient, the row's
+    final output, its log-sum-exp and delta = rowsum(dout * out) (over every block of the row)."""
+
+    q: torch.Tensor
+    dout: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+
+    def part(self, r: slice) -> Rows:
+        """The rows `r` (along the sequence) of each."""
+        return Rows(self.q[..., r, :], self.dout[..., r, :], self.out[..., r, :], self.lse[..., r], self.delta[..., r])
+
+
+def attend_backward(rows: Rows, k, v, scale: float, causal: bool):
+    """Gradients (dq, dk, dv) of one block, in the accumulation dtype, given the rows' final
+    output and log-sum-exp (over every block of the row)."""
+    q, dout, out, lse, delta = rows
     acc = lse.dtype
     if _fused(q):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -128,38 +146,34 @@ def ring_forward(q, k, v, ring: Ring, scale: float) -> tuple[torch.Tensor, torch
     return out, lse
 
 
-def _block_grads(q, kv, dout, out, lse, delta, scale, ring: Ring, step: int):
-    """(dq, dkv) of this rank's queries against the block `kv` held at `step`."""
+def _block_grads(rows: Rows, kv, scale: float, ring: Ring, step: int):
+    """(dq, dkv) of this rank's query rows against the block `kv` held at `step`."""
+    q, lse = rows.q, rows.lse
     half = q.size(-2) // 2
     source = (ring.rank - step) % ring.size
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)
     if step == 0:
-        dq[:], dkv[0], dkv[1] = attend_backward(q, kv[0], kv[1], dout, out, lse, delta, scale, causal=True)
+        dq[:], dkv[0], dkv[1] = attend_backward(rows, kv[0], kv[1], scale, causal=True)
     elif source < ring.rank:
         first_k, first_v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
-        dq[:], dkv[0, ..., :half, :], dkv[1, ..., :half, :] = attend_backward(
-            q, first_k, first_v, dout, out, lse, delta, scale, False
-        )
+        dq[:], dkv[0, ..., :half, :], dkv[1, ..., :half, :] = attend_backward(rows, first_k, first_v, scale, False)
     else:
         r = slice(half, None)
-        dq[..., r, :], dkv[0], dkv[1] = attend_backward(
-            q[..., r, :], kv[0], kv[1], dout[..., r, :], out[..., r, :], lse[..., r], delta[..., r], scale, False
-        )
+        dq[..., r, :], dkv[0], dkv[1] = attend_backward(rows.part(r), kv[0], kv[1], scale, False)
     return dq, dkv
 
 
-def ring_backward(dout, q, k, v, out, lse, ring: Ring, scale: float):
+def ring_backward(rows: Rows, k, v, ring: Ring, scale: float):
     """(dq, dk, dv) of this rank's shards. Key/value blocks go round as in forward; each block's
     gradient accumulator follows it one hop behind and comes home after the last hop."""
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     kv = torch.stack([k, v])
     dq = None
     grad_in = grad_works = None
     for step in range(ring.size):
         if step + 1 < ring.size:
             incoming, works = ring.exchange(kv, KV_TAG)
-        dq_part, dkv = _block_grads(q, kv, dout, out, lse, delta, scale, ring, step)
+        dq_part, dkv = _block_grads(rows, kv, scale, ring, step)
         dq = dq_part if dq is None else dq.add_(dq_part)
         if grad_works is not None:  # the accumulated gradient of this block from the previous rank
             _wait(grad_works)
@@ -189,7 +203,8 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(dout.device.type, enabled=False):
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.scale)
+            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+            dq, dk, dv = ring_backward(Rows(q, dout, out, lse, delta), k, v, ctx.ring, ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

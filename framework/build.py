@@ -1,0 +1,131 @@
+"""One rank's parts, built in the one fixed order, and the state a resumed run goes on from.
+
+The build order. Process group (already up) -> model on the meta device, from the same seed on
+every rank so replicas start identical -> parallelize (pipeline split, tensor parallel, context
+parallel, activation checkpointing, compile, FSDP/DDP: that order, written once in
+framework.parallel.parallelize, which also materialises this rank's part) -> optimizer (over the
+final, possibly sharded parameters) -> data (split over the data-parallel ranks the strategy
+defines) -> precision -> resume."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+
+import torch
+from omegaconf import DictConfig
+
+from framework import checkpoint
+from framework.contract import build_model, spec_of
+from framework.data import build_data
+from framework.data.datasets import truncation_line
+from framework.dist import DistInfo, restart_count
+from framework.measurements import Measurements
+from framework.memory import SavedActivationMeter
+from framework.metrics import ForwardTimer, count_flops, peak_flops
+from framework.optim import build_optimizer, build_scheduler, resumed_schedule
+from framework.parallel import Parallelized, parallelize
+from framework.parallel.dims import Strategy
+from framework.peak import PeakProbe
+from framework.precision import build_precision
+from framework.profiling import build_profiler
+from framework.resume import choose as choose_resume
+from framework.run_files import checkpoint_root
+from framework.step import Parts, Resumed
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(cfg: DictConfig, info: DistInfo) -> Parts:
+    """This rank's parts (before `resume` loads a checkpoint into them)."""
+    seed_everything(cfg.seed)
+    meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
+    spec = spec_of(meta, cfg.model)
+    flops = count_flops(meta, spec, cfg, info.world_size)
+    par = parallelize(meta, spec, cfg, info)
+    del meta  # the plain model object keeps nothing alive beyond what `par` holds
+    optimizer = build_optimizer(par.module, cfg.optim, par.decay)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, spec.task)
+    if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
+        print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
+    precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).fsdp1)
+    return Parts(flops, par, optimizer, scheduler, data, precision, spec.task)
+
+
+def resume(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Resumed:
+    """Where this run goes on from: checkpoint.resume, or the newest checkpoint after an elastic
+    restart, verified first (framework/resume.py) and loaded into `parts`; else the start."""
+    path, verify_s = choose_resume(cfg, checkpoint_root(cfg, run_dir), info)
+    if restart_count() > 0 and info.is_main:
+        print(f"restart {restart_count()} of launch.max_restarts={cfg.launch.max_restarts} after a worker failed: "
+              f"continuing from {path or 'the start (no checkpoint yet)'}", flush=True)  # fmt: skip
+    if not path:
+        return Resumed(verify_s=verify_s)
+    t0 = time.perf_counter()
+    resumed = resume_from(path, parts, info)
+    resumed = replace(resumed, verify_s=verify_s, load_s=verify_s + time.perf_counter() - t0)
+    horizon = resumed_schedule(parts.scheduler, cfg.optim, cfg.steps)  # kept unless optim.schedule_steps
+    if info.is_main:  # a resumed run says so, and from where
+        print(f"resumed from step {resumed.step} (checkpoint {path})", flush=True)
+        if horizon:
+            print(horizon, flush=True)
+    return resumed
+
+
+def generators(parts: Parts) -> dict[str, torch.Generator]:
+    """Random generators of this rank beyond the global ones, saved with its RNG state."""
+    augment = parts.data.device_transform
+    return {"augment": augment.generator} if augment is not None else {}
+
+
+def layout(cfg: DictConfig, info: DistInfo, par: Parallelized) -> dict:
+    return {"parallel": cfg.parallel.name, "world_size": info.world_size, "dp_size": par.dp_size}
+
+
+def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
+    """Continue from checkpoint `path`: model and optimizer (resharded to this layout), the LR
+    schedule, the loss scaler, the data position and, on the same layout, every rank's RNG."""
+    state, rng = checkpoint.load(path, parts.par.module, parts.optimizer, info.rank)
+    data = parts.data
+    if state.data["global_batch"] != data.global_batch:
+        raise ValueError(
+            f"checkpoint.resume: {path} was saved reading {state.data['global_batch']!r} per step "
+            f"(parallel={state.layout['parallel']} at {state.layout['world_size']} ranks); this run reads "
+            f"{data.global_batch!r}, so the data position cannot map. Keep the global batch: data.batch_size "
+            "(or max_tokens, rank_batch_sizes) x data-parallel ranks"
+        )
+    parts.scheduler.load_state_dict(state.scheduler)
+    if state.scaler and parts.precision.scaler.is_enabled():
+        parts.precision.scaler.load_state_dict(state.scaler)
+    same_ranks = (state.layout["world_size"], state.layout["dp_size"]) == (info.world_size, parts.par.dp_size)
+    if rng is not None and same_ranks:
+        checkpoint.set_rng_state(rng, generators(parts))
+    else:  # another layout: per-rank random streams cannot map; start fresh ones, deterministically
+        seed_everything(hash((state.step, info.rank)) % 2**31)
+    return Resumed(
+        step=state.step,
+        data_position=(state.data["epoch"], state.data["offset"]),
+        skipped_steps=state.counters.get("nonfinite_skipped", 0),
+        eval_state=state.counters.get("eval", {}),  # the best evaluation so far, for monitor and patience
+    )
+
+
+def build_measurements(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Measurements:
+    module = parts.par.module
+    meter = SavedActivationMeter(module)
+    precision = parts.precision
+    peak = (
+        peak_flops(info.device, cfg.metrics.peak_tflops, precision.dtype, precision.tf32) if parts.flops.model else None
+    )
+    return Measurements(
+        meter=meter,
+        probe=PeakProbe(module, parts.optimizer, meter, info.device),
+        forward_timer=ForwardTimer(info.device),
+        profiler=build_profiler(cfg.profile, cfg.profiler, run_dir, info.rank, info.device),
+        peak_flops=peak,
+    )

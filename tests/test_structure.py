@@ -1,0 +1,91 @@
+"""The structure's own parts, without processes: the strategy object's answers and the run
+record (summary.json) that only framework/run_files.py writes and reads."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.parallel.dims import ParallelDims, Strategy
+from framework.run_files import SUMMARY_FILE, Summary, read_summary, write_summary
+from tests.helpers import ROOT
+
+
+@pytest.mark.parametrize(
+    "name, version, answers",
+    [  # one_process, needs_backend, on_mesh, fsdp1
+        ("none", 2, (True, False, False, False)),
+        ("dp", 2, (False, False, False, False)),
+        ("ddp", 1, (False, True, False, False)),  # a version does not make DDP an FSDP
+        ("fsdp", 2, (False, True, True, False)),
+        ("fsdp", 1, (False, True, True, True)),
+        ("tp", 2, (False, True, True, False)),
+        ("pp", 2, (False, True, True, False)),
+        ("hybrid", 1, (False, True, True, True)),
+    ],
+)
+def test_the_strategy_answers_from_its_name_and_version(name, version, answers):
+    s = Strategy.of(OmegaConf.create({"name": name, "version": version}))
+    assert (s.one_process, s.needs_backend, s.on_mesh, s.fsdp1) == answers
+    # materialised after wrapping only where the wrapper shards or splits a meta model in place
+    assert s.materialise_late(on_meta=True) == (s.on_mesh and not s.fsdp1)
+    assert not s.materialise_late(on_meta=False)
+
+
+def test_fsdp_shards_even_on_one_rank_and_tp_only_with_data_parallel_ranks():
+    one = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    tp2 = ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=1, world_size=2)
+    dp2 = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, world_size=4)
+    assert Strategy("fsdp").shards(one) and not Strategy("tp").shards(tp2) and Strategy("hybrid").shards(dp2)
+    assert not Strategy("ddp").shards(dp2)  # not on a mesh: DDP replicates
+    assert Strategy.of(OmegaConf.create({"name": "ddp"})).version == 2  # a group without FSDP's key
+
+
+@pytest.mark.parametrize(
+    "summary",
+    [
+        Summary("ok", {"parallel": "ddp"}, figures={"steps": 3, "checkpoint": {"saves": 1}, "final_loss": 1.5}),
+        Summary.failed(ValueError("bad"), {"parallel": "fsdp"}),
+        Summary("preempted", {"parallel": "ddp"}, step=4, checkpoint="/c/step_4", signal="SIGTERM"),
+        Summary("aborted", {}, error="RuntimeError: a peer failed"),
+    ],
+)
+def test_every_status_round_trips_through_the_one_file(tmp_path, summary):
+    write_summary(str(tmp_path), summary)
+    on_disk = json.loads((tmp_path / SUMMARY_FILE).read_text())
+    assert on_disk["status"] == summary.status and on_disk["choices"] == summary.choices
+    assert read_summary(tmp_path) == summary
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically: no temporary left
+
+
+def test_summary_keys_stay_at_the_top_level_of_the_file(tmp_path):
+    write_summary(str(tmp_path), Summary("preempted", {"parallel": "ddp"}, step=4, checkpoint="/c", signal="SIGINT"))
+    assert json.loads((tmp_path / SUMMARY_FILE).read_text()) == {
+        "status": "preempted", "choices": {"parallel": "ddp"}, "step": 4, "checkpoint": "/c", "signal": "SIGINT",
+    }  # fmt: skip
+    assert Summary.failed(KeyError("x"), {}).to_dict() == {"status": "failed", "error": "KeyError: 'x'", "choices": {}}
+
+
+def test_a_missing_or_broken_summary_reads_as_none_and_an_unknown_status_is_refused(tmp_path):
+    assert read_summary(tmp_path) is None
+    (tmp_path / SUMMARY_FILE).write_text("{not json")
+    assert read_summary(tmp_path) is None
+    (tmp_path / SUMMARY_FILE).write_text('{"status": "done"}')
+    assert read_summary(tmp_path) is None
+    with pytest.raises(ValueError, match="allowed: ok, failed, preempted, aborted"):
+        Summary("done", {})
+
+
+def test_only_run_files_names_the_summary_file():
+    """One writer and one reader: no other framework module opens summary.json by its name."""
+    named = []
+    for path in sorted((ROOT / "framework").rglob("*.py")):
+        if path.name == "run_files.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.strip() == SUMMARY_FILE:
+                named.append(str(path.relative_to(ROOT)))
+    assert not named, named
