@@ -1,24 +1,34 @@
 """The planner against measurement, on this machine.
 
 1. Accuracy: layouts at world sizes 2 and 4 (gpt 4 x 256, T=64, 8 samples per rank, fp32, bf16
-   and checkpointing rows); each run checks its own prediction (summary.json `plan`): the
-   relative error of parameter, gradient, optimizer, saved-activation and wire bytes, and calls.
-2. The pick: every candidate `python -m framework.plan` ranks at world 2 (the default gpt, an
-   ample budget), trained in one sweep; the planner's pick against the fastest measured.
+   and checkpointing rows), and the same layouts on a second, wider and deeper shape (8 x 384) that
+   no figure was calibrated on; each run checks its own prediction (summary.json `plan`): the
+   relative error of parameter, gradient, optimizer, saved-activation and wire bytes, calls, step
+   time and peak. The step-time errors' median and worst per shape are printed under the table.
+2. The pick (`--pick`): every candidate `python -m framework.plan` ranks at world 2 (the default
+   gpt, an ample budget), trained in one sweep; the planner's pick against the fastest measured.
 
-    python benchmarks/plan.py
+    python benchmarks/plan.py [--steps N] [--quick] [--pick]      # writes docs/results/plan.md
 """
 
 from __future__ import annotations
 
-from common import recorded, run, table
+import os
+import statistics
+import sys
+
+from common import run, table, write_result
 
 from framework.config import compose
 from framework.plan import choose
+from framework.plan.__main__ import best_per_layout
+from framework.plan.profile import machine_profile
 
 MODEL = ["experiment=smoke", "model.n_layer=4", "model.n_embd=256", "model.n_head=4", "data.seq_len=64",
-         "data.batch_size=8", "steps=4", "data.max_bytes=2000000"]  # fmt: skip
-FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls")
+         "data.batch_size=8", "data.max_bytes=2000000"]  # fmt: skip
+WIDER = ["model.n_layer=8", "model.n_embd=384", "model.n_head=6"]  # the shape no figure was calibrated on
+FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls", "step_time_s",
+           "peak_bytes")  # fmt: skip
 
 ACCURACY = {
     2: {
@@ -49,20 +59,37 @@ ACCURACY = {
 }
 
 
-def accuracy() -> None:
-    rows = []
-    for world, layouts in ACCURACY.items():
-        for name, summary in run(layouts, world, MODEL).items():
-            err = summary["plan"]["error"]
-            rows.append([world, name, *(f"{err[f]:+.1%}" if err[f] is not None else "-" for f in FIGURES)])
-    print(table(["world", "layout", "params", "grads", "optim", "activations", "wire bytes", "calls"], rows))
+QUICK = {2: ("ddp", "fsdp", "tp", "pp 1F1B"), 4: ("ddp", "fsdp checkpoint", "hybrid dp2 x tp2")}
+
+
+def accuracy(steps: int, quick: bool = False) -> str:
+    """The error table; `quick`: a few layouts per world (a busy machine's run)."""
+    rows, step_errors = [], {}
+    plan = {w: {k: v for k, v in ls.items() if not quick or k in QUICK[w]} for w, ls in ACCURACY.items()}
+    for world in ACCURACY:  # this machine's figures for each world, probed once (cached) before the runs
+        cfg = compose([*MODEL, f"launch.nproc_per_node={world}", "device=cpu"])
+        machine_profile(cfg, world, "probe")
+    for shape, extra in (("4 x 256", []), ("8 x 384", WIDER)):
+        for world, layouts in plan.items():
+            for name, summary in run(layouts, world, [*MODEL, f"steps={steps}", *extra]).items():
+                err = summary["plan"]["error"]
+                if err["step_time_s"] is not None:
+                    step_errors.setdefault(shape, []).append(abs(err["step_time_s"]))
+                rows.append([shape, world, name, *(f"{err[f]:+.1%}" if err[f] is not None else "-" for f in FIGURES)])
+    text = table(["shape", "world", "layout", "params", "grads", "optim", "activations", "wire bytes", "calls",
+                  "step time", "peak"], rows)  # fmt: skip
+    for shape, errors in step_errors.items():
+        text += (f"\n\nstep time, {shape}: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
+                 f"over {len(errors)} layouts")  # fmt: skip
+    return text
 
 
 def pick(world: int = 2) -> None:
     base = ["experiment=smoke", "model.n_layer=4", "model.n_embd=128", "model.n_head=4", "data.seq_len=128",
             "data.batch_size=8", "data.max_bytes=2000000"]  # fmt: skip
     best, ranked, _ = choose(compose(base), world)  # probes this machine's link once (cached)
-    rows = {r.prediction["layout"]: [*base, "steps=12", *r.candidate.overrides] for r in ranked if r.fits}
+    ranked = best_per_layout(ranked)
+    rows = {r.prediction["layout"]: [*base, "steps=12", *r.overrides] for r in ranked if r.fits}
     measured = run(rows, world, [])
     fastest = max(measured.values(), key=lambda s: s["throughput"]["tokens_per_s"])
     out = []
@@ -76,6 +103,13 @@ def pick(world: int = 2) -> None:
 
 
 if __name__ == "__main__":
-    with recorded("plan"):
-        accuracy()
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 4
+    quick = "--quick" in sys.argv
+    text = accuracy(steps, quick)
+    print(text)
+    header = (f"Each run's own check of the planner (summary.json plan.error), {steps} optimizer steps per run. "
+              f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: step times on a "
+              "shared machine are noisy; rerun on a quiet one before reading the step-time column.")  # fmt: skip
+    write_result("plan", f"python benchmarks/plan.py --steps {steps}{' --quick' * quick}", header, text)
+    if "--pick" in sys.argv:
         pick()

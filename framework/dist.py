@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# re-exported: launch and the sweeps start workers through it
+from framework.machine import local_launch_config  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -159,23 +161,3 @@ def all_gather_object(obj, info: DistInfo) -> list:
     out = [None] * info.world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def local_launch_config(
-    nproc: int, max_restarts: int = 0, monitor_interval_s: float = 0.1, start_method: str = "spawn"
-):
-    """torch's elastic launcher set up for `nproc` workers on this machine (as `torchrun
-    --standalone` does), used by train.py, the config sweeps of benchmarks and the tests."""
-    from torch.distributed.launcher.api import LaunchConfig
-
-    return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"hydradist-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, so concurrent runs never collide
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval_s,
-        start_method=start_method,
-    )

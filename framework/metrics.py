@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from framework.datasheet import datasheet_tflops
+from framework.machine import cpu_name
 
 
 def gpu_peak_tflops(name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = False) -> float | None:
@@ -45,16 +46,6 @@ def peak_flops(
     return None
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "cpu"
-
-
 def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.25) -> float:
     """FLOP/s of square matmuls on this process's threads (the best of a few sizes), run the way
     training runs them: `F.linear` on fp32 tensors, under autocast to `dtype` when it is not fp32
@@ -62,7 +53,7 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.25) ->
     Measured once per CPU model, thread count, dtype and torch version, and cached in
     ~/.cache/hydradist/peak_flops.json. Local workers probe at the same time, sharing the cores
     as they will in training, so each measures its own share."""
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}|probe=linear-autocast"
+    key = f"{cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}|probe=linear-autocast"
     path = os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hydradist", "peak_flops.json"
     )

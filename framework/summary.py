@@ -90,7 +90,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "load_balance": balance,
     }
-    summary["plan"] = plan_check(cfg, info.world_size, summary)
+    summary["plan"] = plan_check(cfg, info.world_size, summary) if info.is_main else None  # once: rank 0 writes it
     return summary
 
 

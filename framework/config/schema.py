@@ -280,6 +280,7 @@ class PlanConfig:
     inter_node_gbps: float | None = None  # across nodes; null: as within
     latency_us: float | None = None  # per collective call; null: probed
     overlap: float | None = None  # share of compute that hides data-parallel traffic; null: 0 CPU, 0.8 CUDA
+    op_overhead_us: float | None = None  # dispatch cost per operator; null: probed (CPU) or nominal
     nodes: int = 1  # nodes the world spans (groups wider than a node use inter_node_gbps)
     auto: Any = None  # set by parallel=auto: the layout it chose and why (read by the run)
 

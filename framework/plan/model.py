@@ -4,20 +4,13 @@ per optimizer step, from the model's parameter shapes and the config alone (noth
 - State: every parameter's local shape under the layout (its pipeline stage; tensor parallel's
   column/row split; FSDP's dim-0 chunk, padded as FSDP2 pads, or FSDP1's flat shard), times 4
   bytes (parameters, gradients and optimizer states stay fp32; autocast casts on the fly).
-- Saved activations (gpt): per block, the tensors autograd keeps, in units of one micro-batch's
-  residual stream (b x T x D): 16 in fp32 (the block input, the norms' outputs, q/k/v, attention's
-  output, the MLP's 4x-wide hidden before and after GELU), split 1/tp where tensor parallel splits
-  them; under autocast the 16-bit copies each linear makes of its input and weight instead; a
-  checkpointed block keeps its input only. The embeddings' indices and the head's log-softmax
-  (b x T x vocab, fp32) come on top. A pipeline rank holds several micro-batches at its peak:
-  how many is the schedule's (GPipe all, 1F1B one per stage still ahead).
+- Saved activations: `framework.plan.activations`; the peak: `framework.plan.peak`.
 - Collectives: payloads by op and group (DDP's bucketed all-reduce, FSDP's all-gathers and
   reduce-scatters per unit, tensor parallel's per-block gathers and scatters, a pipeline's
   sends), counted like `framework.comm` counts measured ones, with its ring factors for wire bytes.
 
-What it ignores: allocator caching and fragmentation, communication buffers, the transient
-recomputation of a checkpointed block, padding under variable-length data (it takes the
-configured micro-batch as full), and (for step time) overlap beyond `plan.overlap`.
+What it ignores: padding under variable-length data (it takes the configured micro-batch as
+full). The shapes of a layout are walked once per model (`predict.shapes_of` caches them).
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from omegaconf import DictConfig
 from torch import nn
@@ -50,10 +42,17 @@ class Layout:
     comm_hook: str = "none"
     sync_every_microbatch: bool = False
     bucket_cap_mb: float = 25.0
+    cp: int = 1  # context parallel: each sequence split over cp ranks
+    cp_impl: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def shard(self) -> int:
+        """Ranks FSDP shards the model state over: dp_shard x cp (cp ranks share state, as torchtitan)."""
+        return self.dp_shard * self.cp
 
     @property
     def dp(self) -> int:
@@ -75,7 +74,7 @@ def layout_of(parallel: DictConfig, world: int, n_layer: int | None = None, n_he
     if p.name == "ddp":
         return Layout("ddp", dp_replicate=world, comm_hook=p.comm_hook, bucket_cap_mb=p.bucket_cap_mb)
     dims = ParallelDims.from_config(p, world, n_layer, n_head)
-    fsdp = p.version if (dims.dp > 1 or p.name == "fsdp") else 0
+    fsdp = p.version if (dims.dp * dims.cp > 1 or p.name == "fsdp") else 0
     reshard = p.reshard_after_forward
     if fsdp == 1:
         reshard = p.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
@@ -86,7 +85,7 @@ def layout_of(parallel: DictConfig, world: int, n_layer: int | None = None, n_he
         sequence_parallel=dims.tp > 1 and p.sequence_parallel, loss_parallel=dims.tp > 1 and p.loss_parallel,
         schedule=p.schedule, n_microbatches=p.n_microbatches if dims.pp > 1 else 1,
         stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
-        sync_every_microbatch=p.sync_every_microbatch,
+        sync_every_microbatch=p.sync_every_microbatch, cp=dims.cp, cp_impl=p.get("cp_impl", "ring"),
     )  # fmt: skip
 
 
@@ -134,13 +133,13 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     from framework.config.model import meta_model, model_spec
     from framework.contract import block_index, blocks_of, expand_plan
     from framework.metrics import model_flops, recomputed_blocks
-    from framework.parallel.pipeline import split_layers, trace_split
+    from framework.parallel.pipeline import split_layers
 
     model, spec = meta_model(cfg), model_spec(cfg)
     n_blocks = len(blocks_of(model, spec))
     layers = split_layers(n_blocks, layout.stages) if n_blocks else [[]]
     stage_of = {i: s for s, ids in enumerate(layers) for i in ids}
-    first_stage = set(trace_split(model, spec, 2).before) if layout.pp > 1 else set()
+    first_stage = _first_stage(model, spec) if layout.pp > 1 else set()
     plan = expand_plan(model, spec) if layout.tp > 1 else {}
     params = []
     for name, p in model.named_parameters():
@@ -159,6 +158,20 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     hidden = residual_width(model, spec)
     tp = tp_shape(model, spec, plan, hidden) if plan else None
     return Shapes(params, spec.planner_shape, *(counted or (None, None)), layers, dict(buffers), hidden, tp)
+
+
+_TRACED: dict[int, tuple[nn.Module, set[str]]] = {}  # held: an id is only unique while its object lives
+
+
+def _first_stage(model: nn.Module, spec) -> set[str]:
+    """The top-level modules a pipeline's first stage holds: one trace per model (tracing a 96-block
+    model on meta takes seconds, and a plan compares dozens of pipeline layouts of it)."""
+    from framework.parallel.pipeline import trace_split
+
+    if id(model) not in _TRACED:
+        _TRACED.clear()
+        _TRACED[id(model)] = model, set(trace_split(model, spec, 2).before)
+    return _TRACED[id(model)][1]
 
 
 def residual_width(model: nn.Module, spec) -> int | None:
@@ -248,14 +261,14 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
             # DTensor's embedding backward: a tp rank holds all of it
             per_rank[rank][2] += _numel(p.shape) - _numel(local)
         if layout.fsdp == 2:
-            rows, _ = fsdp_rows(local[0], layout.dp_shard)
+            rows, _ = fsdp_rows(local[0], layout.shard)
             per_rank[rank][0] += rows * _numel(local[1:])
         elif layout.fsdp == 1:
             units[(rank, p.unit)] += _numel(local)
         else:
             per_rank[rank][0] += _numel(local)
     for (rank, _), numel in units.items():  # FSDP1: one flat parameter per unit, split evenly
-        per_rank[rank][0] += -(-numel // layout.dp_shard)
+        per_rank[rank][0] += -(-numel // layout.shard)
     elements, tensors, extra_grad = max(per_rank.values())
     optim = cfg.optim
     if optim.name == "adamw":
@@ -263,96 +276,3 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
     else:
         optim_bytes = 4 * elements if optim.momentum > 0 else 0
     return {"param_bytes": 4 * elements, "grad_bytes": 4 * (elements + extra_grad), "optim_bytes": optim_bytes}
-
-
-# ----------------------------------------------------------------------------- activations
-
-
-def micro_batch(cfg: DictConfig, layout: Layout) -> int:
-    """Samples per micro-batch on one rank (a pipeline cuts the local batch into micro-batches)."""
-    batch = max(cfg.data.rank_batch_sizes or [cfg.data.batch_size])
-    if layout.pp > 1:
-        return batch * cfg.accumulation_steps // layout.n_microbatches
-    return batch
-
-
-def _casts(cfg: DictConfig, layout: Layout) -> bool:
-    """Autocast over fp32 parameters: each linear casts its input and weight to 16 bits (and saves
-    the copies). Under FSDP's mixed precision the gathered parameters, and so the whole forward,
-    are 16-bit already: nothing to cast."""
-    return cfg.precision.name != "fp32" and not layout.fsdp
-
-
-def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout, checkpointed: bool) -> float:
-    """Bytes one gpt block (dims `g`: the model's planner_shape) saves for backward for a micro-batch of `b` samples."""
-    T = cfg.data.seq_len
-    u = b * T * g.n_embd  # elements of the residual stream
-    tp, seq_split = layout.tp, (layout.tp if layout.sequence_parallel else 1)
-    e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
-    if checkpointed:
-        return e * u / seq_split  # the block's input, kept for the recomputation
-    small = e * 4 * b * T / seq_split + 4 * b * g.n_head * T / tp  # two norms' mean and rstd; logsumexp
-    if not _casts(cfg, layout):
-        # split 1/tp: q, k, v, attention's output, the MLP's hidden before and after GELU (12);
-        # the norms' outputs are whole (gathered); the block input and the mid-residual follow
-        # the residual stream's layout
-        return e * u * (2 + 12 / tp + 2 / seq_split) + small
-    # autocast: each linear saves its own 16-bit copy of input and weight; the residual stays fp32
-    casts = 2 * u * (3 + 1) + 2 * 12 * g.n_embd**2 / tp
-    return 4 * u * 2 / seq_split + 2 * u * 12 / tp + casts + small
-
-
-def head_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
-    """The final norm, the output head and the fp32 log-softmax, for `b` samples."""
-    T = cfg.data.seq_len
-    u, seq_split = b * T * g.n_embd, (layout.tp if layout.sequence_parallel else 1)
-    vocab_split = layout.tp if layout.loss_parallel else 1
-    e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2
-    norm = (e * u + 2 * e * b * T) / seq_split
-    head_input = 2 * u + 2 * g.vocab_size * g.n_embd / layout.tp if _casts(cfg, layout) else e * u
-    return norm + head_input + 4 * b * T * g.vocab_size / vocab_split + 8 * b * T + 4
-
-
-def in_flight(stage: int, layout: Layout) -> int:
-    """Micro-batches whose activations a pipeline stage holds at its peak."""
-    m, p = layout.n_microbatches, layout.stages
-    if layout.pp == 1:
-        return 1
-    if layout.schedule == "GPipe":
-        return m
-    if layout.schedule == "1F1B":
-        return min(m, layout.pp - stage)
-    if layout.schedule == "Interleaved1F1B":
-        return _interleaved_in_flight(stage, layout)
-    return min(m, p - stage)  # zero-bubble: one per stage ahead (weight-gradient inputs kept longer: low)
-
-
-def _interleaved_in_flight(stage: int, layout: Layout) -> int:
-    """Interleaved 1F1B: rank r runs (v-1)·p + 2(p-1-r) warm-up forwards and one more before its
-    first backward, in rounds of p micro-batches through its stages in turn."""
-    m, p, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
-    rank, local = stage_rank(stage, layout), stage // layout.pp
-    forwards = min(v * m, (v - 1) * p + 2 * (p - 1 - rank) + 1)
-    held = 0
-    for k in range(forwards):  # the k-th forward runs local stage (k // p) % v
-        held += (k // p) % v == local
-    return held
-
-
-def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | None:
-    """Peak bytes saved for backward on the rank holding most: for models that declare a gpt-like
-    block (``planner_shape``); None (not predicted) for others."""
-    if shapes.gpt is None:
-        return None
-    b, g = micro_batch(cfg, layout), SimpleNamespace(**shapes.gpt)
-    every = cfg.memory.checkpoint_every if cfg.memory.name == "checkpoint" else 0
-    per_rank: dict[int, float] = defaultdict(float)
-    for stage, layers in enumerate(shapes.stage_layers):
-        checkpointed = set(layers[::every]) if every else set()
-        saved = sum(block_activation_bytes(b, g, cfg, layout, i in checkpointed) for i in layers)
-        if stage == 0:
-            saved += 8 * b * cfg.data.seq_len + 8 * cfg.data.seq_len  # token and position indices
-        if stage == layout.stages - 1:
-            saved += head_activation_bytes(b, g, cfg, layout)
-        per_rank[stage_rank(stage, layout)] += saved * in_flight(stage, layout)
-    return round(max(per_rank.values()))

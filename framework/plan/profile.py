@@ -8,6 +8,11 @@ fitted as seconds = latency + wire bytes / bandwidth. `plan.*` overrides any fig
 cluster: peak TFLOP/s, GB/s within and across nodes). Ranks started by a launcher (torchrun,
 srun) neither probe nor read a cache for `parallel=auto`: they use the config or nominal
 figures, so that every rank, on every node, decides alike.
+
+A probe never starts more workers than one node of the planned job runs here (world / plan.nodes,
+capped by this machine's cores or GPUs, `framework.machine.local_ranks`): planning 1,024 ranks on
+a laptop probes a 2-rank link and says so. Each figure's source (config, probe, cache, datasheet,
+nominal) is in `Profile.sources`.
 """
 
 from __future__ import annotations
@@ -20,8 +25,18 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
+from framework.machine import cpu_name, local_launch_config, local_ranks
+
 # figures for what is neither configured nor measured (ranks a launcher started: set plan.*)
-NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 100.0}
+NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 100.0,
+           "op_overhead_us": {"cpu": 10.0, "cuda": 10.0}}  # fmt: skip
+# the process before the model: imports and the backend (CPU: torch and the framework resident;
+# CUDA: the allocator counts from zero), and what the allocator keeps beyond the live bytes
+NOMINAL_BASELINE = {"cpu": 700 * 2**20, "cuda": 0}
+# CPU: glibc's retention beyond the live bytes, fitted (0.15 to 0.38, median 0.2) on the four
+# runs of benchmarks/plan_peak.py (none, ddp x2, fsdp x4, pp x2 on the 100M gpt); CUDA: the
+# caching allocator's usual few percent
+NOMINAL_SLACK = {"cpu": 0.20, "cuda": 0.05}
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,11 @@ class Profile:
     latency_s: float
     overlap: float  # share of compute that hides data-parallel communication
     source: str  # where the figures came from
+    baseline_bytes: int = 0  # the process before the model (the peak model's floor)
+    slack: float = 0.0  # allocator retention, a share of the live bytes
+    probe_ranks: int = 0  # the workers the link probe ran (0: none)
+    sources: dict = None  # figure -> "config" | "probe" | "cache" | "datasheet" | "nominal"
+    op_overhead_s: float = 0.0  # dispatch cost per operator (Python, autograd, the kernel launch)
 
 
 def _cache_path() -> str:
@@ -58,9 +78,7 @@ def _write_cache(key: str, value: dict) -> None:
 
 
 def _link_key(device: str, backend: str, world: int) -> str:
-    from framework.metrics import _cpu_name
-
-    name = torch.cuda.get_device_name(0) if device == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
     return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}"
 
 
@@ -70,28 +88,120 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     - measure="cache": the cache, else nominal figures (a run checking its own prediction);
     - measure="config": nominal figures only, so that every rank a launcher started (on any
       node, whatever its cache holds) ranks the layouts alike.
-    `source` says which was used."""
+    `source` says which was used, `sources` figure by figure."""
     from framework.config import resolve_device
 
     device = resolve_device(cfg)
-    local = min(world, cfg.launch.nproc_per_node or world)
-    plan, sources = cfg.plan, []
+    local = local_ranks(world, cfg.plan.nodes, cfg.launch.nproc_per_node, device)
+    plan, sources, where = cfg.plan, [], {}
     peak = _peak(cfg, device, local, sources, measure)
-    link = None
-    if plan.intra_node_gbps is None or plan.latency_us is None:
-        backend = "nccl" if device == "cuda" else "gloo"
-        key = _link_key(device, backend, local)
-        link = _read_cache().get(key) if measure != "config" else None
-        if link is None and measure == "probe" and local > 1:
-            link = probe_link(local, device)
-            _write_cache(key, link)
-        sources.append(f"link: {key if link else 'nominal'}")
+    where["peak_flops"] = sources[-1].split(": ")[1]
+    link, probed = _link(cfg, device, local, measure, sources)
+    where["link"] = "probe" if probed else ("cache" if link else "nominal")
     link = link or {"bytes_per_s": NOMINAL["gbps"] * 1e9, "latency_s": NOMINAL["latency_us"] * 1e-6}
     intra = plan.intra_node_gbps * 1e9 if plan.intra_node_gbps is not None else link["bytes_per_s"]
     inter = plan.inter_node_gbps * 1e9 if plan.inter_node_gbps is not None else intra
     latency = plan.latency_us * 1e-6 if plan.latency_us is not None else link["latency_s"]
+    where |= {
+        "intra_bytes_per_s": "config" if plan.intra_node_gbps is not None else where["link"],
+        "inter_bytes_per_s": "config" if plan.inter_node_gbps is not None else "as intra",
+        "latency_s": "config" if plan.latency_us is not None else where.pop("link"),
+    }
+    where.pop("link", None)
     overlap = plan.overlap if plan.overlap is not None else (0.8 if device == "cuda" else 0.0)
-    return Profile(peak, intra, inter, latency, overlap, "; ".join(sources))
+    where["overlap"] = "config" if plan.overlap is not None else "nominal"
+    baseline, where["baseline_bytes"] = baseline_bytes(device, measure)
+    overhead, where["op_overhead_s"] = op_overhead(cfg, device, local, measure)
+    return Profile(
+        peak, intra, inter, latency, overlap, "; ".join(sources), baseline, NOMINAL_SLACK[device],
+        local if probed else 0, where, overhead,
+    )  # fmt: skip
+
+
+def op_overhead(cfg: DictConfig, device: str, local: int, measure: str) -> tuple[float, str]:
+    """(seconds of dispatch per operator, source): a tiny pre-norm block's forward and backward,
+    whose time is all overhead, over the ~120 operators `timing.ops_per_step` counts per block;
+    on the threads one of `local` ranks gets. Cached per machine."""
+    if cfg.plan.get("op_overhead_us") is not None:
+        return cfg.plan.op_overhead_us * 1e-6, "config"
+    if measure == "config" or device == "cuda":
+        return NOMINAL["op_overhead_us"][device] * 1e-6, "nominal"
+    threads = max(1, (os.cpu_count() or 1) // local)
+    key = f"op_overhead|{cpu_name()}|threads={threads}|torch={torch.__version__}"
+    cached = _read_cache().get(key)
+    if cached is not None:
+        return cached["s"], "cache"
+    if measure != "probe":
+        return NOMINAL["op_overhead_us"][device] * 1e-6, "nominal"
+    value = _time_tiny_block(threads) / 120
+    _write_cache(key, {"s": value})
+    return value, "probe"
+
+
+def _time_tiny_block(threads: int, iters: int = 60) -> float:
+    import statistics
+
+    from torch import nn
+    from torch.nn import functional as F
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    norm1, norm2 = nn.LayerNorm(16), nn.LayerNorm(16)
+    qkv, proj, up, down = nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 64), nn.Linear(64, 16)
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    times = []
+    try:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            q, k, v = qkv(norm1(x)).view(1, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            h = x + proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 8, 16))
+            (h + down(F.gelu(up(norm2(h))))).sum().backward()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times[5:])
+
+
+def _link(cfg: DictConfig, device: str, local: int, measure: str, sources: list[str]) -> tuple[dict | None, bool]:
+    """(the link figures of `local` ranks from the cache or a probe, or None; whether it probed)."""
+    if cfg.plan.intra_node_gbps is not None and cfg.plan.latency_us is not None:
+        return None, False
+    backend = "nccl" if device == "cuda" else "gloo"
+    key = _link_key(device, backend, local)
+    link = _read_cache().get(key) if measure != "config" else None
+    probed = False
+    if link is None and measure == "probe" and local > 1:
+        link, probed = probe_link(local, device), True
+        _write_cache(key, link)
+    sources.append(f"link: {key if link else 'nominal'}")
+    return link, probed
+
+
+def baseline_bytes(device: str, measure: str) -> tuple[int, str]:
+    """(the resident bytes of a worker before its model, where the figure came from): on CPU a
+    fresh interpreter importing what a worker imports, measured once and cached."""
+    if device == "cuda" or measure == "config":
+        return NOMINAL_BASELINE[device], "nominal"
+    key = f"baseline|{cpu_name()}|{device}|torch={torch.__version__}"
+    cached = _read_cache().get(key)
+    if cached is not None:
+        return cached["bytes"], "cache"
+    if measure != "probe":
+        return NOMINAL_BASELINE[device], "nominal"
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch._dynamo, torch.distributed, framework.trainer, framework.memory as m; "
+        "print(m.current_rss_bytes())"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    if out.returncode:
+        return NOMINAL_BASELINE[device], "nominal"
+    value = int(out.stdout.split()[-1])
+    _write_cache(key, {"bytes": value})
+    return value, "probe"
 
 
 def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure: str) -> float:
@@ -126,8 +236,6 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
 def probe_link(world: int, device: str) -> dict[str, float]:
     """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
     from torch.distributed.launcher.api import elastic_launch
-
-    from framework.dist import local_launch_config
 
     samples = elastic_launch(local_launch_config(world), _probe_worker)(device)[0]
     (n0, t0), (n1, t1) = samples[0], samples[-1]

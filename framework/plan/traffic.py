@@ -12,6 +12,10 @@ wire bytes, in the shape `framework.comm` measures them (so the two compare figu
   the residual stream each way, without it two all-reduces forward and four backward; the head gathers its input
   and (without loss parallel) the logits; norms' partial gradients are all-reduced at clipping.
 - pp: per micro-batch each stage sends its output forward and its input's gradient back.
+- cp (ring attention): per block and micro-batch the stacked key/value block travels cp-1 hops
+  forward and again backward (and once more in a checkpointed block's recomputation), and its
+  gradient (float32, the ring's accumulation dtype) cp hops backward; each hop a send and a receive.
+  torch's own `context_parallel` (cp_impl=torch) is not modelled.
 - clipping: one 4-byte all-reduce of the squared norm (mesh strategies and FSDP1).
 """
 
@@ -23,7 +27,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from framework.comm import RING_FACTOR
-from framework.plan.model import Layout, Shapes, _numel, _tp_local, fsdp_rows, micro_batch, stage_rank
+from framework.plan.activations import checkpoint_every, micro_batch, tokens_per_rank
+from framework.plan.model import Layout, Shapes, _numel, _tp_local, fsdp_rows, stage_rank
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "amp": 2}
 
@@ -82,6 +87,10 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
         _tensor_parallel(ranks, shapes, cfg, layout)
     if layout.pp > 1:
         _pipeline(ranks, shapes, cfg, layout)
+    if layout.cp > 1:
+        if layout.cp_impl != "ring" or shapes.gpt is None:
+            return None
+        _ring_attention(ranks[0], shapes, cfg, layout)
     for t in ranks:  # clipping's global norm
         t.add("all_reduce", 4, layout.world)
     return ranks
@@ -106,10 +115,10 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     for p in shapes.params:
         local = _tp_local(p, layout.tp)
         key = (stage_rank(p.stage, layout), p.unit if p.unit != "root" else f"root{p.stage}")
-        units[key] += fsdp_rows(local[0], layout.dp_shard)[1] * _numel(local[1:])
+        units[key] += fsdp_rows(local[0], layout.shard)[1] * _numel(local[1:])
         flat[key] += _numel(local)
     if layout.fsdp == 1:  # one flat parameter per unit, padded to divide evenly
-        units = {k: -(-n // layout.dp_shard) * layout.dp_shard for k, n in flat.items()}
+        units = {k: -(-n // layout.shard) * layout.shard for k, n in flat.items()}
     rounds = cfg.accumulation_steps if layout.sync_every_microbatch else 1
     # FSDP1's no_sync skips the reduce-scatter only: every micro-batch gathers again (FSDP2's
     # accumulation here keeps the parameters gathered between micro-batches)
@@ -117,9 +126,9 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     for (rank, unit), elements in units.items():
         t = ranks[rank]
         gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
-        t.add("all_gather", gathers * elements * gather_bytes, layout.dp_shard, gathers, "dp")
-        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.dp_shard, rounds, "dp")
-        shard = elements // layout.dp_shard * reduce_bytes
+        t.add("all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp")
+        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp")
+        shard = elements // layout.shard * reduce_bytes
         t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp")
 
 
@@ -129,7 +138,7 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
     backward); a column-wise one all-reduces its input gradient backward, each on its own;
     under sequence parallel a gather point all-gathers the sequence forward and reduce-scatters its
     gradient backward, and each norm parameter's partial gradient is all-reduced once."""
-    tps, T, tp = shapes.tp, cfg.data.seq_len, layout.tp
+    tps, T, tp = shapes.tp, tokens_per_rank(cfg, layout), layout.tp
     mb = micro_batch(cfg, layout)
     n_micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
     out_bytes = 4 if cfg.precision.name == "fp32" else 2  # a linear's output under autocast
@@ -181,3 +190,18 @@ def _pipeline(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Lay
             ranks[rank].add("send", m * activation, 2, calls=m)  # outputs forward
         if stage > 0 and stage_rank(stage - 1, layout) != rank:
             ranks[rank].add("send", m * activation, 2, calls=m)  # input gradients back
+
+
+def _ring_attention(t: Traffic, shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
+    """Ring attention's sends (framework/parallel/ring.py): a message is this rank's keys and
+    values stacked, 2 x b x T/cp x D/tp elements, in the compute dtype; its gradient in float32."""
+    b, cp, n_layer = micro_batch(cfg, layout), layout.cp, shapes.gpt["n_layer"]
+    elements = 2 * b * tokens_per_rank(cfg, layout) * shapes.gpt["n_embd"] // layout.tp
+    kv_bytes = 4 if cfg.precision.name == "fp32" else 2
+    every = checkpoint_every(cfg)
+    recomputed = len(range(0, n_layer, every)) if every else 0
+    n_micro = cfg.accumulation_steps
+    kv_hops = n_micro * (cp - 1) * (2 * n_layer + recomputed)
+    grad_hops = n_micro * cp * n_layer
+    t.add("send", kv_hops * elements * kv_bytes, cp, calls=kv_hops)
+    t.add("send", grad_hops * elements * 4, cp, calls=grad_hops)

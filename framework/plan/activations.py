@@ -1,0 +1,138 @@
+"""Saved activations (gpt-like blocks): per block, the tensors autograd keeps, in units of one
+micro-batch's residual stream (b x T x D): 16 in fp32 (the block input, the norms' outputs, q/k/v,
+attention's output, the MLP's 4x-wide hidden before and after GELU), split 1/tp where tensor
+parallel splits them and 1/cp along the sequence under context parallel (each rank holds T/cp
+tokens; ring attention saves the same q, k, v, output and log-sum-exp as SDPA does); under autocast
+the 16-bit copies each linear makes of its input and weight instead; a checkpointed block keeps
+its input only. The embeddings' indices and the head's log-softmax (b x T x vocab, fp32) come on
+top. A pipeline rank holds several micro-batches at its peak: how many is the schedule's (GPipe
+all, 1F1B one per stage still ahead). FSDP's gathered parameters are here too: what is unsharded
+at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+from omegaconf import DictConfig
+
+from framework.plan.model import Layout, Shapes, stage_rank
+
+
+def tokens_per_rank(cfg: DictConfig, layout: Layout) -> int:
+    """Sequence positions one rank holds: the whole sequence, or its 1/cp under context parallel."""
+    return cfg.data.seq_len // layout.cp
+
+
+def checkpoint_every(cfg: DictConfig) -> int:
+    """Every k-th block is checkpointed (0: none)."""
+    return cfg.memory.checkpoint_every if cfg.memory.name == "checkpoint" else 0
+
+
+def micro_batch(cfg: DictConfig, layout: Layout) -> int:
+    """Samples per micro-batch on one rank (a pipeline cuts the local batch into micro-batches)."""
+    batch = max(cfg.data.rank_batch_sizes or [cfg.data.batch_size])
+    if layout.pp > 1:
+        return batch * cfg.accumulation_steps // layout.n_microbatches
+    return batch
+
+
+def _casts(cfg: DictConfig, layout: Layout) -> bool:
+    """Autocast over fp32 parameters: each linear casts its input and weight to 16 bits (and saves
+    the copies). Under FSDP's mixed precision the gathered parameters, and so the whole forward,
+    are 16-bit already: nothing to cast."""
+    return cfg.precision.name != "fp32" and not layout.fsdp
+
+
+def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout, checkpointed: bool) -> float:
+    """Bytes one gpt block (dims `g`: the model's planner_shape) saves for backward for a micro-batch of `b` samples."""
+    T = tokens_per_rank(cfg, layout)
+    u = b * T * g.n_embd  # elements of the residual stream
+    tp, seq_split = layout.tp, (layout.tp if layout.sequence_parallel else 1)
+    e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
+    if checkpointed:
+        return e * u / seq_split  # the block's input, kept for the recomputation
+    small = e * 4 * b * T / seq_split + 4 * b * g.n_head * T / tp  # two norms' mean and rstd; logsumexp
+    if not _casts(cfg, layout):
+        # split 1/tp: q, k, v, attention's output, the MLP's hidden before and after GELU (12);
+        # the norms' outputs are whole (gathered); the block input and the mid-residual follow
+        # the residual stream's layout
+        return e * u * (2 + 12 / tp + 2 / seq_split) + small
+    # autocast: each linear saves its own 16-bit copy of input and weight; the residual stays fp32
+    casts = 2 * u * (3 + 1) + 2 * 12 * g.n_embd**2 / tp
+    return 4 * u * 2 / seq_split + 2 * u * 12 / tp + casts + small
+
+
+def head_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
+    """The final norm, the output head and the fp32 log-softmax, for `b` samples."""
+    T = tokens_per_rank(cfg, layout)
+    u, seq_split = b * T * g.n_embd, (layout.tp if layout.sequence_parallel else 1)
+    vocab_split = layout.tp if layout.loss_parallel else 1
+    e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2
+    norm = (e * u + 2 * e * b * T) / seq_split
+    head_input = 2 * u + 2 * g.vocab_size * g.n_embd / layout.tp if _casts(cfg, layout) else e * u
+    return norm + head_input + 4 * b * T * g.vocab_size / vocab_split + 8 * b * T + 4
+
+
+def in_flight(stage: int, layout: Layout) -> int:
+    """Micro-batches whose activations a pipeline stage holds at its peak."""
+    m, p = layout.n_microbatches, layout.stages
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "GPipe":
+        return m
+    if layout.schedule == "1F1B":
+        return min(m, layout.pp - stage)
+    if layout.schedule == "Interleaved1F1B":
+        return _interleaved_in_flight(stage, layout)
+    return min(m, p - stage)  # zero-bubble: one per stage ahead (weight-gradient inputs kept longer: low)
+
+
+def _interleaved_in_flight(stage: int, layout: Layout) -> int:
+    """Interleaved 1F1B: rank r runs (v-1)·p + 2(p-1-r) warm-up forwards and one more before its
+    first backward, in rounds of p micro-batches through its stages in turn."""
+    m, p, v = layout.n_microbatches, layout.pp, layout.stages_per_rank
+    rank, local = stage_rank(stage, layout), stage // layout.pp
+    forwards = min(v * m, (v - 1) * p + 2 * (p - 1 - rank) + 1)
+    held = 0
+    for k in range(forwards):  # the k-th forward runs local stage (k // p) % v
+        held += (k // p) % v == local
+    return held
+
+
+def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | None:
+    """Peak bytes saved for backward on the rank holding most: for models that declare a gpt-like
+    block (``planner_shape``); None (not predicted) for others."""
+    if shapes.gpt is None:
+        return None
+    b, g = micro_batch(cfg, layout), SimpleNamespace(**shapes.gpt)
+    every = checkpoint_every(cfg)
+    per_rank: dict[int, float] = defaultdict(float)
+    for stage, layers in enumerate(shapes.stage_layers):
+        kept = len(layers[::every]) if every else 0  # checkpointed blocks keep their input only
+        saved = kept * block_activation_bytes(b, g, cfg, layout, True)
+        saved += (len(layers) - kept) * block_activation_bytes(b, g, cfg, layout, False)
+        if stage == 0:
+            saved += 8 * b * tokens_per_rank(cfg, layout) + 8 * tokens_per_rank(
+                cfg, layout
+            )  # token and position indices
+        if stage == layout.stages - 1:
+            saved += head_activation_bytes(b, g, cfg, layout)
+        per_rank[stage_rank(stage, layout)] += saved * in_flight(stage, layout)
+    return round(max(per_rank.values()))
+
+
+def gathered_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
+    """FSDP's unsharded parameters at once: two units (the one running and the one prefetched)
+    when units reshard after forward, else every unit of the rank."""
+    if not layout.fsdp:
+        return 0
+    units: dict[str, int] = {}
+    for p in shapes.params:
+        units[p.unit] = units.get(p.unit, 0) + math.prod(p.shape) // layout.tp
+    size = 2 if cfg.precision.name != "fp32" else 4
+    if layout.reshard:
+        return size * sum(sorted(units.values())[-2:])
+    return size * sum(units.values()) // layout.pp

@@ -1,0 +1,333 @@
+"""The search behind `parallel=auto`: every layout the world admits (ddp, fsdp both ways, tp, pp
+with each schedule, cp, the hybrid degrees) times the memory knobs (activation checkpointing of
+none, every k-th or every block; micro-batch against accumulation with the global batch kept; a
+pipeline's micro-batch count), each predicted; the fastest whose predicted peak fits
+`plan.memory_budget_mb` runs.
+
+The knobs vary one copy of each layout's config in place (a deep copy per combination would cost
+more than its prediction), so that a few hundred combinations take seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config import CONF_DIR, ConfigError, resolve_device
+from framework.config.model import meta_model, model_dims_of, model_spec
+from framework.config.schema import ParallelConfig
+from framework.machine import local_ranks
+from framework.parallel.dims import ParallelDims
+from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
+from framework.plan.predict import predict
+from framework.plan.profile import Profile, machine_profile
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: tuple[str, ...]  # what selects it on the command line
+    cfg: DictConfig  # the run's config with this parallel group
+
+
+def parallel_group(name: str, settings: dict[str, Any]) -> DictConfig:
+    """The `parallel` group `python train.py parallel=NAME parallel.K=V ...` composes."""
+    node = OmegaConf.load(CONF_DIR / "parallel" / f"{name}.yaml")
+    node.pop("defaults", None)
+    return OmegaConf.merge(OmegaConf.structured(ParallelConfig), node, settings)
+
+
+def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
+    """Every layout `world` ranks admit for this model and batch: ddp, fsdp (full and grad-op),
+    and for gpt tp, pp with each schedule, and the hybrid degrees dp x pp x tp.
+
+    Every candidate trains the same job: the global batch stays data.batch_size x world (what
+    ddp reads), so a layout with fewer data-parallel ranks takes a larger batch per rank."""
+    options: list[tuple[str, dict[str, Any]]] = [("ddp", {}), ("fsdp", {}), ("fsdp", {"reshard_after_forward": False})]
+    if model_spec(cfg).tp_plan and not cfg.data.rank_batch_sizes:
+        options += [("tp", {"sequence_parallel": cfg.data.seq_len % world == 0})]
+        options += [
+            ("pp", {"schedule": s})
+            for s in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+        ]
+        options += [("cp", {})]
+        for dp, pp, tp in _factorizations(world):
+            options.append(("hybrid", {"dp_shard": dp, "pp": pp, "tp": tp}))
+    out = []
+    for name, settings in options:
+        candidate = _candidate(cfg, world, name, settings)
+        if candidate is not None:
+            out.append(candidate)
+    return out
+
+
+def _candidate(cfg: DictConfig, world: int, name: str, settings: dict[str, Any]) -> Candidate | None:
+    """The run's config with this parallel group (and the batch per rank that keeps the global
+    batch), or None where the layout cannot run this model or batch."""
+    parallel = parallel_group(name, settings)
+    try:
+        dims = ParallelDims.from_config(parallel, world, *model_dims_of(cfg))
+    except ValueError:
+        return None
+    global_batch = cfg.data.batch_size * world
+    if global_batch % dims.dp:
+        return None
+    trial = copy.deepcopy(cfg)
+    OmegaConf.set_struct(trial, False)
+    trial.data.batch_size = global_batch // dims.dp
+    if dims.pp > 1:
+        m = _microbatches(trial, parallel, dims.pp)
+        if m is None:
+            return None
+        settings = settings | {"n_microbatches": m}
+        parallel.n_microbatches = m
+    trial.parallel = parallel
+    try:
+        if name != "ddp":
+            dims.check_run(trial)
+    except ValueError:
+        return None
+    flags = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+    if trial.data.batch_size != cfg.data.batch_size:
+        flags.append(f"data.batch_size={trial.data.batch_size}")
+    return Candidate((f"parallel={name}", *flags), trial)
+
+
+def _factorizations(world: int) -> list[tuple[int, int, int]]:
+    """(dp, pp, tp) with dp x pp x tp = world and at least two of them above 1."""
+    out = []
+    for tp in range(1, world + 1):
+        for pp in range(1, world // tp + 1):
+            if world % (tp * pp) == 0:
+                dp = world // (tp * pp)
+                if sum(d > 1 for d in (dp, pp, tp)) >= 2:
+                    out.append((dp, pp, tp))
+    return out
+
+
+def _microbatches(cfg: DictConfig, parallel: DictConfig, pp: int) -> int | None:
+    """Micro-batches for a pipeline candidate: the group's default if the local batch allows it,
+    else the fewest that the batch divides into and the schedule accepts."""
+    local = cfg.data.batch_size * cfg.accumulation_steps
+    least = 1 if parallel.schedule in SINGLE_STAGE else pp * stages_per_rank(parallel)
+    ok = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
+    if not ok:
+        return None
+    return parallel.n_microbatches if parallel.n_microbatches in ok else ok[0]
+
+
+# ----------------------------------------------------------------------------- the memory knobs
+
+
+@dataclass(frozen=True)
+class Knobs:
+    checkpoint_every: int  # 0: no activation checkpointing; k: every k-th block
+    batch_size: int  # micro-batch of one data-parallel rank
+    accumulation_steps: int
+    n_microbatches: int | None = None  # pipelines only
+
+    def overrides(self, base: DictConfig) -> list[str]:
+        """What selects these knobs on the command line, beside the layout's."""
+        out = []
+        if self.checkpoint_every:
+            out += ["memory=checkpoint", f"memory.checkpoint_every={self.checkpoint_every}"]
+        elif base.memory.name == "checkpoint":
+            out.append("memory=none")
+        if self.batch_size != base.data.batch_size:
+            out.append(f"data.batch_size={self.batch_size}")
+        if self.accumulation_steps != base.accumulation_steps:
+            out.append(f"accumulation_steps={self.accumulation_steps}")
+        if self.n_microbatches is not None:
+            out.append(f"parallel.n_microbatches={self.n_microbatches}")
+        return out
+
+    def apply(self, cfg: DictConfig) -> None:
+        """Set these knobs in `cfg` (in place; a trial copy, or the run's config once chosen)."""
+        cfg.memory.name = "checkpoint" if self.checkpoint_every else "none"
+        cfg.memory.checkpoint_every = self.checkpoint_every or 1
+        cfg.data.batch_size, cfg.accumulation_steps = self.batch_size, self.accumulation_steps
+        if self.n_microbatches is not None:
+            cfg.parallel.n_microbatches = self.n_microbatches
+
+
+def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> list[Knobs]:
+    """The knob combinations of one layout (`trial`: its config) with the global batch kept."""
+    every = [base.memory.checkpoint_every if base.memory.name == "checkpoint" else 0]
+    if n_layer:
+        every = sorted({0, *(k for k in (4, 2, 1) if k <= n_layer), *every})
+    local = trial.data.batch_size * base.accumulation_steps  # samples per data-parallel rank per step
+    out = []
+    if trial.parallel.get("pp", 1) > 1 or trial.parallel.name == "pp":
+        least = 1 if trial.parallel.schedule in SINGLE_STAGE else _pp_degree(trial) * stages_per_rank(trial.parallel)
+        ms = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
+        ms = sorted({*ms[:2], *ms[-1:], *[m for m in ms if m == trial.parallel.n_microbatches]})
+        return [Knobs(k, local, 1, m) for k in every for m in ms]
+    sizes = [b for b in range(1, local + 1) if local % b == 0 and local // b <= 8]
+    sizes = [trial.data.batch_size] if base.data.rank_batch_sizes else sizes
+    for k in every:
+        for b in sizes:
+            out.append(Knobs(k, b, local // b if b != trial.data.batch_size else base.accumulation_steps))
+    return out
+
+
+def _pp_degree(trial: DictConfig) -> int:
+    return trial.parallel.pp if trial.parallel.name != "pp" else trial.parallel.get("pp", 2)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def memory_budget_bytes(cfg: DictConfig, world: int) -> float:
+    """Per-rank memory to fit in: `plan.memory_budget_mb`, else the device's memory (CPU: the
+    machine's RAM shared by the ranks of one node)."""
+    if cfg.plan.memory_budget_mb is not None:
+        return cfg.plan.memory_budget_mb * 2**20
+    device = resolve_device(cfg)
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    local = local_ranks(world, cfg.plan.nodes, cfg.launch.nproc_per_node, device)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+
+
+@dataclass
+class Ranked:
+    candidate: Candidate
+    prediction: dict[str, Any]
+    fits: bool
+    knobs: Knobs | None = None
+    overrides: tuple[str, ...] = field(default=())  # the layout's and the knobs'
+
+    def footprint(self) -> float:
+        """What must fit the budget: the predicted peak, else the state and activations."""
+        p = self.prediction
+        return p["peak_bytes"] if p["peak_bytes"] is not None else p["total_bytes"]
+
+
+FULL_SEARCH = 400  # combinations searched whole; past it, the knobs only on the likeliest layouts
+SHORTLIST = 8
+
+
+def rank(cfg: DictConfig, world: int, profile: Profile, budget: float) -> list[Ranked]:
+    """Every layout and knob combination with its prediction: those that fit first, fastest first.
+
+    A large world admits dozens of layouts: past FULL_SEARCH combinations each layout is first
+    tried at its own knobs and at the most frugal ones (checkpoint every block, the smallest
+    micro-batch), and only the SHORTLIST best of those get the whole knob grid."""
+    search = Search(cfg, world, profile, budget, (meta_model(cfg), model_spec(cfg), model_dims_of(cfg)))
+    grids = [(c, knob_options(cfg, c.cfg, search.facts[2][0])) for c in candidates(cfg, world)]
+    if sum(len(g) for _, g in grids) > FULL_SEARCH:
+        tried = [search.predicted(c, {g[0], _frugal(g)}) for c, g in grids]
+        best = sorted(range(len(grids)), key=lambda i: min(_order(r) for r in tried[i]))[:SHORTLIST]
+        grids = [grids[i] if i in best else (grids[i][0], [r.knobs for r in tried[i]]) for i in range(len(grids))]
+    out = [r for c, g in grids for r in search.predicted(c, g)]
+    return sorted(out, key=_order)
+
+
+def _order(r: Ranked) -> tuple:
+    # models without a FLOP count (their candidates are all data-parallel: the same compute per
+    # rank) rank by their communication time
+    return (not r.fits, _seconds(r.prediction), r.footprint())
+
+
+def _frugal(grid: list[Knobs]) -> Knobs:
+    return min(grid, key=lambda k: (-(k.checkpoint_every == 1), k.batch_size, -(k.n_microbatches or 0)))
+
+
+@dataclass
+class Search:
+    """What every prediction of one search shares."""
+
+    cfg: DictConfig
+    world: int
+    profile: Profile
+    budget: float
+    facts: tuple  # (the meta model, its spec, (n_layer, n_head))
+
+    def predicted(self, c: Candidate, grid) -> list[Ranked]:
+        """Layout `c` at each knob combination of `grid`, varied on one copy of its config."""
+        trial, out = copy.deepcopy(c.cfg), []
+        for knobs in grid:
+            knobs.apply(trial)
+            p = predict(trial, self.world, self.profile, self.facts)
+            r = Ranked(c, p, False, knobs, merged(c.overrides, knobs.overrides(c.cfg)))
+            r.fits = r.footprint() <= self.budget
+            out.append(r)
+        return out
+
+
+def merged(*groups) -> tuple[str, ...]:
+    """Command-line overrides, a later one of a key replacing an earlier one (Hydra refuses a key
+    given twice)."""
+    out: dict[str, str] = {}
+    for flag in (f for g in groups for f in g):
+        out[flag.split("=", 1)[0]] = flag
+    return tuple(out.values())
+
+
+def _seconds(prediction: dict[str, Any]) -> float:
+    for key in ("step_time_s", "comm_time_s"):
+        if prediction[key] is not None:
+            return prediction[key]
+    return math.inf
+
+
+def choose(cfg: DictConfig, world: int, measure: str = "probe", with_profile: bool = False) -> tuple:
+    """(the combination parallel=auto runs, every one ranked, the budget in bytes[, the machine
+    profile]). Raises ConfigError naming plan.memory_budget_mb when none fits."""
+    profile = machine_profile(cfg, world, measure)
+    budget = memory_budget_bytes(cfg, world)
+    ranked = rank(cfg, world, profile, budget)
+    if not ranked:
+        raise ConfigError("parallel", f"parallel=auto: no layout runs {cfg.model._target_} on {world} ranks")
+    if not ranked[0].fits:
+        smallest = min(ranked, key=Ranked.footprint)
+        raise ConfigError(
+            "plan.memory_budget_mb",
+            f"no layout fits {budget / 2**20:.0f} MB per rank at {world} ranks; the smallest predicted "
+            f"footprint is {smallest.footprint() / 2**20:.0f} MB ({smallest.prediction['layout']}: "
+            f"{' '.join(smallest.overrides)}). Raise the budget, add ranks, or save memory "
+            "(memory=checkpoint, a smaller data.batch_size)",
+        )
+    return (ranked[0], ranked, budget, profile) if with_profile else (ranked[0], ranked, budget)
+
+
+def resolve_auto(cfg: DictConfig, world: int, measure: str = "probe") -> dict[str, Any]:
+    """parallel=auto: put the chosen layout's `parallel` group and memory knobs into `cfg` (in
+    place: what the workers run) and return the choice and why (also kept in `plan.auto`, where
+    the launcher and the summary read it)."""
+    best, ranked, budget = choose(cfg, world, measure)
+    fitting = [r for r in ranked if r.fits]
+    runner_up = (
+        f"; next: {fitting[1].prediction['layout']} ({' '.join(fitting[1].overrides)})" if len(fitting) > 1 else ""
+    )
+    global_batch = cfg.data.batch_size * cfg.accumulation_steps * world
+    why = (
+        f"fastest predicted step of the {len(fitting)} of {len(ranked)} layouts and memory knobs that fit "
+        f"{budget / 2**20:.0f} MB per rank, at a global batch of {global_batch} samples{runner_up}"
+    )
+    cfg.parallel = best.candidate.cfg.parallel
+    best.knobs.apply(cfg)  # the same global batch, whatever the layout
+    record = {
+        "layout": best.prediction["layout"],
+        "overrides": list(best.overrides),
+        "why": why,
+        "budget_mb": budget / 2**20,
+        "ranked": [
+            {
+                "layout": r.prediction["layout"],
+                "overrides": " ".join(r.overrides),
+                "fits": r.fits,
+                "peak_mb": r.footprint() / 2**20,
+                "step_time_s": r.prediction["step_time_s"],
+            }
+            for r in ranked[:20]
+        ],  # fmt: skip
+    }
+    cfg.plan.auto = record
+    return record
