@@ -98,7 +98,7 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("MFU over a peak that is not the probe's", "framework/metrics.py",
      "        return cpu_peak_flops(dtype)", "        return cpu_peak_flops(dtype) * 0.9",
      "tests/test_performance.py::test_cpu_runs_report_mfu_from_a_cached_matmul_probe"),
-    ("planner ignores the per-call latency of collectives", "framework/plan/__init__.py",
+    ("planner ignores the per-call latency of collectives", "framework/plan/timing.py",
      "seconds = calls * profile.latency_s + wire / (", "seconds = wire / (",
      "tests/test_plan.py::test_the_plan_command_ranks_every_layout_fastest_first"),
     # the model contract (issue 20)
