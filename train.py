@@ -5,12 +5,14 @@ torch's elastic launcher, or, when a launcher such as torchrun already started t
 worker (RANK/WORLD_SIZE set), trains directly. See framework/launch.py.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from framework.config import register_configs
+from framework.config import register_configs, register_resolvers
+from framework.config.overrides import check_overrides
 from framework.launch import main as launch_main
-from framework.launch import register_resolvers
 
 register_configs()
 register_resolvers()
@@ -22,4 +24,5 @@ def main(cfg: DictConfig) -> dict | None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:])  # a misspelt choice or key: one line and exit 2, not Hydra's dump
     main()

@@ -156,7 +156,7 @@ def on_mesh(cfg: DictConfig) -> bool:
 
 
 def fsdp_v1(cfg: DictConfig) -> bool:
-    return on_mesh(cfg) and cfg.parallel.version == 1
+    return on_mesh(cfg) and cfg.parallel.get("version", 2) == 1
 
 
 def generators(setup: Setup) -> dict[str, torch.Generator]:

@@ -82,8 +82,8 @@ def test_the_graph_sees_function_local_imports_and_package_inits():
     graph = import_graph()
     assert "framework.trainer" in graph["framework.launch"]  # launch imports the trainer inside a function
     assert "framework.config" not in graph["framework.config.validate"]  # its own package: already running
-    # importing framework.parallel.pipeline runs framework.parallel's __init__ first
-    assert {"framework.parallel", "framework.parallel.pipeline"} <= graph["framework.config.validate"]
+    # importing framework.parallel.dims runs framework.parallel's __init__ first
+    assert {"framework.parallel", "framework.parallel.dims"} <= graph["framework.config.validate"]
     assert find_cycle({"a": {"b.c"}, "b.c": set(), "b": {"b.d"}, "b.d": {"a"}}) is None  # b.c alone
     assert find_cycle({"a": {"b", "b.c"}, "b.c": set(), "b": {"b.d"}, "b.d": {"a"}}) == ["a", "b", "b.d", "a"]
 

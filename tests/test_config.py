@@ -46,7 +46,7 @@ def _unavailable(group: str, name: str) -> str | None:
     if group == "parallel" and name == "dp":  # DataParallel drives several GPUs: not on device=cpu
         return "parallel"
     if group == "memory" and name == "offload":
-        return "memory.cpu_offload"
+        return "memory"
     return None
 
 

@@ -141,7 +141,7 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
     for stage in stages:
         # 2. tensor parallel
         if dims.tp > 1:
-            apply_tp(stage, spec, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
+            apply_tp(stage, spec, mesh.device_mesh["tp"], *_tp_knobs(parallel_cfg))
         # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
         # 4. activation checkpointing, 5. compile
         _checkpoint_and_compile(stage, spec, cfg)
@@ -149,7 +149,7 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
     # parallel); parallel=fsdp shards even on one rank, so that a single GPU exercises FSDP's code
     # path (mixed precision, CPU offload)
     shard = dims.dp * dims.cp > 1 or cfg.parallel.name == "fsdp"
-    fsdp_v1 = shard and parallel_cfg.version == 1
+    fsdp_v1 = shard and parallel_cfg.get("version", 2) == 1
     if shard:
         if fsdp_v1:
             stages = [apply_fsdp1(p, blocks_of(p, spec), mesh.dp_mesh, cfg, info.device) for p in stages]
@@ -182,16 +182,21 @@ def _parallelize_on_mesh(model: nn.Module, spec: ModelSpec, cfg: DictConfig, inf
         par.clip_grad_norm = stages[0].clip_grad_norm_
     else:
         par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims)
-    if dims.tp > 1 and parallel_cfg.loss_parallel:
+    if dims.tp > 1 and parallel_cfg.get("loss_parallel", False):
         from torch.distributed.tensor.parallel import loss_parallel
 
         par.loss_context = loss_parallel
     if dims.cp > 1:
         from framework.parallel.context import apply_cp
 
-        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], parallel_cfg.cp_impl)
+        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], parallel_cfg.get("cp_impl", "ring"))
         par.loss_context = _stacked(par.loss_context, attention)
     return par
+
+
+def _tp_knobs(parallel_cfg: DictConfig) -> tuple[bool, bool]:
+    """(sequence_parallel, loss_parallel): tp's knobs, their defaults where another choice widens tp."""
+    return parallel_cfg.get("sequence_parallel", True), parallel_cfg.get("loss_parallel", False)
 
 
 def _stacked(*contexts: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:

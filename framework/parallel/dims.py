@@ -100,7 +100,7 @@ class ParallelDims:
         from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
 
         p = cfg.parallel
-        if p.version == 1:
+        if p.get("version", 2) == 1:
             _require(self.tp == 1 and self.pp == 1, "parallel.version",
                      "FSDP1 (version=1) shards data-parallel only; use version=2 with tp or pp")  # fmt: skip
             _require(
@@ -113,15 +113,16 @@ class ParallelDims:
             _require(cfg.precision.name != "amp", "precision",
                      "amp (float16 loss scaling) is not supported with pipeline parallel; use precision=bf16")  # fmt: skip
             local_batch = cfg.data.batch_size * cfg.accumulation_steps
-            _require(local_batch % p.n_microbatches == 0, "parallel.n_microbatches",
+            n_microbatches, schedule = p.get("n_microbatches", 4), p.get("schedule", "1F1B")
+            _require(local_batch % n_microbatches == 0, "parallel.n_microbatches",
                      f"must divide the local batch data.batch_size x accumulation_steps = {local_batch}")  # fmt: skip
             stages = self.pp * stages_per_rank(p)
             _require(
-                p.n_microbatches >= stages or p.schedule in SINGLE_STAGE,
+                n_microbatches >= stages or schedule in SINGLE_STAGE,
                 "parallel.n_microbatches",
-                f"the {p.schedule} schedule needs at least as many micro-batches as stages ({stages})",
+                f"the {schedule} schedule needs at least as many micro-batches as stages ({stages})",
             )
-        if self.tp > 1 and p.sequence_parallel:
+        if self.tp > 1 and p.get("sequence_parallel", True):
             _require(
                 cfg.data.seq_len % (self.tp * self.cp) == 0,
                 "data.seq_len",

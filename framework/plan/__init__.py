@@ -158,11 +158,11 @@ class Candidate:
 def parallel_group(name: str, settings: dict[str, Any]) -> DictConfig:
     """The `parallel` group `python train.py parallel=NAME parallel.K=V ...` composes."""
     from framework.config import CONF_DIR
-    from framework.config.schema import ParallelConfig
+    from framework.config.schema import group_schema
 
     node = OmegaConf.load(CONF_DIR / "parallel" / f"{name}.yaml")
     node.pop("defaults", None)
-    return OmegaConf.merge(OmegaConf.structured(ParallelConfig), node, settings)
+    return OmegaConf.merge(OmegaConf.structured(group_schema("parallel", name)), node, settings)
 
 
 def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
