@@ -43,7 +43,9 @@ class ParallelDims:
     ) -> ParallelDims:
         """Resolve `cfg` (the `parallel` group) at `world_size`: 0 means auto (hybrid's defaults),
         -1 on one dp axis means "the ranks left over". Raises DimsError naming the key."""
-        tp, pp, rep, shard, cp = cfg.tp, cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.get("cp", 1)
+        # a choice off the mesh (ddp: the planner asks too) has no degrees: all ranks data-parallel
+        tp, pp, rep, shard = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("dp_replicate", 1), cfg.get("dp_shard", -1)
+        cp = cfg.get("cp", 1)
         if cp == 0 or cp < -1:
             raise DimsError("parallel.cp", f"got {cp}; must be >= 1 (1: no context parallel) or -1 (the rest)")
         if tp == 0:  # auto: 2-way tensor parallel where the world (less cp) and the heads split evenly
