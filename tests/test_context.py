@@ -211,11 +211,11 @@ def test_bad_cp_config_exits_2_before_any_worker(tmp_path):
 def test_parallel_dims_resolve_the_cp_axis():
     from omegaconf import OmegaConf
 
-    from framework.config.schema import ParallelConfig
+    from framework.config.parallel_schema import MeshConfig
     from framework.parallel.dims import AXES, DimsError, ParallelDims
 
     def dims(world: int, **kw) -> ParallelDims:
-        return ParallelDims.from_config(OmegaConf.structured(ParallelConfig(**kw)), world)
+        return ParallelDims.from_config(OmegaConf.structured(MeshConfig(**kw)), world)
 
     assert AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert dims(2, name="cp", cp=-1, dp_shard=1).degrees == {
