@@ -152,11 +152,20 @@ class SGDConfig(OptimConfig):
 
 @dataclass
 class LoggerConfig:
-    name: LoggerName = LoggerName.wandb  # all: wandb and tensorboard
-    project: str = "hydradist"  # W&B
+    """tensorboard (event files under <run dir>/tensorboard) and none have nothing more."""
+
+    name: LoggerName = MISSING
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    """wandb, and all (wandb and tensorboard): the W&B run's settings."""
+
+    name: LoggerName = LoggerName.wandb
+    project: str = "hydradist"
     entity: str | None = None
-    mode: WandbMode = WandbMode.offline  # W&B
-    group: str | None = None  # W&B group; null: in a multirun, the sweep directory's name
+    mode: WandbMode = WandbMode.offline
+    group: str | None = None  # null: in a multirun, the sweep directory's name
     run_name: str | None = None  # null: set by train.py (a sweep job: its overrides)
     tags: list[str] = field(default_factory=list)
 
@@ -302,7 +311,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "hf": HFConfig,
     },
     "optim": {"adamw": AdamWConfig, "sgd": SGDConfig},
-    "logger": {"base": LoggerConfig},
+    "logger": {"base": LoggerConfig, "wandb": WandbLoggerConfig, "all": WandbLoggerConfig},
 }
 
 
