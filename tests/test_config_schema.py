@@ -11,7 +11,7 @@ import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
 
-from framework.config import choices
+from framework.config import choices, validate
 from framework.config.overrides import first_problem
 from framework.config.parallel_schema import CPConfig, DDPConfig, FSDPConfig, MeshConfig, PPConfig, TPConfig
 from framework.config.schema import GROUP_SCHEMAS
@@ -52,7 +52,8 @@ def test_a_widened_axis_takes_its_knobs_defaults():
     from framework.parallel.pipeline import stages_per_rank
     from framework.plan.model import layout_of
 
-    cfg = compose_config(["parallel=fsdp", "parallel.tp=2", "parallel.pp=2"])
+    cfg = compose_config(["parallel=fsdp", "parallel.tp=2", "parallel.pp=2", "launch.nproc_per_node=8"])
+    validate(cfg)
     layout = layout_of(cfg.parallel, 8, 4, 4)
     assert (layout.tp, layout.pp, layout.schedule, layout.n_microbatches) == (2, 2, "1F1B", 4)
     assert layout.sequence_parallel and not layout.loss_parallel and stages_per_rank(cfg.parallel) == 1
