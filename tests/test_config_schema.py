@@ -200,3 +200,17 @@ def test_config_keeps_its_shape_and_its_layer():
                 assert len(node.args.args) + len(node.args.kwonlyargs) <= 6, f"{path.name}:{node.name}"
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not re.match(r"framework\.(launch|plan|trainer|compose|summary)\b", node.module), path.name
+
+
+@pytest.mark.parametrize("key", ["parallel.comm_hook", "nonfinite", "memory.host_allocator", "checkpoint.verify"])
+def test_validate_checks_the_choices_of_a_config_made_from_a_dict(key):
+    """A worker's config and a saved run's (framework/evaluate.py) come from plain dicts, without the schema."""
+    from omegaconf import OmegaConf
+
+    from framework.config import ConfigError
+
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_config(["experiment=smoke"]), resolve=True))
+    validate(cfg)
+    OmegaConf.update(cfg, key, "bogus")
+    with pytest.raises(ConfigError, match=f"^{key}: got 'bogus'; allowed: "):
+        validate(cfg)

@@ -6,10 +6,13 @@ run), before any worker starts. Each concern is one small check; the first probl
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import is_dataclass
+from typing import Any, get_args, get_type_hints
 
 from omegaconf import DictConfig
 
+from framework.config.choices import Choice
 from framework.config.errors import ConfigError
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 
@@ -33,9 +36,38 @@ def _at_least(cfg: DictConfig, key: str, low: int) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
-    for check in (_check_values, _check_loader, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
+    for check in (_check_choices, _check_values, _check_loader, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
                   _check_model_and_data, _check_batching, _check_paths, _check_eval):  # fmt: skip
         check(cfg)
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    """Each key its schema types as a choice holds one of its values. Hydra checks them when it
+    composes; a config made from a plain dict (a worker's, a saved run's for evaluation) has no
+    schema, so they are checked here too."""
+    for prefix, schema in _schemas(cfg):
+        node = cfg[prefix] if prefix else cfg
+        for key, hint in get_type_hints(schema).items():
+            enums = [t for t in (get_args(hint) or (hint,)) if isinstance(t, type) and issubclass(t, Choice)]
+            value = node.get(key)
+            if enums and value is not None:
+                allowed = ", ".join(enums[0])
+                _require(value in set(enums[0]), f"{prefix}.{key}".lstrip("."), f"got {value!r}; allowed: {allowed}")
+
+
+def _schemas(cfg: DictConfig) -> Iterator[tuple[str, type]]:
+    """(key, schema) of the top level, each group (by its choice) and each nested section."""
+    from framework.config.schema import GROUP_SCHEMAS, Config
+
+    yield "", Config
+    for key, hint in get_type_hints(Config).items():
+        if key in GROUP_SCHEMAS:
+            schemas = GROUP_SCHEMAS[key]
+            schema = schemas.get(cfg[key].get("name"), schemas.get("base"))
+            if schema is not None:
+                yield key, schema
+        elif is_dataclass(hint):
+            yield key, hint
 
 
 def _check_values(cfg: DictConfig) -> None:
