@@ -19,7 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 # Hydra's flags that take a value, and those after which the overrides compose differently (or not
 # at all): the check then stays out of the way
@@ -104,7 +104,7 @@ def _compose_problem(overrides: list[str]) -> str | None:
             return _unknown_key(cause.full_key or "", overrides)
         if isinstance(cause, ValidationError):
             return _bad_value(cause, overrides)
-    except OmegaConfBaseException:
+    except Exception:  # noqa: BLE001 - what it cannot name, Hydra reports
         return None
     return None
 
