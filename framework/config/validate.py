@@ -49,8 +49,8 @@ def _check_choices(cfg: DictConfig) -> None:
         node = cfg[prefix] if prefix else cfg
         for key, hint in get_type_hints(schema).items():
             enums = [t for t in (get_args(hint) or (hint,)) if isinstance(t, type) and issubclass(t, Choice)]
-            value = node.get(key)
-            if enums and value is not None:
+            value = node.get(key) if enums else None  # only a choice's key: others may not resolve yet
+            if value is not None:
                 allowed = ", ".join(enums[0])
                 _require(value in set(enums[0]), f"{prefix}.{key}".lstrip("."), f"got {value!r}; allowed: {allowed}")
 
