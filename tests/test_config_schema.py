@@ -122,6 +122,15 @@ def test_a_bad_value_is_one_line_naming_the_key(override, line):
     assert first_problem([override]) == line
 
 
+def test_a_bad_value_of_a_choices_own_key_names_it():
+    with pytest.raises(ConfigCompositionException):
+        compose_config(["parallel=cp", "parallel.cp_impl=flash"])
+    assert (
+        first_problem(["parallel=cp", "parallel.cp_impl=flash"])
+        == "parallel.cp_impl: got 'flash'; allowed: ring, torch"
+    )
+
+
 @pytest.mark.parametrize(
     "args,line",
     [

@@ -176,7 +176,6 @@ BAD = [
     (["parallel=cp", "data.seq_len=30"], 2, "data.seq_len", "2 x cp = 4 chunks"),
     (["parallel=cp", "model=lstm", "data=varlen"], 2, "parallel.cp", "is a classifier"),
     (["parallel=cp", "parallel.cp_impl=torch", "device=cpu"], 2, "parallel.cp_impl", "CUDA SDPA kernels only"),
-    (["parallel=cp", "parallel.cp_impl=flash"], 2, "parallel.cp_impl", "one of ('ring', 'torch')"),
     (["parallel=hybrid", "parallel.cp=3", "parallel.tp=1"], 4, "parallel.dp_shard", "dp_replicate x cp = 3"),
     (["parallel=hybrid", "parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=2"], 4, "parallel", "world size is 4"),
     (["parallel=hybrid", "parallel.cp=2", "parallel.tp=1", "parallel.pp=2"], 4, "parallel.cp", "pipeline"),
