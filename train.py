@@ -13,11 +13,11 @@ if __name__ == "__main__":
     refuse_early(sys.argv[1:])  # a live run's folder is refused before seconds of imports
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig
+from omegaconf import DictConfig  # noqa: E402
 
-from framework.config import register_configs  # noqa: E402
+from framework.config import register_configs, register_resolvers  # noqa: E402
+from framework.config.overrides import check_overrides  # noqa: E402
 from framework.launch import main as launch_main  # noqa: E402
-from framework.launch import register_resolvers  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -29,4 +29,5 @@ def main(cfg: DictConfig) -> dict | None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:])  # a misspelt choice or key: one line and exit 2, not Hydra's dump
     main()

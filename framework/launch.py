@@ -163,7 +163,7 @@ def worker_config(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> DictConfig
     if sweeping:
         # the W&B runs of one sweep share a group (the sweep directory's name); each is named by
         # the overrides that set it apart
-        config.logger.group = config.logger.group or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
+        config.logger.group = config.logger.get("group") or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
         config.logger.run_name = hydra_cfg.job.override_dirname or None
     OmegaConf.set_struct(config, True)
     return config

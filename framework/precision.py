@@ -40,12 +40,9 @@ def build_precision(cfg: DictConfig, device: torch.device, sharded: bool = False
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
     else:
         Scaler = torch.amp.GradScaler
-    scaler = Scaler(
-        device.type,
-        init_scale=cfg.init_scale,
-        growth_interval=cfg.growth_interval,
-        enabled=cfg.name == "amp",
-    )
+    # the scaler's knobs are amp's (precision=amp); the other choices' disabled scaler takes torch's defaults
+    knobs = {k: cfg[k] for k in ("init_scale", "growth_interval") if k in cfg}
+    scaler = Scaler(device.type, enabled=cfg.name == "amp", **knobs)
     tf32 = apply_tf32(cfg.tf32, device)
     return Precision(cfg.name, DTYPES[cfg.name], device.type, scaler, tf32)
 

@@ -85,7 +85,7 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      "from framework.modules import map_blocks\nfrom framework.config.schema import MemoryConfig  # noqa: F401",
      "tests/test_code_shape.py::test_framework_import_graph_has_no_cycles"),
     ("FSDP2 reshard_after_forward ignored", "framework/parallel/fsdp.py",
-     "fully_shard(block, reshard_after_forward=cfg.parallel.reshard_after_forward, **kwargs)",
+     'fully_shard(block, reshard_after_forward=cfg.parallel.get("reshard_after_forward", True), **kwargs)',
      "fully_shard(block, reshard_after_forward=True, **kwargs)",
      "tests/test_measure.py::test_fsdp_reshard_knobs_show_in_the_all_gathers"),
     ("FSDP1 sharding_strategy ignored", "framework/parallel/fsdp.py",

@@ -46,7 +46,7 @@ def _unavailable(group: str, name: str) -> str | None:
     if group == "parallel" and name == "dp":  # DataParallel drives several GPUs: not on device=cpu
         return "parallel"
     if group == "memory" and name == "offload":
-        return "memory.cpu_offload"
+        return "memory"
     return None
 
 
@@ -124,6 +124,10 @@ def test_defaults_are_the_documented_job():
         "data.batch_size=1.5",
         "parallel.bucket_cap_mb=big",
         "launch.nproc_per_node=two",
+        "parallel.comm_hook=int8",  # the choices are Enums (tests/test_config_schema.py: the one-line message)
+        "nonfinite=ignore",
+        "memory.host_allocator=fast",
+        "parallel.schedule=GPipe",  # a pipeline knob under parallel=ddp
     ],
 )
 def test_typos_and_wrong_types_fail_at_compose_time(override):
@@ -138,7 +142,6 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         (["accumulation_steps=0"], "accumulation_steps", ">= 1"),
         (["launch.nproc_per_node=0"], "launch.nproc_per_node", ">= 1"),
         (["parallel=none", "launch.nproc_per_node=2"], "launch.nproc_per_node", "parallel=none"),
-        (["parallel.comm_hook=int8"], "parallel.comm_hook", "powersgd"),
         (["model=resnet"], "data", "data=images"),
         (["model.n_head=3"], "model.n_head", "n_head"),
         (["data.seq_len=256", "model.block_size=128"], "data.seq_len", "block_size"),
@@ -148,8 +151,6 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         (["checkpoint.keep_last=-1"], "checkpoint.keep_last", ">= 0"),
         (["checkpoint.preempt_grace_s=0"], "checkpoint.preempt_grace_s", "> 0"),
         (["backend.step_timeout_s=0"], "backend.step_timeout_s", "null or > 0"),
-        (["nonfinite=ignore"], "nonfinite", "stop, skip"),
-        (["memory.host_allocator=fast"], "memory.host_allocator", "lean, steady, glibc"),
         (["optim.lr=0"], "optim.lr", "> 0"),
         (
             ["parallel=tp", "model.n_head=3", "model.n_embd=48", "launch.nproc_per_node=2"],

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config.schema import OptimConfig, PrecisionConfig
+from framework.config.schema import AdamWConfig, AmpConfig, OptimConfig, PrecisionConfig
 from framework.data.datasets import VarlenSequences, VarlenShape
 from framework.data.samplers import ResumableDistributedSampler
 from framework.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes
@@ -85,7 +85,7 @@ def test_gpt_flops_per_token_match_flops_counted_on_a_real_training_step(checkpo
 
 def test_state_bytes_are_exact_on_a_known_model():
     model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Linear(5, 2, bias=False))  # 55 + 10 params
-    opt = build_optimizer(model, OmegaConf.structured(OptimConfig(name="adamw")))
+    opt = build_optimizer(model, OmegaConf.structured(AdamWConfig()))
     assert model_state_bytes(model, opt) == {
         "param_bytes": 65 * 4,
         "grad_bytes": 0,
@@ -135,7 +135,7 @@ def test_activation_checkpointing_saves_less_and_keeps_gradients_identical():
 
 
 def test_amp_scales_the_loss_and_bf16_does_not():
-    amp = build_precision(OmegaConf.structured(PrecisionConfig(name="amp")), torch.device("cpu"))
+    amp = build_precision(OmegaConf.structured(AmpConfig()), torch.device("cpu"))
     bf16 = build_precision(OmegaConf.structured(PrecisionConfig(name="bf16")), torch.device("cpu"))
     assert amp.scaler.is_enabled() and not bf16.scaler.is_enabled()
     lin = torch.nn.Linear(4, 4)

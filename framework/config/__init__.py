@@ -1,5 +1,6 @@
-"""Configuration: the schema of every group (`schema`), what a config means on this machine
-(`resolve`), and the checks that run before any worker starts (`validate`).
+"""Configuration: the schema of every group (`schema`, its choices as Enums in `choices`), what a
+config means on this machine (`resolve`), the command line's overrides checked before Hydra
+composes them (`overrides`, train.py) and the checks that run before any worker starts (`validate`).
 
 `compose(overrides)` composes conf/ as `python train.py OVERRIDES` would; `framework.compose.compose_run`
 (a front door above the planner) also validates and resolves it.

@@ -142,7 +142,7 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
     except ContractError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
     styles = set(spec.tp_plan.values())
-    if cfg.parallel.sequence_parallel and not (
+    if cfg.parallel.get("sequence_parallel", True) and not (
         {"embedding", "vocab_embedding"} & styles and "sequence_parallel" in styles
     ):
         raise ConfigError(

@@ -53,7 +53,7 @@ def resolve_backend(cfg: DictConfig) -> str:
     """The process group's backend. NCCL with FSDP CPU offload also gets gloo for CPU tensors:
     offloaded gradients live on the CPU, and clipping's norm all-reduce runs on them."""
     backend = {"cpu": "gloo", "cuda": "nccl"}[resolve_device(cfg)] if cfg.backend.name == "auto" else cfg.backend.name
-    return "cpu:gloo,cuda:nccl" if backend == "nccl" and cfg.memory.cpu_offload else backend
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" and cfg.memory.name == "offload" else backend
 
 
 def resolve_nproc(cfg: DictConfig) -> int:

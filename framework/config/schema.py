@@ -1,7 +1,10 @@
 """The config schema: one dataclass per config group choice, registered in Hydra's ConfigStore
 under `schema/<group>` (outside the user-facing groups, so `--help` does not offer them as
 choices). The YAML files of conf/ extend them (`defaults: [/schema/<group>@_here_: <name>, _self_]`),
-so an unknown key or a value of the wrong type fails when Hydra composes the config.
+so an unknown key or a value of the wrong type fails when Hydra composes the config. A group
+whose choices differ has a base schema with what they share and one schema per choice holding only
+its own keys (Hydra's "same config group" structured-config example), so `--cfg job` shows what
+applies; code that reads a key some choice lacks reads it with `.get(key, default)`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,31 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from framework.config.choices import (
+    BackendName,
+    Device,
+    HostAllocator,
+    LoggerName,
+    LRSchedule,
+    MemoryName,
+    Monitor,
+    Nonfinite,
+    OnError,
+    Optimize,
+    OptimName,
+    PrecisionName,
+    StartMethod,
+    Verify,
+    WandbMode,
+)
+from framework.config.data_schema import (
+    CustomDataConfig,
+    ImagesDataConfig,
+    TextDataConfig,
+    TokensDataConfig,
+    VarlenDataConfig,
+    VectorsDataConfig,
+)
 from framework.config.model_schema import (
     GPTConfig,
     HFConfig,
@@ -20,6 +48,15 @@ from framework.config.model_schema import (
     MLPConfig,
     ModelConfig,
     ResNetConfig,
+)
+from framework.config.parallel_schema import (
+    CPConfig,
+    DDPConfig,
+    FSDPConfig,
+    HybridConfig,
+    ParallelConfig,
+    PPConfig,
+    TPConfig,
 )
 
 # ----------------------------------------------------------------------------- groups
@@ -46,7 +83,7 @@ class NCCLConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "auto"  # auto | gloo | nccl | mpi (auto: nccl with CUDA, else gloo)
+    name: BackendName = BackendName.auto  # auto: nccl with CUDA, else gloo
     timeout_s: int = 600  # collective timeout of the process group (set-up and the first step)
     step_timeout_s: float | None = None  # after the first step, a shorter collective timeout (null: timeout_s)
     trace_buffer: int = 2000  # flight recorder: the last N collectives per rank, to name a hung one (0: off)
@@ -56,168 +93,80 @@ class BackendConfig:
 
 
 @dataclass
-class ParallelConfig:
-    name: str = "ddp"  # none | dp | ddp | fsdp | tp | pp | hybrid
-    # Degrees of the mesh pp x dp_replicate x dp_shard x tp (fsdp, tp, pp, hybrid).
-    # -1: the ranks left over; 0 (tp, pp): auto, 2-way where the world and the model allow.
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
-    # DDP (torch.nn.parallel.DistributedDataParallel)
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
-    comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
-    powersgd_rank: int = 1
-    # FSDP
-    version: int = 2  # 2: fully_shard (FSDP2); 1: FullyShardedDataParallel (FSDP1)
-    reshard_after_forward: bool = True  # True: FULL_SHARD (ZeRO-3); False: SHARD_GRAD_OP (ZeRO-2)
-    reduce_dtype: str = "fp32"  # gradient reduction dtype under bf16/amp: fp32 | bf16
-    sync_every_microbatch: bool = False  # accumulation: reduce-scatter every micro-batch (less memory)
-    sharding_strategy: str = "FULL_SHARD"  # FSDP1: FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD
-    # tensor parallel
-    sequence_parallel: bool = True
-    loss_parallel: bool = False
-    # pipeline parallel
-    schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble
-    n_microbatches: int = 4
-    stages_per_rank: int = 0  # 0: auto (1 for GPipe/1F1B, 2 for interleaved and V schedules)
-    # context parallel: each sequence split over cp ranks (zigzag), attention by a ring of sends
-    cp: int = 1
-    cp_impl: str = "ring"  # ring (ours: any device, gloo or NCCL) | torch (torch's context_parallel, CUDA only)
-
-
-@dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | amp (float16 autocast + GradScaler) | bf16 (bfloat16 autocast)
-    init_scale: float = 65536.0  # GradScaler's starting loss scale (amp only)
-    growth_interval: int = 2000
+    name: PrecisionName = PrecisionName.fp32  # amp: float16 autocast + GradScaler; bf16: bfloat16 autocast
     # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; the MFU peak and
     # the planner follow). Under amp/bf16 it applies to the ops autocast leaves in fp32.
     tf32: bool = True
 
 
 @dataclass
+class AmpConfig(PrecisionConfig):
+    name: PrecisionName = PrecisionName.amp
+    init_scale: float = 65536.0  # GradScaler's starting loss scale
+    growth_interval: int = 2000
+
+
+@dataclass
 class MemoryConfig:
-    name: str = "none"  # none | checkpoint
-    checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
+    """none, offload (FSDP CPU offload: sharded parameters, gradients and optimizer state in CPU
+    memory) and what every choice has."""
+
+    name: MemoryName = MemoryName.none
     empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
-    cpu_offload: bool = False  # FSDP: keep sharded parameters, gradients and optimizer state in CPU memory
-    # glibc malloc policy (framework.memory.set_host_allocator): lean | steady | glibc | auto (lean
-    # under fsdp and hybrid, steady elsewhere)
-    host_allocator: str = "auto"
+    # glibc malloc policy (framework.memory.set_host_allocator); auto: lean under fsdp, hybrid and
+    # cp, steady elsewhere
+    host_allocator: HostAllocator = HostAllocator.auto
 
 
 @dataclass
-class LoaderFields:
-    name: str = MISSING
-    batch_size: int = 8  # micro-batch of ONE data-parallel rank
-    # auto: on CUDA, a few loader processes (min(4, cores per GPU - 1)) and pinned memory; on a
-    # CPU neither (the ranks share the cores with training): framework.data.loader_settings
-    num_workers: Any = "auto"  # auto | an int >= 0
-    pin_memory: Any = "auto"  # auto | true | false (true: CUDA only)
-    persistent_workers: bool = False
-    prefetch_factor: int | None = None  # only with num_workers > 0 (torch's default: 2)
-    drop_last: bool = True
-    shuffle: bool = True
-    sampler: str = "distributed"  # distributed | length_grouped | token_budget (varlen)
-    max_tokens: int = 4096  # token_budget: padded tokens per rank per micro-batch
-    rank_batch_sizes: list[int] | None = None  # per data-parallel rank micro-batch sizes (by capability)
-    pack: bool = False  # varlen + gpt: concatenate sequences into blocks of pack_len, no padding
-    pack_len: int = 128
-    val_fraction: float = 0.0  # held out for validation: text, the corpus' tail; else samples/documents (seeded)
-    val_path: str | None = None  # text: a separate file or folder to validate on (instead of val_fraction)
+class CheckpointMemoryConfig(MemoryConfig):
+    """Activation checkpointing around transformer blocks."""
 
-
-@dataclass
-class TextDataConfig(LoaderFields):
-    name: str = "text"
-    path: str | None = None  # file or folder of text; null: this Python's standard library source
-    seq_len: int = 128
-    max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
-    tokenizer: str = "bytes"  # bytes (ids 0..255) | <path to a tokenizer.json> (bpe: prepare shards, data=tokens)
-
-
-@dataclass
-class TokensDataConfig(LoaderFields):
-    """Token shards written by `python -m framework.data.prepare` (memory-mapped, never read whole)."""
-
-    name: str = "tokens"
-    path: str = MISSING  # the shards' folder (index.json + shard-*.bin)
-    seq_len: int = 128
-    split: str = "train"  # train | val (the shards prepare --val-fraction set aside)
-    tokenizer: str | None = None  # null: the shards' own; else checked against it (bytes | bpe | a tokenizer.json)
-
-
-@dataclass
-class ImagesDataConfig(LoaderFields):
-    name: str = "images"
-    num_samples: int = 2048
-    image_size: int = 32
-    channels: int = 3
-    num_classes: int = 10
-    noise: float = 1.0  # synthetic only
-    source: str = "synthetic"  # synthetic | folder (torchvision ImageFolder) | cifar10 (local, never downloaded)
-    root: str | None = None  # folder or CIFAR-10 root
-    transforms_on: str = "device"  # device: batched augmentation on the training device | loader: per sample in workers
-    augment: bool = True  # random crop (4-pixel padding) and horizontal flip
-
-
-@dataclass
-class VectorsDataConfig(LoaderFields):
-    name: str = "vectors"
-    num_samples: int = 4096
-    dim: int = 32
-    num_classes: int = 8
-
-
-@dataclass
-class VarlenDataConfig(LoaderFields):
-    name: str = "varlen"
-    num_samples: int = 4096
-    vocab_size: int = 32
-    num_classes: int = 4
-    min_len: int = 4
-    max_len: int = 128
-    mean_len: float = 24.0  # long-tailed (log-normal) lengths around this mean
-    source: str = "synthetic"  # synthetic | text (paragraphs of the text corpus)
-    path: str | None = None  # source=text: a file or folder of text; null: the stdlib source
-    seq_len: int = 128  # the longest input a model sees (max_len, or pack_len when packing)
-
-
-@dataclass
-class CustomDataConfig(LoaderFields):
-    """data=custom: your own map-style Dataset by `_target_`; the keys beside it are its arguments."""
-
-    name: str = "custom"
-    _target_: str = MISSING  # a Dataset class or factory, e.g. pkg.module.MyDataset
-    seq_len: int | None = None  # lm data: tokens per sample, where the model checks its block size
+    name: MemoryName = MemoryName.checkpoint
+    checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | sgd
+    name: OptimName = MISSING
     lr: float = 1e-3
     weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    momentum: float = 0.9  # sgd only
     grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
-    schedule: str = "cosine"  # cosine | constant
+    schedule: LRSchedule = LRSchedule.cosine
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     schedule_steps: int | None = None  # the LR schedule's length (null: steps; a resumed run keeps its own)
 
 
 @dataclass
+class AdamWConfig(OptimConfig):
+    name: OptimName = OptimName.adamw
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    name: OptimName = OptimName.sgd
+    momentum: float = 0.9
+
+
+@dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb | tensorboard | all (wandb and tensorboard) | none
-    project: str = "hydradist"  # W&B
+    """tensorboard (event files under <run dir>/tensorboard) and none have nothing more."""
+
+    name: LoggerName = MISSING
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    """wandb, and all (wandb and tensorboard): the W&B run's settings."""
+
+    name: LoggerName = LoggerName.wandb
+    project: str = "hydradist"
     entity: str | None = None
-    mode: str = "offline"  # W&B: offline | online | disabled
-    group: str | None = None  # W&B group; null: in a multirun, the sweep directory's name
+    mode: WandbMode = WandbMode.offline
+    group: str | None = None  # null: in a multirun, the sweep directory's name
     run_name: str | None = None  # null: set by train.py (a sweep job: its overrides)
     tags: list[str] = field(default_factory=list)
 
@@ -231,7 +180,7 @@ class LaunchConfig:
     max_restarts: int = 0
     master_port: int | None = None  # srun without torchrun: the rendezvous port (null: from the job id)
     monitor_interval_s: float = 0.1
-    start_method: str = "spawn"
+    start_method: StartMethod = StartMethod.spawn
 
 
 @dataclass
@@ -243,9 +192,9 @@ class CheckpointConfig:
     async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
     preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
     export: bool = False  # at the end, the full model: <run dir>/hf (llama, hf: Hugging Face format), else model.pt
-    verify: str = "full"  # full | size | off: what a resume checks against the manifest (framework/integrity.py)
-    on_error: str = "stop"  # stop | warn: a failed save (a full disk) stops the run, or warns and retries next time
-    monitor: str | None = None  # val_loss: keep a complete checkpoint of the best evaluation (<root>/best)
+    verify: Verify = Verify.full  # what a resume checks against the manifest (framework/integrity.py)
+    on_error: OnError = OnError.stop  # a failed save (a full disk) stops the run, or warns and retries next time
+    monitor: Monitor | None = None  # val_loss: keep a complete checkpoint of the best evaluation (<root>/best)
 
 
 @dataclass
@@ -303,18 +252,20 @@ class SweepConfig:
 
 @dataclass
 class Config:
-    backend: Any = MISSING
-    parallel: Any = MISSING
-    precision: Any = MISSING
-    memory: Any = MISSING
+    backend: BackendConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    memory: MemoryConfig = MISSING
+    # data and model stay untyped: a user's own data/<name>.yaml or model/<name>.yaml (on
+    # hydra.searchpath) is a choice with keys of its own, which a typed group would refuse
     data: Any = MISSING
     model: Any = MISSING
-    optim: Any = MISSING
-    logger: Any = MISSING
+    optim: OptimConfig = MISSING
+    logger: LoggerConfig = MISSING
     seed: int = 1337
     steps: int = 100  # optimizer steps
     accumulation_steps: int = 1  # micro-batches per optimizer step
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto
     progress: bool = True  # progress bar on rank 0
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -325,17 +276,25 @@ class Config:
     compile: bool = False  # torch.compile each transformer block (small models: the whole model)
     profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop (an error naming the step) | skip (not applied, counted)
-    optimize: str = "tokens_per_s"  # returned to a sweeper: tokens_per_s | samples_per_s | final_loss | val_loss
+    nonfinite: Nonfinite = Nonfinite.stop  # a NaN/inf loss or gradient: stop (an error naming the step) or skip it
+    optimize: Optimize = Optimize.tokens_per_s  # the figure returned to a sweeper
 
 
 # group -> {schema name: dataclass}, stored as `schema/<group>/<name>`; a group with one schema
 # for all its choices names it `base`
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "backend": {"base": BackendConfig},
-    "parallel": {"base": ParallelConfig},
-    "precision": {"base": PrecisionConfig},
-    "memory": {"base": MemoryConfig},
+    "parallel": {
+        "base": ParallelConfig,
+        "ddp": DDPConfig,
+        "fsdp": FSDPConfig,
+        "tp": TPConfig,
+        "pp": PPConfig,
+        "cp": CPConfig,
+        "hybrid": HybridConfig,
+    },
+    "precision": {"base": PrecisionConfig, "amp": AmpConfig},
+    "memory": {"base": MemoryConfig, "checkpoint": CheckpointMemoryConfig},
     "data": {
         "text": TextDataConfig,
         "images": ImagesDataConfig,
@@ -353,9 +312,15 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "lstm": LSTMConfig,
         "hf": HFConfig,
     },
-    "optim": {"base": OptimConfig},
-    "logger": {"base": LoggerConfig},
+    "optim": {"adamw": AdamWConfig, "sgd": SGDConfig},
+    "logger": {"base": LoggerConfig, "wandb": WandbLoggerConfig, "all": WandbLoggerConfig},
 }
+
+
+def group_schema(group: str, choice: str) -> type:
+    """The schema a choice's YAML extends: its own, else the group's base."""
+    schemas = GROUP_SCHEMAS[group]
+    return schemas.get(choice, schemas.get("base"))
 
 
 def register_configs() -> None:

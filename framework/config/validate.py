@@ -6,40 +6,15 @@ run), before any worker starts. Each concern is one small check; the first probl
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import is_dataclass
+from typing import Any, get_args, get_type_hints
 
 from omegaconf import DictConfig
 
+from framework.config.choices import Choice
 from framework.config.errors import ConfigError
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
-from framework.memory import HOST_ALLOCATORS
-from framework.parallel.pipeline import SCHEDULES
-
-# ----------------------------------------------------------------------------- validation
-
-ALLOWED = {
-    "backend.name": ("auto", "gloo", "nccl", "mpi"),
-    "parallel.name": ("none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"),
-    "parallel.version": (1, 2),
-    "parallel.reduce_dtype": ("fp32", "bf16"),
-    "parallel.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
-    "parallel.schedule": SCHEDULES,
-    "parallel.comm_hook": ("none", "fp16", "bf16", "powersgd"),
-    "precision.name": ("fp32", "amp", "bf16"),
-    "memory.name": ("none", "checkpoint", "offload"),
-    "optim.name": ("adamw", "sgd"),
-    "optim.schedule": ("cosine", "constant"),
-    "logger.name": ("wandb", "tensorboard", "all", "none"),
-    "optimize": ("tokens_per_s", "samples_per_s", "final_loss", "val_loss"),
-    "checkpoint.monitor": (None, "val_loss"),
-    "logger.mode": ("offline", "online", "disabled"),
-    "device": ("auto", "cpu", "cuda"),
-    "data.sampler": ("distributed", "length_grouped", "token_budget"),
-    "launch.start_method": ("spawn", "fork", "forkserver"),
-    "nonfinite": ("stop", "skip"),
-    "checkpoint.verify": ("full", "size", "off"),
-    "checkpoint.on_error": ("stop", "warn"),
-}
 
 
 def _get(cfg: DictConfig, key: str) -> Any:
@@ -61,74 +36,87 @@ def _at_least(cfg: DictConfig, key: str, low: int) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
-    for check in (_check_values, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
+    for check in (_check_choices, _check_values, _check_loader, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
                   _check_model_and_data, _check_batching, _check_paths, _check_eval):  # fmt: skip
         check(cfg)
 
 
-def _check_values(cfg: DictConfig) -> None:
-    """Choices among their allowed names, counts in their ranges."""
-    for key, allowed in ALLOWED.items():
-        value = _get(cfg, key)
-        _require(value in allowed, key, f"got {value!r}; allowed: {', '.join(map(str, allowed))}")
+def _check_choices(cfg: DictConfig) -> None:
+    """Each key its schema types as a choice holds one of its values. Hydra checks them when it
+    composes; a config made from a plain dict (a worker's, a saved run's for evaluation) has no
+    schema, so they are checked here too."""
+    for prefix, schema in _schemas(cfg):
+        node = cfg[prefix] if prefix else cfg
+        for key, hint in get_type_hints(schema).items():
+            enums = [t for t in (get_args(hint) or (hint,)) if isinstance(t, type) and issubclass(t, Choice)]
+            value = node.get(key) if enums else None  # only a choice's key: others may not resolve yet
+            if value is not None:
+                allowed = ", ".join(enums[0])
+                _require(value in set(enums[0]), f"{prefix}.{key}".lstrip("."), f"got {value!r}; allowed: {allowed}")
 
-    _at_least(cfg, "steps", 1)
-    _at_least(cfg, "accumulation_steps", 1)
-    _at_least(cfg, "data.batch_size", 1)
+
+def _schemas(cfg: DictConfig) -> Iterator[tuple[str, type]]:
+    """(key, schema) of the top level, each group (by its choice) and each nested section."""
+    from framework.config.schema import GROUP_SCHEMAS, Config
+
+    yield "", Config
+    for key, hint in get_type_hints(Config).items():
+        if key in GROUP_SCHEMAS:
+            schemas = GROUP_SCHEMAS[key]
+            schema = schemas.get(cfg[key].get("name"), schemas.get("base"))
+            if schema is not None:
+                yield key, schema
+        elif is_dataclass(hint):
+            yield key, hint
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Counts and durations in their ranges (the schema's Enums check the named choices)."""
+    for key, low in (("steps", 1), ("accumulation_steps", 1), ("data.batch_size", 1), ("backend.timeout_s", 1),
+                     ("launch.max_restarts", 0), ("checkpoint.every", 0), ("checkpoint.keep_last", 0),
+                     ("backend.trace_buffer", 0), ("metrics.log_every", 1), ("metrics.sample_every", 0),
+                     ("memory.empty_cache_every", 0)):  # fmt: skip
+        _at_least(cfg, key, low)
+    if cfg.memory.name == "checkpoint":
+        _at_least(cfg, "memory.checkpoint_every", 1)
+    if cfg.launch.nproc_per_node is not None:
+        _at_least(cfg, "launch.nproc_per_node", 1)
+    grace, step_timeout = cfg.checkpoint.preempt_grace_s, cfg.backend.step_timeout_s
+    _require(grace > 0, "checkpoint.preempt_grace_s", f"got {grace}; must be > 0 seconds")
+    _require(step_timeout is None or step_timeout > 0, "backend.step_timeout_s",
+             f"got {step_timeout}; must be null or > 0 seconds")  # fmt: skip
+    _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
+    version = cfg.parallel.get("version", 2)
+    _require(version in (1, 2), "parallel.version", f"got {version!r}; allowed: 1, 2")
+    if cfg.profile:
+        _check_profiler(cfg)
+
+
+def _check_profiler(cfg: DictConfig) -> None:
+    """profile=true: a trace window the run reaches."""
+    for key in ("wait", "warmup", "active"):
+        _at_least(cfg, f"profiler.{key}", 1 if key == "active" else 0)
+    window = cfg.profiler.wait + cfg.profiler.warmup + cfg.profiler.active
+    _require(
+        cfg.steps >= window,
+        "profiler",
+        f"profile=true traces steps {cfg.profiler.wait + cfg.profiler.warmup + 1}..{window} "
+        f"(wait + warmup + active) but the run has steps={cfg.steps}; lower profiler.wait/active or raise steps",
+    )
+
+
+def _check_loader(cfg: DictConfig) -> None:
+    """The data loader's processes and pinned memory."""
     workers, pin = cfg.data.num_workers, cfg.data.pin_memory
     _require(workers == "auto" or (isinstance(workers, int) and workers >= 0), "data.num_workers",
              f"got {workers!r}; allowed: auto or an integer >= 0")  # fmt: skip
     _require(pin in ("auto", True, False), "data.pin_memory", f"got {pin!r}; allowed: auto, true, false")
-    _at_least(cfg, "backend.timeout_s", 1)
-    _at_least(cfg, "launch.max_restarts", 0)
-    _at_least(cfg, "checkpoint.every", 0)
-    _at_least(cfg, "checkpoint.keep_last", 0)
-    _at_least(cfg, "backend.trace_buffer", 0)
-    _require(
-        cfg.checkpoint.preempt_grace_s > 0,
-        "checkpoint.preempt_grace_s",
-        f"got {cfg.checkpoint.preempt_grace_s}; must be > 0 seconds",
-    )
-    step_timeout = cfg.backend.step_timeout_s
-    _require(
-        step_timeout is None or step_timeout > 0,
-        "backend.step_timeout_s",
-        f"got {step_timeout}; must be null or > 0 seconds",
-    )
-    _at_least(cfg, "metrics.log_every", 1)
-    _at_least(cfg, "metrics.sample_every", 0)
-    _at_least(cfg, "memory.checkpoint_every", 1)
-    _at_least(cfg, "memory.empty_cache_every", 0)
-    _require(
-        cfg.memory.host_allocator in HOST_ALLOCATORS,
-        "memory.host_allocator",
-        f"got {cfg.memory.host_allocator!r}; must be one of {', '.join(HOST_ALLOCATORS)}",
-    )
-    if cfg.profile:
-        for key in ("wait", "warmup", "active"):
-            _at_least(cfg, f"profiler.{key}", 1 if key == "active" else 0)
-        window = cfg.profiler.wait + cfg.profiler.warmup + cfg.profiler.active
-        _require(
-            cfg.steps >= window,
-            "profiler",
-            f"profile=true traces steps {cfg.profiler.wait + cfg.profiler.warmup + 1}..{window} "
-            f"(wait + warmup + active) but the run has steps={cfg.steps}; lower profiler.wait/active or raise steps",
-        )
-    if cfg.launch.nproc_per_node is not None:
-        _at_least(cfg, "launch.nproc_per_node", 1)
-    _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
+    processes = workers != "auto" and workers > 0
     if cfg.data.prefetch_factor is not None:
-        _require(
-            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
-            "data.prefetch_factor",
-            "only applies with data.num_workers > 0; set it to null or raise num_workers",
-        )
+        _require(processes, "data.prefetch_factor",
+                 "only applies with data.num_workers > 0; set it to null or raise num_workers")  # fmt: skip
     if cfg.data.persistent_workers:
-        _require(
-            cfg.data.num_workers != "auto" and cfg.data.num_workers > 0,
-            "data.persistent_workers",
-            "needs data.num_workers > 0",
-        )
+        _require(processes, "data.persistent_workers", "needs data.num_workers > 0")
 
 
 def _check_device_and_backend(cfg: DictConfig) -> None:
@@ -199,15 +187,15 @@ def _check_world(cfg: DictConfig) -> None:
 
 def _check_memory(cfg: DictConfig) -> None:
     """CPU offload and activation checkpointing where they apply."""
-    if cfg.memory.cpu_offload:
+    if cfg.memory.name == "offload":
         _require(
-            cfg.parallel.name in ("fsdp", "hybrid"),
-            "memory.cpu_offload",
+            cfg.parallel.name in ("fsdp", "hybrid", "cp"),
+            "memory",
             f"CPU offload is an FSDP feature; got parallel={cfg.parallel.name}. Use parallel=fsdp",
         )
         _require(
             resolve_device(cfg) == "cuda",
-            "memory.cpu_offload",
+            "memory",
             "FSDP CPU offload moves shards between GPU and CPU memory and needs CUDA; none here. "
             "Use memory=none or memory=checkpoint",
         )
@@ -221,11 +209,6 @@ def _check_model_and_data(cfg: DictConfig) -> None:
     data = cfg.data.name
     if data == "varlen":
         _require(1 <= cfg.data.min_len <= cfg.data.max_len, "data.min_len", "need 1 <= min_len <= max_len")
-        _require(
-            cfg.data.source in ("synthetic", "text"),
-            "data.source",
-            f"got {cfg.data.source!r}; allowed: synthetic, text",
-        )
     else:
         _require(
             cfg.data.sampler == "distributed" and (not cfg.data.pack or data == "tokens"),
@@ -276,25 +259,12 @@ def _forward_args(cfg: DictConfig) -> tuple[str, ...]:
 
 def _check_paths(cfg: DictConfig) -> None:
     """Files and folders the run reads exist (images, text, a checkpoint to resume)."""
-    import os
-
     data = cfg.data.name
-    if data == "images":
-        _require(
-            cfg.data.source in ("synthetic", "folder", "cifar10"),
-            "data.source",
-            f"got {cfg.data.source!r}; allowed: synthetic, folder, cifar10",
-        )
-        _require(
-            cfg.data.transforms_on in ("device", "loader"),
-            "data.transforms_on",
-            f"got {cfg.data.transforms_on!r}; allowed: device, loader",
-        )
-        if cfg.data.source != "synthetic":
-            from framework.data.images import check_image_root
+    if data == "images" and cfg.data.source != "synthetic":
+        from framework.data.images import check_image_root
 
-            problem = check_image_root(cfg.data.source, cfg.data.root)
-            _require(problem is None, "data.root", problem or "")
+        problem = check_image_root(cfg.data.source, cfg.data.root)
+        _require(problem is None, "data.root", problem or "")
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
     _check_tokenizer(cfg)

@@ -171,14 +171,14 @@ def _parallelize_on_mesh(
         par.pipeline = build_pipeline(stages, stage_ids, n_stages, cfg.parallel, par.pp_group, info.device)
         par.holds_loss = par.pipeline.has_last
     _sync_and_clip(par, stages[0], cfg.parallel, strategy)
-    if dims.tp > 1 and cfg.parallel.loss_parallel:
+    if dims.tp > 1 and cfg.parallel.get("loss_parallel", False):
         from torch.distributed.tensor.parallel import loss_parallel
 
         par.loss_context = loss_parallel
     if dims.cp > 1:
         from framework.parallel.context import apply_cp
 
-        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], cfg.parallel.cp_impl)
+        par.split_batch, attention = apply_cp(model, mesh.device_mesh["cp"], cfg.parallel.get("cp_impl", "ring"))
         par.loss_context = _stacked(par.loss_context, attention)
     return par
 
@@ -201,7 +201,7 @@ def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, 
     for stage in stages:
         # 2. tensor parallel
         if dims.tp > 1:
-            apply_tp(stage, spec, mesh.device_mesh["tp"], parallel_cfg.sequence_parallel, parallel_cfg.loss_parallel)
+            apply_tp(stage, spec, mesh.device_mesh["tp"], *_tp_knobs(parallel_cfg))
         # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
         # 4. activation checkpointing, 5. compile
         _checkpoint_and_compile(stage, spec, cfg)
@@ -225,12 +225,17 @@ def _sync_and_clip(par: Parallelized, root: nn.Module, parallel_cfg: DictConfig,
         par.grad_sync = lambda enabled: fsdp2_grad_sync(root, enabled, parallel_cfg)
     elif par.pipeline is None and sharded_fsdp1:
         par.grad_sync = lambda enabled: (
-            nullcontext() if enabled or parallel_cfg.sync_every_microbatch else root.no_sync()
+            nullcontext() if enabled or parallel_cfg.get("sync_every_microbatch", False) else root.no_sync()
         )
     if sharded_fsdp1:
         par.clip_grad_norm = root.clip_grad_norm_
     else:
         par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims)
+
+
+def _tp_knobs(parallel_cfg: DictConfig) -> tuple[bool, bool]:
+    """(sequence_parallel, loss_parallel): tp's knobs, their defaults where another choice widens tp."""
+    return parallel_cfg.get("sequence_parallel", True), parallel_cfg.get("loss_parallel", False)
 
 
 def _stacked(*contexts: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:

@@ -140,7 +140,7 @@ def cp_config_problem(dims, cfg: DictConfig) -> tuple[str, str] | None:
         (cfg.data.seq_len % (2 * cp) == 0, "data.seq_len",
          f"zigzag sharding cuts each sequence into 2 x cp = {2 * cp} chunks; {cfg.data.seq_len} does not divide"),
         (dims.pp == 1, "parallel.cp", "context parallel is not combined with pipeline parallel; set parallel.pp=1"),
-        (p.version == 2, "parallel.version", "context parallel shards with FSDP2 (version=2) only"),
+        (p.get("version", 2) == 2, "parallel.version", "context parallel shards with FSDP2 (version=2) only"),
         (not cfg.model.get("dropout", 0.0), "model.dropout", "context parallel's attention has no dropout; set 0"),
         (not cfg.compile, "compile", "context parallel's ring attention is not compiled; set compile=false"),
     ]  # fmt: skip

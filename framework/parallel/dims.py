@@ -87,7 +87,9 @@ class ParallelDims:
     ) -> ParallelDims:
         """Resolve `cfg` (the `parallel` group) at `world_size`: 0 means auto (hybrid's defaults),
         -1 on one dp axis means "the ranks left over". Raises DimsError naming the key."""
-        tp, pp, rep, shard, cp = cfg.tp, cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.get("cp", 1)
+        # a choice off the mesh (ddp: the planner asks too) has no degrees: all ranks data-parallel
+        tp, pp, rep, shard = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("dp_replicate", 1), cfg.get("dp_shard", -1)
+        cp = cfg.get("cp", 1)
         if cp == 0 or cp < -1:
             raise DimsError("parallel.cp", f"got {cp}; must be >= 1 (1: no context parallel) or -1 (the rest)")
         if tp == 0:  # auto: 2-way tensor parallel where the world (less cp) and the heads split evenly
@@ -144,7 +146,7 @@ class ParallelDims:
         from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
 
         p = cfg.parallel
-        if p.version == 1:
+        if p.get("version", 2) == 1:
             _require(self.tp == 1 and self.pp == 1, "parallel.version",
                      "FSDP1 (version=1) shards data-parallel only; use version=2 with tp or pp")  # fmt: skip
             _require(
@@ -157,15 +159,16 @@ class ParallelDims:
             _require(cfg.precision.name != "amp", "precision",
                      "amp (float16 loss scaling) is not supported with pipeline parallel; use precision=bf16")  # fmt: skip
             local_batch = cfg.data.batch_size * cfg.accumulation_steps
-            _require(local_batch % p.n_microbatches == 0, "parallel.n_microbatches",
+            n_microbatches, schedule = p.get("n_microbatches", 4), p.get("schedule", "1F1B")
+            _require(local_batch % n_microbatches == 0, "parallel.n_microbatches",
                      f"must divide the local batch data.batch_size x accumulation_steps = {local_batch}")  # fmt: skip
             stages = self.pp * stages_per_rank(p)
             _require(
-                p.n_microbatches >= stages or p.schedule in SINGLE_STAGE,
+                n_microbatches >= stages or schedule in SINGLE_STAGE,
                 "parallel.n_microbatches",
-                f"the {p.schedule} schedule needs at least as many micro-batches as stages ({stages})",
+                f"the {schedule} schedule needs at least as many micro-batches as stages ({stages})",
             )
-        if self.tp > 1 and p.sequence_parallel:
+        if self.tp > 1 and p.get("sequence_parallel", True):
             _require(
                 cfg.data.seq_len % (self.tp * self.cp) == 0,
                 "data.seq_len",

@@ -34,15 +34,15 @@ def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictCon
     """One unit per block, and the root for the rest. `cfg`: the run's config."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.reduce_dtype)
+    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.get("reduce_dtype", "fp32"))
     kwargs = {
         "mesh": dp_mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         # offload: shards (and so the optimizer step) live in CPU memory, copied in unit by unit
-        "offload_policy": CPUOffloadPolicy() if cfg.memory.cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cfg.memory.name == "offload" else OffloadPolicy(),
     }
     for block in blocks:
-        fully_shard(block, reshard_after_forward=cfg.parallel.reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=cfg.parallel.get("reshard_after_forward", True), **kwargs)
     # The root unit holds what is left (embeddings, head); it is needed again at once by the
     # backward, so it is never resharded after forward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
@@ -57,7 +57,7 @@ def fsdp2_grad_sync(model: nn.Module, enabled: bool, cfg: DictConfig) -> Iterato
     reduce-scatters as a plain step would. A step then communicates exactly what a step without
     accumulation does, at the cost of holding unsharded parameters and gradients in between.
     `sync_every_microbatch` keeps the plain behaviour on every micro-batch instead."""
-    if enabled or cfg.sync_every_microbatch:
+    if enabled or cfg.get("sync_every_microbatch", False):
         yield
         return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -72,7 +72,7 @@ def fsdp2_grad_sync(model: nn.Module, enabled: bool, cfg: DictConfig) -> Iterato
             unit.set_requires_gradient_sync(True, recurse=False)
             unit.set_reshard_after_backward(True, recurse=False)
             # blocks go back to the configured behaviour; the root is never resharded after forward
-            unit.set_reshard_after_forward(cfg.reshard_after_forward and unit is not model, recurse=False)
+            unit.set_reshard_after_forward(cfg.get("reshard_after_forward", True) and unit is not model, recurse=False)
 
 
 def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictConfig, device: torch.device) -> nn.Module:
@@ -81,7 +81,7 @@ def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictCon
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.reduce_dtype)
+    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.get("reduce_dtype", "fp32"))
     block_classes = {type(b) for b in blocks}
     policy = (
         functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=block_classes) if block_classes else None
@@ -97,5 +97,5 @@ def apply_fsdp1(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictCon
         device_id=device,  # also on CPU: FSDP1 otherwise looks for an accelerator
         device_mesh=dp_mesh,
         use_orig_params=True,
-        cpu_offload=CPUOffload(offload_params=cfg.memory.cpu_offload),
+        cpu_offload=CPUOffload(offload_params=cfg.memory.name == "offload"),
     )

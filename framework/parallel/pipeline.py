@@ -33,10 +33,11 @@ SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE)  # the names `parallel.schedule` accep
 
 def stages_per_rank(cfg: DictConfig) -> int:
     """Virtual stages per rank: 1 for single-stage schedules; for multi-stage ones the configured
-    number, at least 2 (0 means auto: 2)."""
-    if cfg.schedule in SINGLE_STAGE:
+    number, at least 2 (0 means auto: 2). `cfg`: any mesh choice's group (pp's knobs default
+    where another choice widens pp)."""
+    if cfg.get("schedule", "1F1B") in SINGLE_STAGE:
         return 1
-    return max(2, cfg.stages_per_rank)
+    return max(2, cfg.get("stages_per_rank", 0))
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def build_stages(
     per_rank = stages_per_rank(cfg)
     n_stages = pp * per_rank
     layers = split_layers(len(model.get_submodule(split.blocks)), n_stages)
-    ids = stage_ids(pp_rank, pp, per_rank, cfg.schedule)
+    ids = stage_ids(pp_rank, pp, per_rank, cfg.get("schedule", "1F1B"))
     stages = [make_stage(model, split, layers[s], first=s == 0, last=s == n_stages - 1) for s in ids]
     return stages, ids, n_stages
 
@@ -191,11 +192,12 @@ def build_pipeline(
         pipelining.PipelineStage(m, s, n_stages, device, group=pp_group)
         for m, s in zip(stage_modules, ids, strict=True)
     ]
-    if cfg.schedule in SINGLE_STAGE:
-        schedule = getattr(pipelining, SINGLE_STAGE[cfg.schedule])(stages[0], cfg.n_microbatches, loss_fn=cross_entropy)
+    name, n_microbatches = cfg.get("schedule", "1F1B"), cfg.get("n_microbatches", 4)
+    if name in SINGLE_STAGE:
+        schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], n_microbatches, loss_fn=cross_entropy)
     else:
-        schedule = getattr(pipelining, MULTI_STAGE[cfg.schedule])(stages, cfg.n_microbatches, loss_fn=cross_entropy)
-    return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, cfg.n_microbatches)
+        schedule = getattr(pipelining, MULTI_STAGE[name])(stages, n_microbatches, loss_fn=cross_entropy)
+    return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches)
 
 
 class LocalStages(nn.Module):

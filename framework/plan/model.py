@@ -74,18 +74,20 @@ def layout_of(parallel: DictConfig, world: int, n_layer: int | None = None, n_he
     if p.name == "ddp":
         return Layout("ddp", dp_replicate=world, comm_hook=p.comm_hook, bucket_cap_mb=p.bucket_cap_mb)
     dims = ParallelDims.from_config(p, world, n_layer, n_head)
-    fsdp = p.version if (dims.dp * dims.cp > 1 or p.name == "fsdp") else 0
-    reshard = p.reshard_after_forward
+    # a knob the choice lacks (another strategy's, on a widened axis) takes its schema default
+    fsdp = p.get("version", 2) if (dims.dp * dims.cp > 1 or p.name == "fsdp") else 0
+    reshard = p.get("reshard_after_forward", True)
     if fsdp == 1:
         reshard = p.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
         if p.sharding_strategy == "NO_SHARD":
-            return Layout("ddp", dp_replicate=world, bucket_cap_mb=p.bucket_cap_mb)
+            return Layout("ddp", dp_replicate=world, bucket_cap_mb=p.get("bucket_cap_mb", 25.0))
     return Layout(
         p.name, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, fsdp, reshard,
-        sequence_parallel=dims.tp > 1 and p.sequence_parallel, loss_parallel=dims.tp > 1 and p.loss_parallel,
-        schedule=p.schedule, n_microbatches=p.n_microbatches if dims.pp > 1 else 1,
+        sequence_parallel=dims.tp > 1 and p.get("sequence_parallel", True),
+        loss_parallel=dims.tp > 1 and p.get("loss_parallel", False),
+        schedule=p.get("schedule", "1F1B"), n_microbatches=p.get("n_microbatches", 4) if dims.pp > 1 else 1,
         stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
-        sync_every_microbatch=p.sync_every_microbatch, cp=dims.cp, cp_impl=p.get("cp_impl", "ring"),
+        sync_every_microbatch=p.get("sync_every_microbatch", False), cp=dims.cp, cp_impl=p.get("cp_impl", "ring"),
     )  # fmt: skip
 
 

@@ -62,7 +62,7 @@ def peak_parts(shapes: Shapes, cfg: DictConfig, layout: Layout, memory: dict, pr
     params, grads, optim = memory["param_bytes"], memory["grad_bytes"], memory["optim_bytes"]
     backward = memory["activation_bytes"] + head_transient(shapes, cfg, layout)
     buffers = persistent_buffers(shapes, cfg, layout)
-    if buffers and cfg.parallel.get("gradient_as_bucket_view", False):
+    if buffers and cfg.parallel.get("gradient_as_bucket_view", True):
         grads = 0  # the gradients are views into DDP's buckets: counted there
     update = grads + reduce_buffer(shapes, cfg, layout)
     live = {

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import CONF_DIR, ConfigError, resolve_device
 from framework.config.model import meta_model, model_dims_of, model_spec
-from framework.config.schema import ParallelConfig
+from framework.config.schema import group_schema
 from framework.machine import local_ranks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
@@ -38,7 +38,7 @@ def parallel_group(name: str, settings: dict[str, Any]) -> DictConfig:
     """The `parallel` group `python train.py parallel=NAME parallel.K=V ...` composes."""
     node = OmegaConf.load(CONF_DIR / "parallel" / f"{name}.yaml")
     node.pop("defaults", None)
-    return OmegaConf.merge(OmegaConf.structured(ParallelConfig), node, settings)
+    return OmegaConf.merge(OmegaConf.structured(group_schema("parallel", name)), node, settings)
 
 
 def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
@@ -147,8 +147,12 @@ class Knobs:
 
     def apply(self, cfg: DictConfig) -> None:
         """Set these knobs in `cfg` (in place; a trial copy, or the run's config once chosen)."""
-        cfg.memory.name = "checkpoint" if self.checkpoint_every else "none"
-        cfg.memory.checkpoint_every = self.checkpoint_every or 1
+        name = "checkpoint" if self.checkpoint_every else "none"  # each with its own schema's keys
+        keep = {k: v for k, v in cfg.memory.items() if k not in ("name", "checkpoint_every")}
+        memory = OmegaConf.merge(OmegaConf.structured(group_schema("memory", name)), keep)
+        if self.checkpoint_every:
+            memory.checkpoint_every = self.checkpoint_every
+        cfg.memory = memory
         cfg.data.batch_size, cfg.accumulation_steps = self.batch_size, self.accumulation_steps
         if self.n_microbatches is not None:
             cfg.parallel.n_microbatches = self.n_microbatches
@@ -175,7 +179,7 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
 
 
 def _pp_degree(trial: DictConfig) -> int:
-    return trial.parallel.pp if trial.parallel.name != "pp" else trial.parallel.get("pp", 2)
+    return trial.parallel.get("pp", 1)  # parallel=pp has its own degree; ddp and fsdp have none
 
 
 # ----------------------------------------------------------------------------- the choice

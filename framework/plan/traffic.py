@@ -107,7 +107,7 @@ def _ddp(t: Traffic, shapes: Shapes, layout: Layout) -> None:
 def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
     from framework.parallel.fsdp import mixed_precision_dtypes
 
-    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.reduce_dtype)
+    param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.get("reduce_dtype", "fp32"))
     gather_bytes = 4 if param_dtype is None else param_dtype.itemsize
     reduce_bytes = reduce_dtype.itemsize
     units: dict[tuple[int, str], int] = defaultdict(int)  # (pp rank, unit) -> padded elements

@@ -1,0 +1,191 @@
+"""`check_overrides(argv)`: a misspelt choice, an unknown key or a value of the wrong type on the
+command line is one line and exit 2, before Hydra's own report (a multi-line dump, exit 1):
+
+    parallel: got 'fdsp'; did you mean 'fsdp'? allowed: auto, cp, ddp, dp, fsdp, hybrid, none, pp, tp
+    lr: no such key; did you mean 'optim.lr'?
+
+It composes the command line's overrides as Hydra will (each value of a sweep once) and names what
+Hydra refuses; what it cannot name it leaves to Hydra.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Iterator
+from dataclasses import fields
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+# Hydra's flags that take a value, and those after which the overrides compose differently (or not
+# at all): the check then stays out of the way
+_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
+# keys that are spelt another way
+_SPELT_AS = {"memory.cpu_offload": "memory=offload (FSDP CPU offload)"}
+_INFO, _INFO_VALUES = {"--info", "-i"}, {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+_HANDS_OFF = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun",
+              "--shell-completion", "-sc", "--help", "-h", "--hydra-help", "--version"}  # fmt: skip
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Exit 2 with one line on stderr for the first override Hydra would refuse (train.py's argv)."""
+    problem = first_problem(argv)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
+def first_problem(argv: list[str]) -> str | None:
+    """The one-line message for the first override of `argv` that does not compose, else None."""
+    overrides = _overrides_of(argv)
+    if overrides is None:
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra's own message points at the character
+        return None
+    for trial in _trials(parsed):
+        problem = _compose_problem(trial)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _overrides_of(argv: list[str]) -> list[str] | None:
+    """The overrides among Hydra's flags, or None where a flag changes what composes."""
+    out, i = [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if arg.split("=", 1)[0] in _HANDS_OFF:
+            return None
+        if arg in _WITH_VALUE:
+            i += 1
+        elif arg in _INFO:
+            i += int(argv[i : i + 1] != [] and argv[i] in _INFO_VALUES)
+        elif not arg.startswith("-"):
+            out.append(arg)
+    return out
+
+
+def _trials(parsed: list[Override]) -> Iterator[list[str]]:
+    """The overrides with each sweep at its first value, then each other value of each sweep once
+    (the others at their first). Sweeps over an interval (Optuna's) are left out."""
+    values = [_values(o) for o in parsed]
+    first = [v[0] for v in values if v]
+    yield first
+    for i, vals in enumerate(values):
+        for value in vals[1:]:
+            yield [value if j == i else v[0] for j, v in enumerate(values) if v]
+
+
+def _values(override: Override) -> list[str]:
+    if not override.is_sweep_override():
+        return [override.input_line]
+    if not isinstance(override.value(), ChoiceSweep | RangeSweep):
+        return []
+    key = override.get_key_element()
+    return [f"{key}={v}" for v in override.sweep_string_iterator()]
+
+
+def _compose_problem(overrides: list[str]) -> str | None:
+    from framework.config import compose
+
+    try:
+        compose(overrides)
+    except MissingConfigException as err:
+        return _missing_choice(err)
+    except ConfigCompositionException as err:
+        cause = err.__cause__
+        if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+            return _unknown_key(cause.full_key or "", overrides)
+        if isinstance(cause, ValidationError):
+            return _bad_value(cause, overrides)
+    except Exception:  # noqa: BLE001 - what it cannot name, Hydra reports
+        return None
+    return None
+
+
+def _missing_choice(err: MissingConfigException) -> str | None:
+    if not err.missing_cfg_file or not err.options:
+        return None
+    group, _, got = err.missing_cfg_file.rpartition("/")
+    return _not_allowed(group, got, [str(o) for o in err.options])
+
+
+def _not_allowed(key: str, got: str, allowed: list[str]) -> str:
+    near = difflib.get_close_matches(got, allowed, n=1)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return f"{key}: got {got!r}; {hint}allowed: {', '.join(allowed)}"
+
+
+def _unknown_key(key: str, overrides: list[str]) -> str:
+    if key in _SPELT_AS:
+        return f"{key}: no such key; use {_SPELT_AS[key]}"
+    base = _compose_without(key, overrides)
+    group = key.split(".", 1)[0]
+    if "." in key and base is not None and group in base and OmegaConf.is_dict(base[group]):
+        owners = _choices_with(group, key.rsplit(".", 1)[1])
+        choice = base[group].get("name")
+        if owners and choice is not None:
+            return f"{key}: no such key with {group}={choice}; {', '.join(owners)} {'has' if len(owners) == 1 else 'have'} it"
+    near = _nearest_key(key, base)
+    return f"{key}: no such key" + (f"; did you mean {near!r}?" if near else "")
+
+
+def _choices_with(group: str, leaf: str) -> list[str]:
+    """The choices of `group` whose schema has the key `leaf`."""
+    from framework.config.schema import GROUP_SCHEMAS
+
+    schemas = GROUP_SCHEMAS.get(group, {})
+    return [name for name, schema in schemas.items() if name != "base" and leaf in {f.name for f in fields(schema)}]
+
+
+def _nearest_key(key: str, cfg: DictConfig | None) -> str | None:
+    """The config key closest to `key`, by the whole dotted name or by its last part (`lr`: `optim.lr`)."""
+    if cfg is None:
+        return None
+    keys = [k for k in _dotted_keys(cfg) if k != key]
+    leaf = key.rsplit(".", 1)[-1]
+
+    def score(k: str) -> tuple[float, float]:
+        whole = difflib.SequenceMatcher(None, key, k).ratio()
+        return max(whole, difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio()), whole
+
+    best = max(keys, key=score, default=None)
+    return best if best is not None and score(best)[0] >= 0.6 else None
+
+
+def _dotted_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
+    for k in cfg.keys():
+        name = f"{prefix}{k}"
+        yield name
+        node = cfg._get_node(k)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            yield from _dotted_keys(node, name + ".")
+
+
+def _bad_value(cause: ValidationError, overrides: list[str]) -> str:
+    key = cause.full_key or ""
+    got = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key), str(cause.value))
+    base = _compose_without(key, overrides)
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(base, parent) if base is not None and parent else base
+    enum_type = getattr(node._get_node(leaf), "enum_type", None) if isinstance(node, DictConfig) else None
+    if enum_type is not None:
+        return _not_allowed(key, got, list(enum_type.__members__))
+    return f"{key}: got {got!r}; {str(cause.msg).splitlines()[0]}"
+
+
+def _compose_without(key: str, overrides: list[str]) -> DictConfig | None:
+    """The config the other overrides compose (None where they do not)."""
+    from framework.config import compose
+
+    rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    try:
+        return compose(rest)
+    except Exception:  # noqa: BLE001 - another problem: no suggestion from it
+        return None
