@@ -1,10 +1,13 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# benchmarks run by the tests write their tables here, not over docs/results
+os.environ.setdefault("HYDRADIST_RESULTS_DIR", tempfile.mkdtemp(prefix="hydradist-results-"))
 
 
 def pytest_collection_modifyitems(config, items):

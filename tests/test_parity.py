@@ -51,23 +51,26 @@ def test_same_losses_however_the_global_batch_is_split(tmp_path, reference, name
 def _no_sync_worker(rank: int, world: int):
     from omegaconf import OmegaConf
 
-    from framework.config.schema import MemoryConfig, ParallelConfig
-    from framework.contract import spec_of
+    from framework.config.parallel_schema import DDPConfig
+    from framework.config.schema import MemoryConfig
+    from framework.contract import build_model, spec_of
     from framework.dist import DistInfo
     from framework.parallel import parallelize
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1, bias=False)
+    linear = {"_target_": "torch.nn.Linear", "in_features": 4, "out_features": 1, "bias": False}
+    parts = {"parallel": DDPConfig(), "memory": MemoryConfig(), "model": linear}
+    cfg = OmegaConf.create({**parts, "compile": False, "seed": 0})
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
-    cfg = OmegaConf.create({"parallel": ParallelConfig(name="ddp"), "memory": MemoryConfig(), "compile": False})
-    par = parallelize(model, spec_of(model, {}), cfg, info)
+    model = build_model(cfg.model)
+    par = parallelize(model, spec_of(model, cfg.model), cfg, info)
+    weight = par.module.module.weight  # DDP holds the model at .module
     x = torch.full((2, 4), float(rank + 1))  # each rank sees different data
     with par.grad_sync(False):
         par.module(x).sum().backward()
-    local = model.weight.grad.clone()  # not synchronised yet: this rank's own gradient
+    local = weight.grad.clone()  # not synchronised yet: this rank's own gradient
     with par.grad_sync(True):
         par.module(x).sum().backward()
-    synced = model.weight.grad.clone()
+    synced = weight.grad.clone()
     return local, synced
 
 

@@ -138,5 +138,6 @@ def test_overhead_benchmark_runs_and_prints_its_ratio():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--pairs", "1", "--steps", "6",
                            "--precisions", "fp32"], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
+    *_, last, written = proc.stdout.strip().splitlines()
+    assert written.startswith("written: ") and not written.startswith(f"written: {ROOT / 'docs'}")
     assert last.startswith("framework/raw throughput ratio: ") and float(last.split(": ")[1]) > 0.5
