@@ -113,12 +113,10 @@ def _resume(cfg, info, model, optimizer) -> None:
 def verify_table() -> tuple[str, float, float]:
     """(markdown table, save time ratio full/off, load time ratio full/off), of the fastest repeats:
     on a shared machine the other load only adds time, so the fastest is the least disturbed."""
-    from torch.distributed.launcher.api import elastic_launch
-
-    from framework.launch import local_launch_config
+    from framework.machine import launch_local
 
     with tempfile.TemporaryDirectory() as out:
-        times = elastic_launch(local_launch_config(2), _verify_worker)(out)[0]
+        times = launch_local(2, _verify_worker, out)[0]
     rows, ratios = [], []
     for what in ("save", "load"):
         off, full = times[f"{what} off"], times[f"{what} full"]

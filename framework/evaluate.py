@@ -103,11 +103,9 @@ def run(target: str, overrides: list[str]) -> dict[str, Any]:
     if launched_as_worker() or nproc == 1:
         result = evaluate_rank(config, path, whole_file)
     else:
-        from torch.distributed.launcher.api import elastic_launch
+        from framework.machine import launch_local
 
-        from framework.launch import local_launch_config
-
-        result = elastic_launch(local_launch_config(nproc), evaluate_rank)(config, path, whole_file)[0]
+        result = launch_local(nproc, evaluate_rank, config, path, whole_file)[0]
     step = checkpoint.read_trainer_state(path).step
     data = f"data.path={cfg.data.path}" if whole_file else "the run's validation split"
     out = {**result, "checkpoint": path, "step": step, "data": data, "parallel": cfg.parallel.name}

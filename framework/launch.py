@@ -28,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
 from framework.config.run_id import register_resolvers  # noqa: F401  (train.py's import)
-from framework.dist import adopt_slurm_env, launched_as_worker, local_launch_config, slurm_task
+from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 from framework.integrity import CheckpointError
+from framework.machine import launch_local
 from framework.parallel.dims import Strategy
 from framework.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
 from framework.run_files import Summary, read_summary, write_summary
@@ -268,15 +269,14 @@ def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, 
     """Start `nproc` workers on this machine with torch's elastic agent and wait for them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
 
     for name in list(logging.Logger.manager.loggerDict):  # each elastic module's logger sets its own level
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, once
     launch, run_dir = config.launch, job.run_dir
-    launch_config = local_launch_config(nproc, launch.max_restarts, launch.monitor_interval_s, launch.start_method)
+    knobs = {k: launch[k] for k in ("max_restarts", "monitor_interval_s", "start_method")}
     try:
-        results = elastic_launch(launch_config, spawned_worker)(config, job)
+        results = launch_local(nproc, spawned_worker, config, job, **knobs)
     except SignalException as err:  # this process got the signal; the agent passed it to the workers
         raise preempted(run_dir, err.sigval) from None
     except ChildFailedError as err:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from framework.dist import DistInfo, restart_count
+from framework.machine import launcher_pid
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ABORT_KEY = "hydradist/abort"
@@ -301,7 +302,7 @@ def inject_fault(step: int, info: DistInfo) -> bool:
             time.sleep(1)
     if kind in ("sigterm", "sigint"):  # as a scheduler (or Ctrl-C) does: to the launching process, or this one
         sig = signal.SIGTERM if kind == "sigterm" else signal.SIGINT
-        os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
+        os.kill(launcher_pid() or os.getpid(), sig)
         return False
     if kind == "nan":
         return True

@@ -17,12 +17,10 @@ from omegaconf import OmegaConf
 
 def run_configs(configs: dict[str, dict[str, Any]], world_size: int, out_dir: str) -> dict[str, dict[str, Any]]:
     """{name: summary} for every config, each run in `out_dir/name` on `world_size` workers."""
-    from torch.distributed.launcher.api import elastic_launch
-
-    from framework.dist import local_launch_config
+    from framework.machine import launch_local
 
     place = device_and_backend(configs)
-    return elastic_launch(local_launch_config(world_size), _train_each)(configs, out_dir, place)[0]
+    return launch_local(world_size, _train_each, configs, out_dir, place)[0]
 
 
 def device_and_backend(configs: dict[str, dict[str, Any]]) -> tuple[str, str]:

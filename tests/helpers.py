@@ -75,11 +75,9 @@ def losses(run_dir: Path) -> list[float]:
 def run_workers(fn, world_size: int, *args) -> dict[int, Any]:
     """Run module-level `fn(*args)` on `world_size` local processes joined in a gloo group
     (through torch's elastic launcher, as train.py does); returns each rank's result."""
-    from torch.distributed.launcher.api import elastic_launch
+    from framework.machine import launch_local
 
-    from framework.dist import local_launch_config
-
-    return elastic_launch(local_launch_config(world_size), _worker)(fn, args)
+    return launch_local(world_size, _worker, fn, args)
 
 
 def _worker(fn, args):

@@ -63,7 +63,7 @@ LAYERS: list[tuple[str, ...]] = [
     # one rank's run
     ("step", "summary", "evaluation", "ledger", "build", "trainer", "sweep"),
     # launch and the front doors
-    ("launch", "compose", "evaluate", "generate", "report", "plan.__main__"),
+    ("launch", "compose", "evaluate", "generate", "report", "plan.__main__", "preload"),
 ]
 
 # Exemptions: none today. An edge or a size that must wait for a later change is named here,

@@ -180,7 +180,7 @@ class LaunchConfig:
     max_restarts: int = 0
     master_port: int | None = None  # srun without torchrun: the rendezvous port (null: from the job id)
     monitor_interval_s: float = 0.1
-    start_method: StartMethod = StartMethod.spawn
+    start_method: StartMethod = StartMethod.forkserver  # forkserver: workers fork from one that imported torch
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from framework.machine import cpu_name, local_launch_config, local_ranks
+from framework.machine import cpu_name, launch_local, local_ranks
 
 # figures for what is neither configured nor measured (ranks a launcher started: set plan.*)
 NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 100.0,
@@ -235,9 +235,7 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
 
 def probe_link(world: int, device: str) -> dict[str, float]:
     """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
-    from torch.distributed.launcher.api import elastic_launch
-
-    samples = elastic_launch(local_launch_config(world), _probe_worker)(device)[0]
+    samples = launch_local(world, _probe_worker, device)[0]
     (n0, t0), (n1, t1) = samples[0], samples[-1]
     per_byte = max((t1 - t0) / (n1 - n0), 1e-12)
     return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6)}
