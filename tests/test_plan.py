@@ -222,3 +222,49 @@ def test_a_context_parallel_run_checks_the_planner(tmp_path):
     for figure in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls"):
         assert abs(plan["error"][figure]) <= 0.10, (figure, plan)
     assert plan["error"]["peak_bytes"] is not None and abs(plan["error"]["peak_bytes"]) < 0.5, plan
+
+
+# ----------------------------------------------------------------------------- the op trace
+
+
+def _traced_flops(trace, regions=None) -> float:
+    """Forward FLOPs of a trace's matmuls and attention (two matmuls of the scores' shape)."""
+    total = 0.0
+    for key, region in trace.regions.items():
+        if regions is None or key in regions:
+            total += sum(2 * m * k * n for m, k, n, _ in region.matmuls)
+            total += sum(4 * m * k * n for m, k, n in region.attention)
+    return total
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_the_traced_forward_has_the_models_declared_flops(model):
+    """The time model prices what the trace finds: its matmuls and attention, times three for
+    forward and backward, are the model's own FLOP count (models/gpt.py, models/llama.py), exactly."""
+    from framework.config.model import meta_model, model_spec
+    from framework.plan.ops import trace_forward
+
+    overrides = ["model.n_layer=3", "model.n_embd=64", "model.n_head=4"] if model == "gpt" else []
+    cfg = compose_config([f"model={model}", *overrides, "data.seq_len=32"])
+    net, spec = meta_model(cfg), model_spec(cfg)
+    trace = trace_forward(net, spec.blocks, spec.tp_plan, 2, 32)
+    assert 3 * _traced_flops(trace) == pytest.approx(net.flops_per_token(32) * 2 * 32, rel=1e-12)
+    blocks = {key[0] for key in trace.regions if isinstance(key, tuple)}
+    assert len(blocks) == len(getattr(net, spec.blocks))
+
+
+def test_the_trace_places_each_operator_where_tensor_parallel_splits_it():
+    """q/k/v and the MLP (and attention between them) are in a block's sharded part, the norms
+    and residual adds in its replicated part, the head after the blocks, split by its output."""
+    from framework.config.model import meta_model, model_spec
+    from framework.plan.ops import trace_forward
+
+    cfg = compose_config(["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "data.seq_len=32"])
+    net, spec = meta_model(cfg), model_spec(cfg)
+    trace = trace_forward(net, spec.blocks, spec.tp_plan, 2, 32)
+    sharded, replicated = trace.regions["blocks.0", "sharded"], trace.regions["blocks.0", "replicated"]
+    assert [style for *_, style in sharded.matmuls] == ["colwise"] * 3 + ["rowwise", "colwise", "rowwise"]
+    assert len(sharded.attention) == 1 and not replicated.matmuls and not replicated.attention
+    assert replicated.bytes > 0 and replicated.ops >= 4  # two norms, two residual adds
+    assert [style for *_, style in trace.regions["post"].matmuls] == ["output"]
+    assert trace.regions["post"].matmuls[0][:3] == (64, 64, cfg.model.vocab_size)

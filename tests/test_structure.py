@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import signal
 
 import pytest
 from omegaconf import OmegaConf
@@ -89,3 +90,43 @@ def test_only_run_files_names_the_summary_file():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.strip() == SUMMARY_FILE:
                 named.append(str(path.relative_to(ROOT)))
     assert not named, named
+
+
+# ----------------------------------------------------------------------------- local workers
+
+
+def _what_a_worker_sees(tag: str) -> tuple:
+    import os
+    import signal
+    import sys
+
+    return (
+        tag,
+        os.environ.get("HYDRADIST_PROBE"),
+        os.environ["RANK"],
+        os.getcwd(),
+        sys.path[-1],
+        signal.getsignal(signal.SIGTERM),
+        "framework.trainer" in sys.modules,
+    )
+
+
+def test_workers_see_the_callers_environment_as_it_is_at_each_launch(tmp_path, monkeypatch):
+    """Workers fork from a forkserver started at the first launch, which keeps that moment's
+    environment: each launch still hands its workers the caller's environment, sys.path and
+    working directory as they are now, SIGTERM at its default (the forkserver ignores it), and
+    the trainer already imported (what the forkserver is for)."""
+    import sys
+
+    from framework.machine import launch_local
+
+    monkeypatch.setenv("HYDRADIST_PROBE", "first")
+    first = launch_local(2, _what_a_worker_sees, "a")
+    monkeypatch.setenv("HYDRADIST_PROBE", "second")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    second = launch_local(2, _what_a_worker_sees, "b")
+    for rank in (0, 1):
+        assert first[rank][:3] == ("a", "first", str(rank)) and first[rank][-1]
+        assert second[rank][:5] == ("b", "second", str(rank), str(tmp_path), str(tmp_path))
+        assert second[rank][5] == signal.SIG_DFL and second[rank][-1]

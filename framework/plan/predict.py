@@ -9,11 +9,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from framework.config.model import meta_model, model_dims_of, model_spec
-from framework.plan.activations import activation_bytes, gathered_bytes
+from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
 from framework.plan.model import Layout, Shapes, layout_of, model_shapes, state_bytes
+from framework.plan.ops import Trace, trace_forward
 from framework.plan.peak import peak_parts
 from framework.plan.profile import Profile
-from framework.plan.timing import bubble, step_time
+from framework.plan.timing import bubble, comm_s, step_time
 from framework.plan.traffic import traffic
 
 FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls",
@@ -75,10 +76,29 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
         "hardware_flops_per_token": shapes.hardware_flops_per_token,  # with checkpointing's recomputation
     }
     if profile is not None and ranks is not None:
-        out["comm_time_s"] = step_time(cfg, layout, shapes, ranks, profile, compute=False)
+        out["comm_time_s"] = comm_s(cfg, layout, ranks, profile)
         if shapes.hardware_flops_per_token:
-            out["step_time_s"] = step_time(cfg, layout, shapes, ranks, profile)
+            spec = facts[1] if facts else model_spec(cfg)
+            trace = forward_trace(cfg, layout, model, spec) if profile.kernels is not None else None
+            out["step_time_s"] = step_time(cfg, layout, shapes, ranks, profile, trace=trace)
     return out
+
+
+def forward_trace(cfg: DictConfig, layout: Layout, model, spec) -> Trace | None:
+    """One rank's micro-batch forward, traced on meta once per model and shape (framework.plan.ops);
+    None for a model that takes no token batch or whose forward does not run on meta."""
+    seq_len = cfg.data.get("seq_len")
+    if spec.task != "lm" or not seq_len:
+        return None
+    b, tokens = micro_batch(cfg, layout), seq_len // layout.cp
+
+    def make():
+        try:
+            return trace_forward(model, spec.blocks, spec.tp_plan or {}, b, tokens)
+        except Exception:  # a forward that needs real tensors: priced by its FLOPs instead
+            return None
+
+    return _cached(("trace", id(model), b, tokens), model, make)
 
 
 def _not_predicted(memory: dict, ranks, shapes: Shapes) -> dict[str, str]:

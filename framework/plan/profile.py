@@ -17,7 +17,6 @@ nominal) is in `Profile.sources`.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,13 +25,14 @@ import torch
 from omegaconf import DictConfig
 
 from framework.machine import cpu_name, launch_local, local_ranks
+from framework.plan.baseline import baseline_bytes, forks_workers
+from framework.plan.cache import read_cache, write_cache
+from framework.plan.kernels import Kernels, probe_kernels
+from framework.plan.ops import BACKWARD_OPS, count_ops
 
 # figures for what is neither configured nor measured (ranks a launcher started: set plan.*)
 NOMINAL = {"gbps": 10.0, "latency_us": 50.0, "cpu_tflops": 0.1, "gpu_tflops": 100.0,
            "op_overhead_us": {"cpu": 10.0, "cuda": 10.0}}  # fmt: skip
-# the process before the model: imports and the backend (CPU: torch and the framework resident;
-# CUDA: the allocator counts from zero), and what the allocator keeps beyond the live bytes
-NOMINAL_BASELINE = {"cpu": 700 * 2**20, "cuda": 0}
 # CPU: glibc's retention beyond the live bytes, fitted (0.15 to 0.38, median 0.2) on the four
 # runs of benchmarks/plan_peak.py (none, ddp x2, fsdp x4, pp x2 on the 100M gpt); CUDA: the
 # caching allocator's usual few percent
@@ -52,29 +52,8 @@ class Profile:
     probe_ranks: int = 0  # the workers the link probe ran (0: none)
     sources: dict = None  # figure -> "config" | "probe" | "cache" | "datasheet" | "nominal"
     op_overhead_s: float = 0.0  # dispatch cost per operator (Python, autograd, the kernel launch)
-
-
-def _cache_path() -> str:
-    root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    return os.path.join(root, "hydradist", "links.json")
-
-
-def _read_cache() -> dict:
-    try:
-        with open(_cache_path()) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _write_cache(key: str, value: dict) -> None:
-    cache = _read_cache() | {key: value}
-    path = _cache_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cache, f, indent=1)
-    os.replace(tmp, path)
+    kernels: Kernels | None = None  # matmul, elementwise and optimizer costs (CPU: probed; else None)
+    share: float = 1.0  # the share of its threads a rank gets (local ranks x threads over the cores)
 
 
 def _link_key(device: str, backend: str, world: int) -> str:
@@ -110,35 +89,65 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     where.pop("link", None)
     overlap = plan.overlap if plan.overlap is not None else (0.8 if device == "cuda" else 0.0)
     where["overlap"] = "config" if plan.overlap is not None else "nominal"
-    baseline, where["baseline_bytes"] = baseline_bytes(device, measure)
+    baseline, where["baseline_bytes"] = baseline_bytes(device, measure, forks_workers(cfg, world))
     overhead, where["op_overhead_s"] = op_overhead(cfg, device, local, measure)
+    kernels, where["kernels"] = kernel_costs(cfg, device, local, measure)
+    cores = os.cpu_count() or 1
+    share = 1.0 if device == "cuda" else min(1.0, cores / (max(1, cores // local) * local))
     return Profile(
         peak, intra, inter, latency, overlap, "; ".join(sources), baseline, NOMINAL_SLACK[device],
-        local if probed else 0, where, overhead,
+        local if probed else 0, where, overhead, kernels, share,
     )  # fmt: skip
+
+
+def kernel_costs(cfg: DictConfig, device: str, local: int, measure: str) -> tuple[Kernels | None, str]:
+    """(this machine's kernel costs on the threads one of `local` ranks gets, source): CPU only,
+    from the cache or a probe (framework.plan.kernels); None where neither may run."""
+    from framework.precision import DTYPES
+
+    if device == "cuda" or measure == "config":
+        return None, "none"
+    threads = max(1, (os.cpu_count() or 1) // local)
+    dtype = DTYPES[cfg.precision.name]
+    key = f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}"
+    cached = read_cache().get(key)
+    if cached is not None:
+        return Kernels.from_json(cached), "cache"
+    if measure != "probe":
+        return None, "none"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels = probe_kernels(dtype)
+    finally:
+        torch.set_num_threads(before)
+    write_cache(key, kernels.to_json())
+    return kernels, "probe"
 
 
 def op_overhead(cfg: DictConfig, device: str, local: int, measure: str) -> tuple[float, str]:
     """(seconds of dispatch per operator, source): a tiny pre-norm block's forward and backward,
-    whose time is all overhead, over the ~120 operators `timing.ops_per_step` counts per block;
-    on the threads one of `local` ranks gets. Cached per machine."""
+    whose time is all overhead, over the operators its traced forward dispatches and their
+    backward (framework.plan.ops counts them as the time model does); on the threads one of
+    `local` ranks gets. Cached per machine."""
     if cfg.plan.get("op_overhead_us") is not None:
         return cfg.plan.op_overhead_us * 1e-6, "config"
     if measure == "config" or device == "cuda":
         return NOMINAL["op_overhead_us"][device] * 1e-6, "nominal"
     threads = max(1, (os.cpu_count() or 1) // local)
-    key = f"op_overhead|{cpu_name()}|threads={threads}|torch={torch.__version__}"
-    cached = _read_cache().get(key)
+    key = f"op_overhead|{cpu_name()}|threads={threads}|torch={torch.__version__}|traced"
+    cached = read_cache().get(key)
     if cached is not None:
         return cached["s"], "cache"
     if measure != "probe":
         return NOMINAL["op_overhead_us"][device] * 1e-6, "nominal"
-    value = _time_tiny_block(threads) / 120
-    _write_cache(key, {"s": value})
+    seconds, forward_ops = _time_tiny_block(threads)
+    value = seconds / (forward_ops * (1 + BACKWARD_OPS))
+    write_cache(key, {"s": value})
     return value, "probe"
 
 
-def _time_tiny_block(threads: int, iters: int = 60) -> float:
+def _time_tiny_block(threads: int, iters: int = 60) -> tuple[float, int]:
     import statistics
 
     from torch import nn
@@ -149,17 +158,21 @@ def _time_tiny_block(threads: int, iters: int = 60) -> float:
     norm1, norm2 = nn.LayerNorm(16), nn.LayerNorm(16)
     qkv, proj, up, down = nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 64), nn.Linear(64, 16)
     x = torch.randn(1, 8, 16, requires_grad=True)
+
+    def forward(x):
+        q, k, v = qkv(norm1(x)).view(1, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        h = x + proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 8, 16))
+        return h + down(F.gelu(up(norm2(h))))
+
     times = []
     try:
         for _ in range(iters):
             t0 = time.perf_counter()
-            q, k, v = qkv(norm1(x)).view(1, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
-            h = x + proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 8, 16))
-            (h + down(F.gelu(up(norm2(h))))).sum().backward()
+            forward(x).sum().backward()
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times[5:])
+    return statistics.median(times[5:]), count_ops(lambda: forward(x.detach()))
 
 
 def _link(cfg: DictConfig, device: str, local: int, measure: str, sources: list[str]) -> tuple[dict | None, bool]:
@@ -168,40 +181,13 @@ def _link(cfg: DictConfig, device: str, local: int, measure: str, sources: list[
         return None, False
     backend = "nccl" if device == "cuda" else "gloo"
     key = _link_key(device, backend, local)
-    link = _read_cache().get(key) if measure != "config" else None
+    link = read_cache().get(key) if measure != "config" else None
     probed = False
     if link is None and measure == "probe" and local > 1:
         link, probed = probe_link(local, device), True
-        _write_cache(key, link)
+        write_cache(key, link)
     sources.append(f"link: {key if link else 'nominal'}")
     return link, probed
-
-
-def baseline_bytes(device: str, measure: str) -> tuple[int, str]:
-    """(the resident bytes of a worker before its model, where the figure came from): on CPU a
-    fresh interpreter importing what a worker imports, measured once and cached."""
-    if device == "cuda" or measure == "config":
-        return NOMINAL_BASELINE[device], "nominal"
-    key = f"baseline|{cpu_name()}|{device}|torch={torch.__version__}"
-    cached = _read_cache().get(key)
-    if cached is not None:
-        return cached["bytes"], "cache"
-    if measure != "probe":
-        return NOMINAL_BASELINE[device], "nominal"
-    import subprocess
-    import sys
-
-    code = (
-        "import torch, torch._dynamo, torch.distributed, framework.trainer, framework.memory as m; "
-        "print(m.current_rss_bytes())"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
-    if out.returncode:
-        return NOMINAL_BASELINE[device], "nominal"
-    value = int(out.stdout.split()[-1])
-    _write_cache(key, {"bytes": value})
-    return value, "probe"
 
 
 def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure: str) -> float:

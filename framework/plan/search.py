@@ -168,6 +168,8 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
     if trial.parallel.get("pp", 1) > 1 or trial.parallel.name == "pp":
         least = 1 if trial.parallel.schedule in SINGLE_STAGE else _pp_degree(trial) * stages_per_rank(trial.parallel)
         ms = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
+        if "ZeroBubble" in trial.parallel.schedule:  # one round: what the activations model forecasts
+            ms = [m for m in ms if m == least]
         ms = sorted({*ms[:2], *ms[-1:], *[m for m in ms if m == trial.parallel.n_microbatches]})
         return [Knobs(k, local, 1, m) for k in every for m in ms]
     sizes = [b for b in range(1, local + 1) if local % b == 0 and local // b <= 8]

@@ -11,10 +11,13 @@ a collective = calls x latency + wire bytes / bandwidth (within a node, or acros
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import DictConfig
 
 from framework.plan.activations import checkpoint_every
-from framework.plan.model import Layout, Shapes
+from framework.plan.model import Layout, Shapes, stage_rank
+from framework.plan.ops import BACKWARD_ATTENTION, BACKWARD_BYTES, BACKWARD_OPS, Region, Trace
 
 
 def bubble(layout: Layout) -> float:
@@ -34,15 +37,13 @@ def step_tokens(cfg: DictConfig, layout: Layout) -> int:
 
 
 def ops_per_step(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
-    """Operators one rank dispatches per step: per block and micro-batch about 40 forward and 80
-    backward (norms, projections, attention, the MLP, residuals; more under tensor parallel's
-    DTensor redistributions), again a forward's worth in a checkpointed block, the optimizer's
-    few per parameter tensor, and the step's own bookkeeping (the batch, the loss, clipping, the
-    step's figures: about 200)."""
+    """Operators one rank dispatches per step, where no trace prices them (a model the planner
+    has no forward of): per block and micro-batch about 40 forward and 80 backward, again a
+    forward's worth in a checkpointed block, the optimizer's few per parameter tensor, and the
+    step's own bookkeeping (about 200)."""
     if shapes.gpt is None:
         return 0.0
-    n_layer = shapes.gpt["n_layer"]
-    blocks = n_layer / layout.pp
+    blocks = shapes.gpt["n_layer"] / layout.pp
     every = checkpoint_every(cfg)
     recomputed = blocks / every if every else 0
     micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
@@ -50,13 +51,106 @@ def ops_per_step(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
     return micro * (per_block * blocks + 40 * recomputed + 30) + 12 * len(shapes.params) / layout.pp + 200
 
 
-def step_time(cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, profile, compute: bool = True) -> float:
-    """Seconds per optimizer step (compute=False: the communication alone)."""
-    busy = 0.0
-    if compute:
+def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: Trace | None) -> float:
+    """Seconds of one rank's arithmetic per optimizer step: the traced forward of its pipeline
+    stage, priced operator by operator (framework.plan.ops), its backward, checkpointing's second
+    forward, the optimizer over its share of the parameters, and the data-parallel gradient copies.
+    The slowest pipeline rank sets the pace. Without a trace or a probed machine: the FLOPs at
+    the profile's peak, plus a dispatch overhead per estimated operator."""
+    kernels = profile.kernels
+    if trace is None or kernels is None:
         flops = shapes.hardware_flops_per_token * step_tokens(cfg, layout) / max(layout.world, 1)
-        busy = flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s
-        busy /= 1 - bubble(layout)
+        return flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s
+    micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
+    every = checkpoint_every(cfg)
+    block_keys = sorted({k[0] for k in trace.regions if isinstance(k, tuple)}, key=_block_order)
+    slowest = 0.0
+    for stage_rank_ in range(layout.pp):
+        mine = [b for i, b in enumerate(block_keys) if _rank_of_block(i, len(block_keys), layout) == stage_rank_]
+        seconds = 0.0
+        for key, region in trace.regions.items():
+            if isinstance(key, tuple):
+                if key[0] not in mine:
+                    continue
+                again = every and block_keys.index(key[0]) % every == 0  # recomputed in backward
+                seconds += _region_s(region, key[1], layout, kernels, profile, forwards=1 + again)
+            elif (key == "pre" and stage_rank_ == 0) or (key == "post" and stage_rank_ == layout.pp - 1):
+                seconds += _region_s(region, "post" if layout.loss_parallel else key, layout, kernels, profile)
+        slowest = max(slowest, seconds)
+    local_params = sum(math.prod(p.shape) for p in shapes.params) / (layout.tp * layout.pp * max(layout.shard, 1))
+    update = local_params * kernels.optimizer_s_per_param + _grad_copies_s(shapes, layout, kernels)
+    return (micro * slowest + update) / profile.share
+
+
+def _block_order(name: str) -> tuple:
+    tail = name.rsplit(".", 1)[-1]
+    return (0, int(tail)) if tail.isdigit() else (1, tail)
+
+
+def _rank_of_block(index: int, n_blocks: int, layout: Layout) -> int:
+    from framework.parallel.pipeline import split_layers
+
+    if layout.pp == 1:
+        return 0
+    for stage, ids in enumerate(split_layers(n_blocks, layout.stages)):
+        if index in ids:
+            return stage_rank(stage, layout)
+    return 0
+
+
+def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwards: int = 1) -> float:
+    """Seconds of a region's forward(s) and backward on one rank of `layout`."""
+    tp = layout.tp
+    split = tp if kind == "sharded" or (kind == "replicated" and layout.sequence_parallel) else 1
+    matmul = 0.0
+    for m, k, n, style in region.matmuls:
+        if tp > 1 and kind in ("sharded", "post"):
+            if style in ("colwise", "output"):
+                n = n / tp
+            elif style == "rowwise":
+                k = k / tp
+            elif kind == "sharded":
+                m = m / tp  # a batched matmul over the heads (attention written out)
+        elif split > 1:
+            m = m / split
+        forward = kernels.matmul_s(m, k, n)
+        matmul += forward * forwards + kernels.matmul_s(m, n, k) + kernels.matmul_s(k, m, n)
+    attention = sum(2 * kernels.matmul_s(m / split, k, n) for m, k, n in region.attention) * layout.cp
+    elementwise = region.bytes / split / kernels.bytes_per_s
+    ops = region.ops * profile.op_overhead_s
+    return (
+        matmul
+        + attention * (forwards + BACKWARD_ATTENTION)
+        + elementwise * (forwards + BACKWARD_BYTES)
+        + ops * (forwards + BACKWARD_OPS)
+    )
+
+
+def _grad_copies_s(shapes: Shapes, layout: Layout, kernels) -> float:
+    """DDP copies each gradient into its bucket and back; FSDP copies parameters into and out of
+    each all-gather's buffer (twice under reshard: forward and backward) and gradients into the
+    reduce-scatter's."""
+    total = 4 * sum(math.prod(p.shape) for p in shapes.params) / (layout.tp * layout.pp)
+    if layout.fsdp:
+        gathers = 2 if layout.reshard else 1
+        return (2 * gathers + 2) * total / kernels.bytes_per_s
+    if layout.dp > 1:
+        return 2 * total / kernels.bytes_per_s
+    return 0.0
+
+
+def step_time(
+    cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, profile, trace: Trace | None = None
+) -> float:
+    """Seconds per optimizer step: the arithmetic (compute_s) stretched by the pipeline's bubble,
+    and the communication that does not hide behind it."""
+    busy = compute_s(cfg, layout, shapes, profile, trace) / (1 - bubble(layout))
+    return busy + comm_s(cfg, layout, ranks, profile, busy)
+
+
+def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 0.0) -> float:
+    """Seconds of communication per step on the slowest rank that `busy` seconds of arithmetic do
+    not hide (busy=0: all of it)."""
     nodes = cfg.plan.nodes  # read once: a config lookup costs more than the term it feeds
     per_node = max(1, layout.world // max(1, nodes))
     worst = 0.0
@@ -73,4 +167,4 @@ def step_time(cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, prof
                 exposed += seconds
         worst = max(worst, exposed + max(0.0, hidden - profile.overlap * busy))
     figures = profile.latency_s if layout.world > 1 else 0.0  # the step's loss and counts, all-reduced
-    return busy + worst + figures
+    return worst + figures

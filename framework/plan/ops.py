@@ -1,0 +1,177 @@
+"""The work of one forward, traced once on the meta device: every operator the model dispatches
+for a micro-batch, with the module it runs in. The time model (framework.plan.timing) prices it.
+
+An operator is one of:
+- a matmul (mm, addmm, bmm): its (M, K, N), a batched one's batch folded into M;
+- attention (scaled_dot_product_attention, whatever kernel runs it): the scores' matmul shape
+  (B·H·Tq, D, Tk), priced as two such matmuls (the scores and the weighted sum; no causal
+  discount, as the CPU and flash kernels compute every tile of a short sequence);
+- any other operator: the bytes of its tensor inputs and outputs (elementwise, norms, softmax,
+  the loss; views and copies included: they cost their dispatch even when they move nothing).
+
+Each is placed by the module it runs in: before the blocks, after them, or in block i, where it
+is `sharded` under tensor parallel when it runs inside a planned module or a container of one
+(attention's core between its column- and row-wise projections, the MLP's activation), else
+`replicated` (norms and residual adds: split along the sequence under sequence parallel only).
+
+The backward is not traced: each forward matmul (M, K, N) has two of its transposed shapes
+(the input's and the weight's gradients, exact for linear layers), attention's backward is
+BACKWARD_ATTENTION times its forward (the kernels recompute the scores), and the other operators
+move BACKWARD_BYTES times their forward bytes with BACKWARD_OPS times as many dispatches (they
+read the output's gradient and the saved input, and write the input's gradient).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+BACKWARD_ATTENTION = 2.5
+BACKWARD_BYTES = 2.0
+BACKWARD_OPS = 1.6  # the ratio a traced backward of gpt and llama blocks dispatches (views included)
+
+# the plan's styles that split a module's compute over the tensor-parallel ranks (the others,
+# sequence_parallel and the embeddings, place its input or output, and split nothing but the sequence)
+SPLIT = {"colwise", "rowwise", "gather_input", "output"}
+MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
+
+
+@dataclass
+class Region:
+    """The forward work of one place of the model (the top-level modules before or after the
+    blocks, or one block's sharded or replicated part)."""
+
+    matmuls: list[tuple[int, int, int, str | None]] = field(default_factory=list)  # (M, K, N, tp style)
+    attention: list[tuple[int, int, int]] = field(default_factory=list)  # the scores' (B·H·Tq, D, Tk)
+    bytes: float = 0.0
+    ops: int = 0
+
+
+@dataclass
+class Trace:
+    """One micro-batch's forward: regions by place, keyed "pre", "post", (block, "sharded") and
+    (block, "replicated"), a block named by its path (`blocks.3`)."""
+
+    regions: dict = field(default_factory=dict)
+    batch: int = 1
+    seq_len: int = 1
+
+    def region(self, key) -> Region:
+        return self.regions.setdefault(key, Region())
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _Recorder(TorchDispatchMode):
+    """Every aten operator of a forward, into the region its module's place names."""
+
+    def __init__(self, trace: Trace, place):
+        super().__init__()
+        self.trace, self.place, self.in_attention = trace, place, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.in_attention:  # the kernel's own operators: priced as attention
+            return out
+        key, style = self.place()
+        region = self.trace.region(key)
+        region.ops += 1
+        name = str(func)
+        if name in MATMULS:
+            a, b = (args[1], args[2]) if name in ("aten.addmm.default", "aten.baddbmm.default") else args[:2]
+            m = a.shape[0] * a.shape[1] if a.dim() == 3 else a.shape[0]
+            region.matmuls.append((m, a.shape[-1], b.shape[-1], style))
+        else:
+            region.bytes += _nbytes(list(args)) + _nbytes(out)
+        return out
+
+
+class _Attention(TorchFunctionMode):
+    """scaled_dot_product_attention as one operator of its FLOPs, whatever it decomposes into on meta."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        q, k = args[0], args[1]
+        key, _ = self.recorder.place()
+        region = self.recorder.trace.region(key)
+        region.ops += 1
+        region.attention.append((q.shape[:-1].numel(), q.shape[-1], k.shape[-2]))
+        self.recorder.in_attention += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.recorder.in_attention -= 1
+
+
+def trace_forward(model: nn.Module, blocks: str | None, plan: dict[str, str], batch: int, seq_len: int) -> Trace:
+    """The forward of `model` (built on meta) on a (batch, seq_len) batch of tokens, by place;
+    `blocks`: the blocks' attribute path; `plan`: the tensor-parallel plan (pattern -> style)."""
+    from framework.contract import logits_of
+
+    trace, stack = Trace(batch=batch, seq_len=seq_len), []
+    names = {module: name for name, module in model.named_modules()}
+    styles = {name: _style(name, plan) for name in names.values()}
+    planned_parents = {name.rpartition(".")[0] for name, style in styles.items() if style in SPLIT}
+    seen_blocks = [False]
+
+    def place():
+        style = next((styles[n] for n in reversed(stack) if styles.get(n) in SPLIT), None)
+        inner, prefix = (stack[-1] if stack else ""), f"{blocks}."
+        if blocks and inner.startswith(prefix):
+            seen_blocks[0] = True
+            block = prefix + inner[len(prefix) :].split(".")[0]
+            inside = [n for n in stack if n.startswith(block + ".")]
+            sharded = style is not None or any(n in planned_parents for n in inside)
+            return (block, "sharded" if sharded else "replicated"), style
+        return ("post" if seen_blocks[0] else "pre"), style
+
+    def push(module, _args):
+        stack.append(names.get(module, ""))
+
+    def pop(module, _args, _out):
+        stack.pop()
+
+    pre = nn.modules.module.register_module_forward_pre_hook(push)
+    post = nn.modules.module.register_module_forward_hook(pop)
+    recorder = _Recorder(trace, place)
+    try:
+        tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+        with torch.no_grad(), _Attention(recorder), recorder:
+            logits_of(model(tokens))
+    finally:
+        pre.remove()
+        post.remove()
+    return trace
+
+
+def _style(name: str, plan: dict[str, str]) -> str | None:
+    for pattern, style in plan.items():
+        if name.count(".") == pattern.count(".") and fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def count_ops(fn) -> int:
+    """The operators `fn()` dispatches, counted as a trace counts them (attention as one)."""
+    trace = Trace()
+    recorder = _Recorder(trace, lambda: ("pre", None))
+    with torch.no_grad(), _Attention(recorder), recorder:
+        fn()
+    return trace.region("pre").ops
