@@ -17,10 +17,12 @@ from omegaconf import DictConfig  # noqa: E402
 
 from framework.config import register_configs, register_resolvers  # noqa: E402
 from framework.config.overrides import check_overrides  # noqa: E402
+from framework.data import register_data_vocab  # noqa: E402
 from framework.launch import main as launch_main  # noqa: E402
 
 register_configs()
-register_resolvers()
+register_resolvers()  # ${run_id:} in hydra.run.dir
+register_data_vocab()  # ${data_vocab:}: a model's vocab_size follows its data's tokenizer
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

@@ -45,7 +45,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     seed_everything(cfg.seed)
     meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
     spec = spec_of(meta, cfg.model)
-    flops = count_flops(meta, spec, cfg, info.world_size)
+    flops = count_flops(meta, spec, cfg, Strategy.of(cfg.parallel).devices(info.world_size))
     par = parallelize(meta, spec, cfg, info)
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, par.decay)

@@ -8,13 +8,14 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from framework.config import compose, validate, world_size_of
-from framework.plan import resolve_auto
+from framework.plan import plan_auto
 
 
 def compose_run(overrides: list[str] | None = None) -> dict[str, Any]:
-    """Compose, validate and resolve: the config dict a worker runs with."""
+    """Compose, validate and resolve: the config dict a worker runs with (under parallel=auto,
+    with the planner's layout and knobs; its record of why is train.py's to print and summarise)."""
     cfg = compose(overrides)
     if cfg.parallel.name == "auto":
-        resolve_auto(cfg, world_size_of(cfg))
+        plan_auto(cfg, world_size_of(cfg)).apply(cfg)
     validate(cfg)
     return OmegaConf.to_container(cfg, resolve=True)

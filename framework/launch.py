@@ -27,7 +27,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
-from framework.config.run_id import register_resolvers  # noqa: F401  (train.py's import)
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 from framework.integrity import CheckpointError
 from framework.machine import launch_local
@@ -91,8 +90,7 @@ def main(cfg: DictConfig) -> float | None:
     if slurm_task():
         adopt_slurm_env(cfg.launch.master_port)  # srun started this process as one rank
     hydra_cfg = HydraConfig.get()
-    run_dir = hydra_cfg.runtime.output_dir
-    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    run_dir, sweeping = hydra_cfg.runtime.output_dir, hydra_cfg.mode == RunMode.MULTIRUN
     # a group's choice: its `name`, else what Hydra picked (a user's own model/<name>.yaml may have none)
     choices = {g: cfg[g].get("name") or hydra_cfg.runtime.choices.get(g) for g in GROUPS}
     choices["experiment"] = hydra_cfg.runtime.choices.get("experiment")
@@ -101,7 +99,7 @@ def main(cfg: DictConfig) -> float | None:
         return objective(done.to_dict(), cfg.optimize)
     try:
         lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/runlock.py)
-        admit(cfg, run_dir, choices)
+        plan_auto = admit(cfg, run_dir, choices)
     except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
         if not sweeping:
@@ -110,7 +108,7 @@ def main(cfg: DictConfig) -> float | None:
             lock.release()
             write_summary(run_dir, Summary.failed(f"ConfigError: {err}", choices))
         return failed_job(hydra_cfg, err)
-    config, job = worker_config(cfg, hydra_cfg, sweeping), Job(run_dir, choices, started)
+    config, job = worker_config(cfg, hydra_cfg, sweeping), Job(run_dir, choices, started, plan_auto)
     # NCCL/Gloo knobs go into the environment before any process group exists; local workers
     # inherit them (and NCCL's watchdog dump settings). The run's config dump and W&B record them.
     recorder = flight_recorder_env(resolve_backend(cfg), cfg.backend.trace_buffer, run_dir)
@@ -135,18 +133,19 @@ def main(cfg: DictConfig) -> float | None:
     return None if summary is None else objective(summary, cfg.optimize)
 
 
-def admit(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> None:
+def admit(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, Any] | None:
     """Everything a run is checked for before any worker starts (the planner first, under
-    parallel=auto); a ConfigError names the key."""
-    if cfg.parallel.name == "auto":  # the planner picks the layout, before any worker starts
-        from framework.plan import resolve_auto
+    parallel=auto: its layout and knobs go into `cfg`, what the workers run, and the record of
+    why is returned, to travel beside it); a ConfigError names the key."""
+    auto = None
+    if cfg.parallel.name == "auto":  # ranks a launcher started decide from the config alone: all pick alike
+        from framework.plan import plan_auto
 
-        # ranks a launcher started decide from the config alone: every rank picks alike
-        resolve_auto(cfg, world_size_of(cfg), "config" if launched_as_worker() else "probe")
-        choices["parallel"] = cfg.parallel.name
+        choice = plan_auto(cfg, world_size_of(cfg), "config" if launched_as_worker() else "probe")
+        choice.apply(cfg)
+        choices["parallel"], auto = cfg.parallel.name, choice.record
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"parallel=auto: {cfg.plan.auto.layout} ({' '.join(cfg.plan.auto.overrides)}): "
-                  f"{cfg.plan.auto.why}", flush=True)  # fmt: skip
+            print(choice.line(), flush=True)
     validate(cfg)
     check_best_exists(cfg, run_dir)
     if launched_as_worker() and Strategy.of(cfg.parallel).one_process and int(os.environ["WORLD_SIZE"]) != 1:
@@ -154,6 +153,7 @@ def admit(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> None:
             "parallel",
             f"parallel=none runs one process; the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}. Choose parallel=ddp",
         )
+    return auto
 
 
 def worker_config(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> DictConfig:
@@ -162,8 +162,7 @@ def worker_config(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> DictConfig
     read anywhere below is an error, not None)."""
     config = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if sweeping:
-        # the W&B runs of one sweep share a group (the sweep directory's name); each is named by
-        # the overrides that set it apart
+        # one sweep's W&B runs share a group (the sweep directory's name), each named by its own overrides
         config.logger.group = config.logger.get("group") or os.path.basename(hydra_cfg.sweep.dir.rstrip("/"))
         config.logger.run_name = hydra_cfg.job.override_dirname or None
     OmegaConf.set_struct(config, True)
@@ -177,6 +176,7 @@ class Job:
     run_dir: str
     choices: dict[str, str]  # the chosen name of each group, for the summary and W&B
     started: float  # when this job started (job_start), for summary.startup_s
+    plan_auto: dict[str, Any] | None = None  # parallel=auto: the planner's choice and why (summary.plan.auto)
 
 
 def start(config: DictConfig, job: Job) -> dict[str, Any] | None:
@@ -347,4 +347,4 @@ def worker_main(config: DictConfig, job: Job) -> dict[str, Any] | None:
     from framework.trainer import run
 
     # record() writes this rank's exception to the error file the launcher reads back.
-    return record(run)(config, job.run_dir, job.choices, job.started)
+    return record(run)(config, job.run_dir, job.choices, job.started, job.plan_auto)

@@ -127,15 +127,14 @@ def model_flops(
     return total / seq_len, (total + recomputed * block) / seq_len
 
 
-def count_flops(meta_model: torch.nn.Module, spec: Any, cfg: Any, world_size: int) -> Flops:
+def count_flops(meta_model: torch.nn.Module, spec: Any, cfg: Any, devices: int) -> Flops:
     """The run's FLOPs per token from the model built on meta (before any sharding: every strategy
-    counts the same work)."""
+    counts the same work), over the `devices` it computes on (the strategy's answer:
+    framework.parallel.dims.Strategy.devices)."""
     from framework.contract import blocks_of
 
     recomputed = recomputed_blocks(cfg, len(blocks_of(meta_model, spec)))
     counted = model_flops(meta_model, spec, cfg.data.get("seq_len"), recomputed)
-    # parallel=dp is one process driving every visible GPU
-    devices = torch.cuda.device_count() if cfg.parallel.name == "dp" else world_size
     return Flops(*(counted or (None, None)), devices)
 
 

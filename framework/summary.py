@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from framework.comm import mean_totals
 from framework.config import backend_env
@@ -41,6 +41,16 @@ class RunStats:
     skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
     rss_baseline_bytes: int | None = None  # after imports and process-group set-up, before the model
     started: float | None = None  # when the process started (time.time()), for startup_s; None: unknown
+    plan_auto: dict[str, Any] | None = None  # parallel=auto: the planner's record of its choice, for plan.auto
+
+
+class Given(NamedTuple):
+    """What a rank is told for its summary beside its config (launch's Job): when the job started
+    (startup_s; None: unknown) and, under parallel=auto, the planner's record of its choice and
+    why (summary.plan.auto: recorded beside the config, not in it)."""
+
+    started: float | None = None
+    plan_auto: dict[str, Any] | None = None
 
 
 def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements) -> dict[str, Any]:
@@ -90,7 +100,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "load_balance": balance,
     }
-    summary["plan"] = plan_check(cfg, info.world_size, summary) if info.is_main else None  # once: rank 0 writes it
+    summary["plan"] = plan_check(cfg, info.world_size, summary, stats.plan_auto) if info.is_main else None  # rank 0's
     return summary
 
 
@@ -113,10 +123,10 @@ def rank_figures(info: DistInfo, stats: RunStats, measure: Measurements) -> dict
     return local
 
 
-def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any]) -> dict[str, Any]:
+def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[str, Any] | None) -> dict[str, Any]:
     """The planner's prediction for this run's own layout against what the run measured (and,
-    under parallel=auto, what it chose and why). A planner fault never fails a finished run: it
-    is reported in the block instead."""
+    under parallel=auto, `auto`: what it chose and why). A planner fault never fails a finished
+    run: it is reported in the block instead."""
     from framework.plan import check, predict
     from framework.plan.baseline import remember_baseline
     from framework.plan.profile import machine_profile
@@ -127,8 +137,8 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any]) -> dict[str
     except Exception as err:  # noqa: BLE001 - reported, not raised: the run itself succeeded
         print(f"warning: the planner could not predict this run: {type(err).__name__}: {err}", flush=True)
         block = {"error": f"{type(err).__name__}: {err}"}
-    if cfg.plan.auto is not None:
-        block["auto"] = OmegaConf.to_container(cfg.plan.auto)
+    if auto is not None:
+        block["auto"] = auto
     return block
 
 

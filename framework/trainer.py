@@ -44,21 +44,23 @@ from framework.step import (
     optimizer_step,
     reduce_step_figures,
 )
-from framework.summary import RunStats, Segment, report, summarize
+from framework.summary import Given, RunStats, Segment, report, summarize
 from framework.tracking import Tracker, build_tracker
 
 
-def run(cfg: DictConfig, run_dir: str, choices: dict[str, str], started: float | None = None) -> dict[str, Any] | None:
+def run(cfg: DictConfig, run_dir: str, choices: dict[str, str], started: float | None = None,
+        plan_auto: dict[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
     """Train as one rank; returns the run summary on rank 0 (None elsewhere). `started`: when the
-    process started (for summary.startup_s). Raises `Preempted` after a signal (the checkpoint is
-    saved); a failure marks the run aborted for every rank."""
+    process started (for summary.startup_s); `plan_auto`: parallel=auto's record of its choice
+    (summary.plan.auto). Raises `Preempted` after a signal (the checkpoint is saved); a failure
+    marks the run aborted for every rank."""
     backend = resolve_backend(cfg) if Strategy.of(cfg.parallel).needs_backend else None
     info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
     files = RunFiles(run_dir, info)
     try:
         with Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
             try:
-                summary = train(cfg, info, files, choices, guard, started)
+                summary = train(cfg, info, files, choices, guard, Given(started, plan_auto))
             except Preempted as stop:
                 files.write_summary(Summary("preempted", choices, step=stop.step, checkpoint=stop.path,
                                             signal=signal.Signals(stop.signum).name))  # fmt: skip
@@ -79,7 +81,8 @@ def run(cfg: DictConfig, run_dir: str, choices: dict[str, str], started: float |
 
 
 def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, str], guard: Guard,
-          started: float | None = None) -> dict[str, Any]:  # fmt: skip
+          given: Given | None = None) -> dict[str, Any]:  # fmt: skip
+    given = given or Given()
     set_host_allocator(host_allocator(cfg.memory.host_allocator, cfg.parallel.name))
     import torch._dynamo  # noqa: F401  (the optimizer's first step imports it anyway: count it in the baseline)
 
@@ -93,7 +96,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
         resumed = resume(cfg, info, parts, files.run_dir)
         files.truncate_metrics(resumed.step)  # a restarted run rewrites the steps after its checkpoint
         stats = RunStats(losses=list(files.prior_losses), skipped_steps=resumed.skipped_steps,
-                         rss_baseline_bytes=baseline, started=started)  # fmt: skip
+                         rss_baseline_bytes=baseline, started=given.started, plan_auto=given.plan_auto)  # fmt: skip
         trainer = Trainer(cfg, info, parts, resumed, stats, files, tracker, guard)
         summary = trainer.loop(choices)
         segment = Segment.of(resumed.step, stats.losses[len(files.prior_losses) :])

@@ -68,9 +68,7 @@ LAYERS: list[tuple[str, ...]] = [
 
 # Exemptions: none today. An edge or a size that must wait for a later change is named here,
 # with the issue that removes it.
-# The ${data_vocab:} resolver asks the data for its tokenizer's vocabulary when a config is
-# resolved (issue 24: to move into a resolver the data layer registers).
-PENDING_UPWARD = {("framework.config.run_id", "framework.data")}
+PENDING_UPWARD: set[tuple[str, str]] = set()
 PENDING_SIZE: set[str] = set()
 
 

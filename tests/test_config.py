@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import ConfigError, validate
@@ -78,10 +79,15 @@ def test_every_group_choice_composes(group, name, tmp_path):
     cfg = compose_config(overrides)
     assert cfg[group].name == ("gpt" if name == "gpt_smoke" else name)  # smoke's gpt is a gpt
     if group == "parallel" and name == "auto":  # the planner puts a real layout in its place before validation
-        from framework.plan import resolve_auto
+        from framework.plan import plan_auto
 
-        resolve_auto(cfg, 2)
-        assert cfg.parallel.name in ("ddp", "fsdp", "tp", "pp") and cfg.plan.auto.layout
+        before = OmegaConf.to_container(cfg)
+        choice = plan_auto(cfg, 2)
+        assert OmegaConf.to_container(cfg) == before  # a pure function: the config is read, not written
+        choice.apply(cfg)
+        assert cfg.parallel.name in ("ddp", "fsdp", "tp", "pp") and choice.record["layout"]
+        assert cfg.parallel.name == choice.record["overrides"][0].removeprefix("parallel=")
+        assert "auto" not in cfg.plan  # the record travels beside the config, not in it
     key = _unavailable(group, name)
     if key is not None:
         with pytest.raises(ConfigError) as err:

@@ -45,6 +45,14 @@ def test_fsdp_shards_even_on_one_rank_and_tp_only_with_data_parallel_ranks():
     assert Strategy.of(OmegaConf.create({"name": "ddp"})).version == 2  # a group without FSDP's key
 
 
+def test_the_strategy_counts_the_devices_its_ranks_compute_on():
+    import torch
+
+    assert [Strategy(n).devices(4) for n in ("ddp", "fsdp", "tp", "pp", "hybrid")] == [4] * 5  # one per rank
+    assert Strategy("none").devices(1) == 1
+    assert Strategy("dp").devices(1) == torch.cuda.device_count()  # one process drives every visible GPU
+
+
 @pytest.mark.parametrize(
     "summary",
     [

@@ -34,13 +34,17 @@ __all__ = [
 
 
 def compose(overrides: list[str] | None = None):
-    """The DictConfig `python train.py OVERRIDES` composes (not validated)."""
+    """The DictConfig `python train.py OVERRIDES` composes (not validated), with the resolvers
+    train.py registers: `${run_id:}` and the data's `${data_vocab:}`."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from framework.data import register_data_vocab
+
     register_configs()
     register_resolvers()
+    register_data_vocab()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides or []))

@@ -28,18 +28,5 @@ def _run_id() -> str:
 
 
 def register_resolvers() -> None:
+    """`${run_id:}`. (`${data_vocab:}` is the data layer's: framework.data.register_data_vocab.)"""
     OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
-    # ${data_vocab:}: the ids the configured data holds (its tokenizer's), for a model's vocab_size;
-    # null with model.pretrained (the checkpoint's config.json says)
-    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
-
-
-def _data_vocab(*, _root_) -> int | None:
-    from framework.data import vocab_size_of
-
-    if _root_.model.get("pretrained") is not None:
-        return None
-    try:
-        return vocab_size_of(_root_.data)
-    except (FileNotFoundError, OSError):  # a missing path: validation names it (data.path)
-        return None

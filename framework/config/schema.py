@@ -231,7 +231,6 @@ class PlanConfig:
     overlap: float | None = None  # share of compute that hides data-parallel traffic; null: 0 CPU, 0.8 CUDA
     op_overhead_us: float | None = None  # dispatch cost per operator; null: probed (CPU) or nominal
     nodes: int = 1  # nodes the world spans (groups wider than a node use inter_node_gbps)
-    auto: Any = None  # set by parallel=auto: the layout it chose and why (read by the run)
 
 
 @dataclass

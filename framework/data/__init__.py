@@ -28,7 +28,7 @@ from framework.data.samplers import (
     WeightedBatchSampler,
 )
 from framework.data.split import document_split, held_out, text_region
-from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
+from framework.data.tokens import TokenShards, register_data_vocab, vocab_size_of  # noqa: F401 (re-exported)
 
 USER_DATA_RESERVED = (
     "name",

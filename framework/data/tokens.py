@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 
@@ -92,6 +93,22 @@ def vocab_size_of(cfg) -> int | None:
     if cfg.name == "text":
         return 256 if cfg.tokenizer == "bytes" else load_tokenizer(cfg.tokenizer).vocab_size
     return cfg.get("vocab_size")
+
+
+def register_data_vocab() -> None:
+    """`${data_vocab:}`: the ids the configured data holds (its tokenizer's), for a model's
+    vocab_size (conf/model/llama.yaml); null with model.pretrained (the checkpoint's config.json
+    says). Registered by the front doors that compose a config (train.py, framework.config.compose)."""
+    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
+
+
+def _data_vocab(*, _root_) -> int | None:
+    if _root_.model.get("pretrained") is not None:
+        return None
+    try:
+        return vocab_size_of(_root_.data)
+    except (FileNotFoundError, OSError):  # a missing path: validation names it (data.path)
+        return None
 
 
 def config_problem(cfg) -> tuple[str, str] | None:

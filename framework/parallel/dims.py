@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
 from omegaconf import DictConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -44,6 +45,11 @@ class Strategy:
     def needs_backend(self) -> bool:
         """Needs a process group: every strategy but none and dp (one process drives every GPU)."""
         return self.name not in ("none", "dp")
+
+    def devices(self, world_size: int) -> int:
+        """The accelerators (or CPU ranks) a run of `world_size` ranks computes on: one per rank,
+        but under dp the one process drives every visible GPU (for MFU's peak)."""
+        return torch.cuda.device_count() if self.name == "dp" else world_size
 
     @property
     def on_mesh(self) -> bool:

@@ -13,18 +13,19 @@ rank (the rank holding most, as the summary reports the max over ranks), per opt
 
 from framework.plan.predict import FIGURES, check, layout_name, measured_peak, predict
 from framework.plan.search import (
+    AutoChoice,
     Candidate,
     Knobs,
     Ranked,
     candidates,
     choose,
     memory_budget_bytes,
+    plan_auto,
     rank,
-    resolve_auto,
 )
 from framework.plan.timing import bubble, step_time
 
 __all__ = [
-    "FIGURES", "Candidate", "Knobs", "Ranked", "bubble", "candidates", "check", "choose", "layout_name",
-    "measured_peak", "memory_budget_bytes", "predict", "rank", "resolve_auto", "step_time",
+    "FIGURES", "AutoChoice", "Candidate", "Knobs", "Ranked", "bubble", "candidates", "check", "choose", "layout_name",
+    "measured_peak", "memory_budget_bytes", "plan_auto", "predict", "rank", "step_time",
 ]  # fmt: skip

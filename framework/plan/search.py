@@ -303,10 +303,30 @@ def choose(cfg: DictConfig, world: int, measure: str = "probe", with_profile: bo
     return (ranked[0], ranked, budget, profile) if with_profile else (ranked[0], ranked, budget)
 
 
-def resolve_auto(cfg: DictConfig, world: int, measure: str = "probe") -> dict[str, Any]:
-    """parallel=auto: put the chosen layout's `parallel` group and memory knobs into `cfg` (in
-    place: what the workers run) and return the choice and why (also kept in `plan.auto`, where
-    the launcher and the summary read it)."""
+@dataclass(frozen=True)
+class AutoChoice:
+    """What parallel=auto chose: the `parallel` group and memory knobs the workers run (`apply`
+    sets them in the config), and the record of the choice and why, which travels beside the
+    config (launch's Job) into summary.json `plan.auto`."""
+
+    parallel: DictConfig
+    knobs: Knobs
+    record: dict[str, Any]
+
+    def apply(self, cfg: DictConfig) -> None:
+        """Put the chosen layout and knobs into `cfg` (in place: the config the workers run)."""
+        cfg.parallel = self.parallel  # OmegaConf copies a node it is given
+        self.knobs.apply(cfg)  # the same global batch, whatever the layout
+
+    def line(self) -> str:
+        """The one line the launcher prints."""
+        r = self.record
+        return f"parallel=auto: {r['layout']} ({' '.join(r['overrides'])}): {r['why']}"
+
+
+def plan_auto(cfg: DictConfig, world: int, measure: str = "probe") -> AutoChoice:
+    """parallel=auto: the layout, memory knobs and record of the fastest combination that fits.
+    A pure function of the config (not written), the model's shapes and the machine."""
     best, ranked, budget = choose(cfg, world, measure)
     fitting = [r for r in ranked if r.fits]
     runner_up = (
@@ -317,23 +337,14 @@ def resolve_auto(cfg: DictConfig, world: int, measure: str = "probe") -> dict[st
         f"fastest predicted step of the {len(fitting)} of {len(ranked)} layouts and memory knobs that fit "
         f"{budget / 2**20:.0f} MB per rank, at a global batch of {global_batch} samples{runner_up}"
     )
-    cfg.parallel = best.candidate.cfg.parallel
-    best.knobs.apply(cfg)  # the same global batch, whatever the layout
+    rows = [{"layout": r.prediction["layout"], "overrides": " ".join(r.overrides), "fits": r.fits,
+             "peak_mb": r.footprint() / 2**20, "step_time_s": r.prediction["step_time_s"]}
+            for r in ranked[:20]]  # fmt: skip
     record = {
         "layout": best.prediction["layout"],
         "overrides": list(best.overrides),
         "why": why,
         "budget_mb": budget / 2**20,
-        "ranked": [
-            {
-                "layout": r.prediction["layout"],
-                "overrides": " ".join(r.overrides),
-                "fits": r.fits,
-                "peak_mb": r.footprint() / 2**20,
-                "step_time_s": r.prediction["step_time_s"],
-            }
-            for r in ranked[:20]
-        ],  # fmt: skip
+        "ranked": rows,
     }
-    cfg.plan.auto = record
-    return record
+    return AutoChoice(best.candidate.cfg.parallel, best.knobs, record)
