@@ -1,12 +1,11 @@
 """Start the run: validate, then either train here (already a worker) or start local workers.
 
 Three ways a process reaches ``main``:
-- ``python train.py`` on a workstation: start ``launch.nproc_per_node`` workers with torch's
-  elastic launcher (the engine behind torchrun) on a free port, wait, report;
-- ``torchrun ... train.py`` (also ``srun torchrun``): the launcher already set RANK and
-  WORLD_SIZE, so this process is one worker: train directly;
-- ``srun python train.py`` with several tasks (SLURM_PROCID/SLURM_NTASKS set, RANK absent): this
-  task is rank SLURM_PROCID; the torch.distributed variables are derived from SLURM's;
+- ``python train.py`` on a workstation: start ``launch.nproc_per_node`` workers (torch's elastic
+  launcher, forked from a forkserver: framework.machine), wait, report;
+- ``torchrun ... train.py`` (also ``srun torchrun``): RANK and WORLD_SIZE are set: train here;
+- ``srun python train.py`` with several tasks (SLURM_PROCID set, RANK absent): this task is rank
+  SLURM_PROCID, the torch.distributed variables derived from SLURM's;
 - ``parallel=none``: one process, no process group: train in this process.
 """
 
@@ -31,6 +30,7 @@ from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 from framework.integrity import CheckpointError
 from framework.machine import launch_local
 from framework.parallel.dims import Strategy
+from framework.plan.baseline import ensure_measured
 from framework.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
 from framework.run_files import Summary, read_summary, write_summary
 from framework.runlock import FolderInUse, RunLock
@@ -273,8 +273,9 @@ def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, 
     for name in list(logging.Logger.manager.loggerDict):  # each elastic module's logger sets its own level
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, once
-    launch, run_dir = config.launch, job.run_dir
-    knobs = {k: launch[k] for k in ("max_restarts", "monitor_interval_s", "start_method")}
+    ensure_measured(config, nproc)  # the planner's figure for the workers' baseline, once per machine
+    knobs = {k: config.launch[k] for k in ("max_restarts", "monitor_interval_s", "start_method")}
+    run_dir = job.run_dir
     try:
         results = launch_local(nproc, spawned_worker, config, job, **knobs)
     except SignalException as err:  # this process got the signal; the agent passed it to the workers
@@ -302,8 +303,7 @@ def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, 
 
 
 def preempted(run_dir: str, signum: int) -> Preempted:
-    """The preemption the workers recorded in summary.json (they saved a checkpoint); if they
-    could not, the run still stops with the signal's exit code."""
+    """The preemption the workers recorded (with its checkpoint), else an exit with the signal's code."""
     summary = read_summary(run_dir)
     if summary is None or summary.status != "preempted":
         print(f"error: stopped by {signal.Signals(signum).name} before a checkpoint was saved", file=sys.stderr)
@@ -341,10 +341,10 @@ def spawned_worker(config: DictConfig, job: Job) -> dict[str, Any] | None:
 
 
 def worker_main(config: DictConfig, job: Job) -> dict[str, Any] | None:
-    """One rank's whole life (module level, so the elastic launcher can start it by reference)."""
+    """One rank's whole life (module level, so the elastic launcher can start it by reference);
+    record() writes its exception to the error file the launcher reads back."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from framework.trainer import run
 
-    # record() writes this rank's exception to the error file the launcher reads back.
     return record(run)(config, job.run_dir, job.choices, job.started, job.plan_auto)

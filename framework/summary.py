@@ -128,11 +128,9 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[
     under parallel=auto, `auto`: what it chose and why). A planner fault never fails a finished
     run: it is reported in the block instead."""
     from framework.plan import check, predict
-    from framework.plan.baseline import remember_baseline
     from framework.plan.profile import machine_profile
 
     try:
-        remember_baseline(cfg, world, (summary.get("memory") or {}).get("rss_baseline_bytes"))
         block = check(predict(cfg, world, machine_profile(cfg, world, "cache")), summary)
     except Exception as err:  # noqa: BLE001 - reported, not raised: the run itself succeeded
         print(f"warning: the planner could not predict this run: {type(err).__name__}: {err}", flush=True)

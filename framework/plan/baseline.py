@@ -3,7 +3,7 @@
 On CPU it is measured once per machine and cached with the other figures (framework.plan.profile):
 a fresh interpreter that imports what a worker imports (a run in this process, parallel=none),
 or a worker forked from the forkserver that did (framework.preload), which holds only the pages
-of torch it touches. The first run on a machine also records its own reading where no probe has.
+of torch it touches. A local launch measures it before its workers start, where no cache holds it yet.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def forks_workers(cfg: DictConfig, world: int) -> bool:
 def baseline_bytes(device: str, measure: str, forked: bool = False) -> tuple[int, str]:
     """(the resident bytes of a worker before its model, where the figure came from): on CPU a
     fresh interpreter importing what a worker imports, or (`forked`: a worker the forkserver
-    starts, launch.start_method=forkserver) a worker forked from one that did, which holds only
-    the pages of torch it touches. Measured once and cached."""
+    starts, launch.start_method=forkserver) a worker forked from one that did, after a tiny step
+    (it holds only the pages of torch it has touched). Measured once and cached; a local launch
+    measures it before its workers start (`ensure_measured`)."""
     if device == "cuda" or measure == "config":
         return NOMINAL_BASELINE[device], "nominal"
     key = _baseline_key(device, forked)
@@ -49,27 +50,42 @@ def baseline_bytes(device: str, measure: str, forked: bool = False) -> tuple[int
     return value, "probe"
 
 
+def ensure_measured(cfg: DictConfig, world: int) -> None:
+    """Measure this machine's baseline for the run's workers if no cache holds it (once per machine,
+    a second or two): so the run's own check of the planner (rank 0, from the cache) has it."""
+    from framework.config import resolve_device
+
+    device = resolve_device(cfg)
+    if device != "cuda":
+        baseline_bytes(device, "probe", forks_workers(cfg, world))
+
+
 def _baseline_key(device: str, forked: bool) -> str:
     return f"baseline|{cpu_name()}|{device}|torch={torch.__version__}|{'forked' if forked else 'process'}"
 
 
-def remember_baseline(cfg: DictConfig, world: int, measured: int | None) -> None:
-    """A run's own reading of its workers' baseline, cached where none is yet: the first run on a
-    machine measures it for every later one (and for its own check)."""
-    from framework.config import resolve_device
-
-    device = resolve_device(cfg)
-    if device == "cuda" or not measured:
-        return
-    key = _baseline_key(device, forks_workers(cfg, world))
-    if key not in read_cache():
-        write_cache(key, {"bytes": int(measured)})
-
-
 def _worker_rss() -> int:
-    """A forked worker's resident bytes (the forkserver imported the trainer: framework.preload)."""
+    """A forked worker's resident bytes once it has run a step: a tiny block's forward, backward
+    and AdamW update touch the pages of torch's kernels, autograd and the optimizer that any run
+    touches (the forkserver imported them, framework.preload; a worker maps them as it uses them)."""
     import framework.memory as m
 
+    block = torch.nn.Sequential(
+        torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    )
+    optimizer = torch.optim.AdamW(block.parameters())
+    for _ in range(2):
+        x = torch.randn(4, 16, 64)
+        q = x.view(4, 16, 4, 16).transpose(1, 2)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        loss = torch.nn.functional.cross_entropy(
+            block(x + attention.transpose(1, 2).reshape(4, 16, 64)).flatten(0, 1), torch.zeros(64, dtype=torch.long)
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(block.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    del block, optimizer
     return m.current_rss_bytes()
 
 
