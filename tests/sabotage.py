@@ -115,6 +115,13 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("pretrained weights kept whole on every rank while loading", "framework/hf.py",
      "        del full  # one full-size tensor at a time", "        loaded.add(full)",
      "tests/test_hf.py::test_loading_holds_one_full_size_tensor_at_a_time"),
+    # the forkserver and the time model
+    ("workers keep the forkserver's environment", "framework/machine.py",
+     "    os.environ.clear()\n    os.environ.update(env | worker)\n", "",
+     "tests/test_structure.py::test_workers_see_the_callers_environment_as_it_is_at_each_launch"),
+    ("the op trace splits norms and residual adds under tensor parallel", "framework/plan/ops.py",
+     "sharded = style is not None or any(n in planned_parents for n in inside)", "sharded = True",
+     "tests/test_plan.py::test_the_trace_places_each_operator_where_tensor_parallel_splits_it"),
 ]  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache",
