@@ -4,6 +4,8 @@ probes, the sweeps and the tests all start workers through it."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import platform
 import signal
@@ -92,8 +94,21 @@ def launch_local(nproc: int, fn: Callable[..., Any], *args: Any, **launch: Any) 
     from when it started)."""
     from torch.distributed.launcher.api import elastic_launch
 
+    if launch.get("start_method", "forkserver") == "forkserver":
+        _stop_forkserver_at_exit()
     caller = (dict(os.environ) | {LAUNCHER_PID: str(os.getpid())}, list(sys.path), os.getcwd())
     return elastic_launch(local_launch_config(nproc, **launch), _as_launched)(caller, fn, args)
+
+
+@functools.cache
+def _stop_forkserver_at_exit() -> None:
+    """At exit, stop the forkserver and wait for it: its workers' resource use (the peak resident
+    set `/usr/bin/time -f %M` reports) then reaches this process, as a spawned worker's does."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own, for its tests
+    if stop is not None:
+        atexit.register(stop)
 
 
 def launcher_pid() -> int | None:

@@ -138,3 +138,27 @@ def test_workers_see_the_callers_environment_as_it_is_at_each_launch(tmp_path, m
         assert first[rank][:3] == ("a", "first", str(rank)) and first[rank][-1]
         assert second[rank][:5] == ("b", "second", str(rank), str(tmp_path), str(tmp_path))
         assert second[rank][5] == signal.SIG_DFL and second[rank][-1]
+
+
+def test_the_peak_read_from_outside_includes_the_forked_workers(tmp_path):
+    """`/usr/bin/time -f %M` (POSIX wait4) sees the largest process among those waited for: the
+    launcher waits for the forkserver at exit, so a forked worker's peak reaches it as a spawned
+    one's does (here a worker that holds 600 MB, far above the launcher's own)."""
+    import os
+    import sys
+
+    from framework.memory import peak_rss_of
+
+    code = (
+        "from framework.machine import launch_local\n"
+        "def hold():\n"
+        "    import torch\n"
+        "    x = torch.ones(150 * 2**20 // 1)  # 600 MB of fp32\n"
+        "    return float(x[0])\n"
+        "if __name__ == '__main__':\n"
+        "    assert launch_local(1, hold) == {0: 1.0}\n"
+    )
+    script = tmp_path / "hold.py"
+    script.write_text(code)
+    peak = peak_rss_of([sys.executable, str(script)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert peak > 600 * 2**20, peak / 2**20
