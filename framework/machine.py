@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import multiprocessing
 import os
 import platform
 import signal
@@ -128,4 +129,7 @@ def _as_launched(caller: tuple[dict, list, str], fn: Callable[..., Any], args: t
     os.environ.update(env | worker)
     sys.path[:] = path
     os.chdir(cwd)
+    # the platform's start method for what the worker starts itself (DataLoader workers), as under
+    # torchrun: multiprocessing set this process's to the one that started it
+    multiprocessing.set_start_method(None, force=True)
     return fn(*args)

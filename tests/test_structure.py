@@ -104,26 +104,31 @@ def test_only_run_files_names_the_summary_file():
 
 
 def _what_a_worker_sees(tag: str) -> tuple:
+    import multiprocessing
     import os
     import signal
     import sys
 
+    sigterm = signal.getsignal(signal.SIGTERM)
+    method = multiprocessing.get_start_method()
     return (
         tag,
         os.environ.get("HYDRADIST_PROBE"),
         os.environ["RANK"],
         os.getcwd(),
         sys.path[-1],
-        signal.getsignal(signal.SIGTERM),
-        "framework.trainer" in sys.modules,
+        sigterm,
+        method,
+        ("framework.trainer" in sys.modules),
     )
 
 
 def test_workers_see_the_callers_environment_as_it_is_at_each_launch(tmp_path, monkeypatch):
     """Workers fork from a forkserver started at the first launch, which keeps that moment's
     environment: each launch still hands its workers the caller's environment, sys.path and
-    working directory as they are now, SIGTERM at its default (the forkserver ignores it), and
-    the trainer already imported (what the forkserver is for)."""
+    working directory as they are now, SIGTERM at its default (the forkserver ignores it), the
+    platform's start method for processes of its own, and the trainer already imported (what the
+    forkserver is for)."""
     import sys
 
     from framework.machine import launch_local
@@ -138,6 +143,7 @@ def test_workers_see_the_callers_environment_as_it_is_at_each_launch(tmp_path, m
         assert first[rank][:3] == ("a", "first", str(rank)) and first[rank][-1]
         assert second[rank][:5] == ("b", "second", str(rank), str(tmp_path), str(tmp_path))
         assert second[rank][5] == signal.SIG_DFL and second[rank][-1]
+        assert second[rank][6] == "fork"  # what its DataLoader workers start with, as under torchrun
 
 
 def test_the_peak_read_from_outside_includes_the_forked_workers(tmp_path):
