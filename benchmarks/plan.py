@@ -26,7 +26,7 @@ from framework.plan.profile import machine_profile
 
 MODEL = ["experiment=smoke", "model.n_layer=4", "model.n_embd=256", "model.n_head=4", "data.seq_len=64",
          "data.batch_size=8", "data.max_bytes=2000000"]  # fmt: skip
-WIDER = ["model.n_layer=8", "model.n_embd=384", "model.n_head=6"]  # the shape no figure was calibrated on
+WIDER = ["model.n_layer=8", "model.n_embd=384", "model.n_head=8"]  # the shape no figure was calibrated on
 FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls", "step_time_s",
            "peak_bytes")  # fmt: skip
 
@@ -109,7 +109,9 @@ if __name__ == "__main__":
     print(text)
     header = (f"Each run's own check of the planner (summary.json plan.error), {steps} optimizer steps per run. "
               f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: step times on a "
-              "shared machine are noisy; rerun on a quiet one before reading the step-time column.")  # fmt: skip
+              "shared machine are noisy; rerun on a quiet one before reading the step-time column. The peak column "
+              "is not a peak check: a sweep's runs share their worker processes, so a run's resident peak "
+              "keeps what earlier runs left (docs/results/plan_peak.md checks the peak, one process per run).")  # fmt: skip
     write_result("plan", f"python benchmarks/plan.py --steps {steps}{' --quick' * quick}", header, text)
     if "--pick" in sys.argv:
         pick()
