@@ -247,7 +247,7 @@ def test_the_traced_forward_has_the_models_declared_flops(model):
     overrides = ["model.n_layer=3", "model.n_embd=64", "model.n_head=4"] if model == "gpt" else []
     cfg = compose_config([f"model={model}", *overrides, "data.seq_len=32"])
     net, spec = meta_model(cfg), model_spec(cfg)
-    trace = trace_forward(net, spec.blocks, spec.tp_plan, 2, 32)
+    trace = trace_forward(net, spec, 2, 32)
     assert 3 * _traced_flops(trace) == pytest.approx(net.flops_per_token(32) * 2 * 32, rel=1e-12)
     blocks = {key[0] for key in trace.regions if isinstance(key, tuple)}
     assert len(blocks) == len(getattr(net, spec.blocks))
@@ -261,7 +261,7 @@ def test_the_trace_places_each_operator_where_tensor_parallel_splits_it():
 
     cfg = compose_config(["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "data.seq_len=32"])
     net, spec = meta_model(cfg), model_spec(cfg)
-    trace = trace_forward(net, spec.blocks, spec.tp_plan, 2, 32)
+    trace = trace_forward(net, spec, 2, 32)
     sharded, replicated = trace.regions["blocks.0", "sharded"], trace.regions["blocks.0", "replicated"]
     assert [style for *_, style in sharded.matmuls] == ["colwise"] * 3 + ["rowwise", "colwise", "rowwise"]
     assert len(sharded.attention) == 1 and not replicated.matmuls and not replicated.attention

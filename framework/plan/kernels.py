@@ -18,6 +18,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch.nn import functional as F
@@ -37,7 +38,7 @@ class Kernels:
         (bilinear in log M and log sqrt(K·N)), times this one's FLOPs."""
         if m <= 0 or k <= 0 or n <= 0:
             return 0.0
-        rate = {(gm, gs): 2 * gm * gs * gs / s for gm, gs, s in self.gemm}
+        rate = self._rates
         x = _clamp(math.log2(m), GRID_M)
         y = _clamp(0.5 * math.log2(k * n), GRID_S)
         (m0, m1, fx), (s0, s1, fy) = _bracket(x, GRID_M), _bracket(y, GRID_S)
@@ -48,6 +49,11 @@ class Kernels:
             + fx * fy * math.log(rate[m1, s1])
         )
         return 2 * m * k * n / math.exp(log_rate)
+
+    @cached_property
+    def _rates(self) -> dict[tuple[int, int], float]:
+        """FLOP/s at each grid point (computed once: a search prices thousands of matmuls)."""
+        return {(gm, gs): 2 * gm * gs * gs / s for gm, gs, s in self.gemm}
 
     def to_json(self) -> dict:
         return {"gemm": [list(g) for g in self.gemm], "bytes_per_s": self.bytes_per_s,

@@ -23,7 +23,6 @@ read the output's gradient and the saved input, and write the input's gradient).
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 
 import torch
@@ -120,14 +119,15 @@ class _Attention(TorchFunctionMode):
             self.recorder.in_attention -= 1
 
 
-def trace_forward(model: nn.Module, blocks: str | None, plan: dict[str, str], batch: int, seq_len: int) -> Trace:
+def trace_forward(model: nn.Module, spec, batch: int, seq_len: int) -> Trace:
     """The forward of `model` (built on meta) on a (batch, seq_len) batch of tokens, by place;
-    `blocks`: the blocks' attribute path; `plan`: the tensor-parallel plan (pattern -> style)."""
-    from framework.contract import logits_of
+    `spec`: its contract (the blocks' path and the tensor-parallel plan)."""
+    from framework.contract import expand_plan, logits_of
 
     trace, stack = Trace(batch=batch, seq_len=seq_len), []
     names = {module: name for name, module in model.named_modules()}
-    styles = {name: _style(name, plan) for name in names.values()}
+    blocks = spec.blocks
+    styles = expand_plan(model, spec) if spec.tp_plan else {}
     planned_parents = {name.rpartition(".")[0] for name, style in styles.items() if style in SPLIT}
     seen_blocks = [False]
 
@@ -159,13 +159,6 @@ def trace_forward(model: nn.Module, blocks: str | None, plan: dict[str, str], ba
         pre.remove()
         post.remove()
     return trace
-
-
-def _style(name: str, plan: dict[str, str]) -> str | None:
-    for pattern, style in plan.items():
-        if name.count(".") == pattern.count(".") and fnmatch.fnmatchcase(name, pattern):
-            return style
-    return None
 
 
 def count_ops(fn) -> int:

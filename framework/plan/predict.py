@@ -94,7 +94,7 @@ def forward_trace(cfg: DictConfig, layout: Layout, model, spec) -> Trace | None:
 
     def make():
         try:
-            return trace_forward(model, spec.blocks, spec.tp_plan or {}, b, tokens)
+            return trace_forward(model, spec, b, tokens)
         except Exception:  # a forward that needs real tensors: priced by its FLOPs instead
             return None
 

@@ -64,9 +64,10 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
     micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
     every = checkpoint_every(cfg)
     block_keys = sorted({k[0] for k in trace.regions if isinstance(k, tuple)}, key=_block_order)
+    stage_layers = shapes.stage_layers or [list(range(len(block_keys)))]
     slowest = 0.0
-    for stage_rank_ in range(layout.pp):
-        mine = [b for i, b in enumerate(block_keys) if _rank_of_block(i, len(block_keys), layout) == stage_rank_]
+    for rank in range(layout.pp):
+        mine = {block_keys[i] for s, ids in enumerate(stage_layers) if stage_rank(s, layout) == rank for i in ids}
         seconds = 0.0
         for key, region in trace.regions.items():
             if isinstance(key, tuple):
@@ -74,7 +75,7 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
                     continue
                 again = every and block_keys.index(key[0]) % every == 0  # recomputed in backward
                 seconds += _region_s(region, key[1], layout, kernels, profile, forwards=1 + again)
-            elif (key == "pre" and stage_rank_ == 0) or (key == "post" and stage_rank_ == layout.pp - 1):
+            elif (key == "pre" and rank == 0) or (key == "post" and rank == layout.pp - 1):
                 seconds += _region_s(region, "post" if layout.loss_parallel else key, layout, kernels, profile)
         slowest = max(slowest, seconds)
     local_params = sum(math.prod(p.shape) for p in shapes.params) / (layout.tp * layout.pp * max(layout.shard, 1))
@@ -85,17 +86,6 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
 def _block_order(name: str) -> tuple:
     tail = name.rsplit(".", 1)[-1]
     return (0, int(tail)) if tail.isdigit() else (1, tail)
-
-
-def _rank_of_block(index: int, n_blocks: int, layout: Layout) -> int:
-    from framework.parallel.pipeline import split_layers
-
-    if layout.pp == 1:
-        return 0
-    for stage, ids in enumerate(split_layers(n_blocks, layout.stages)):
-        if index in ids:
-            return stage_rank(stage, layout)
-    return 0
 
 
 def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwards: int = 1) -> float:
