@@ -66,9 +66,10 @@ def accuracy(steps: int, quick: bool = False) -> str:
     """The error table; `quick`: a few layouts per world (a busy machine's run)."""
     rows, step_errors = [], {}
     plan = {w: {k: v for k, v in ls.items() if not quick or k in QUICK[w]} for w, ls in ACCURACY.items()}
-    for world in ACCURACY:  # this machine's figures for each world, probed once (cached) before the runs
-        cfg = compose([*MODEL, f"launch.nproc_per_node={world}", "device=cpu"])
-        machine_profile(cfg, world, "probe")
+    for world in ACCURACY:  # this machine's figures for each world and dtype, probed once (cached) before the runs
+        for precision in ("fp32", "bf16"):
+            cfg = compose([*MODEL, f"launch.nproc_per_node={world}", "device=cpu", f"precision={precision}"])
+            machine_profile(cfg, world, "probe")
     for shape, extra in (("4 x 256", []), ("8 x 384", WIDER)):
         for world, layouts in plan.items():
             for name, summary in run(layouts, world, [*MODEL, f"steps={steps}", *extra]).items():

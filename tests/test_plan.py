@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from framework.plan import bubble, candidates, predict
 from framework.plan.model import Layout
@@ -253,6 +254,21 @@ def test_the_traced_forward_has_the_models_declared_flops(model):
     assert len(blocks) == len(getattr(net, spec.blocks))
 
 
+def test_a_bf16_trace_holds_autocasts_casts():
+    """Under CPU autocast the same matmuls run, each input cast to bf16 first: the trace holds a
+    cast per weight (and per activation entering a matmul in fp32)."""
+    from framework.config.model import meta_model, model_spec
+    from framework.plan.ops import trace_forward
+
+    cfg = compose_config(["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "data.seq_len=32"])
+    net, spec = meta_model(cfg), model_spec(cfg)
+    fp32, bf16 = trace_forward(net, spec, 2, 32), trace_forward(net, spec, 2, 32, torch.bfloat16)
+    assert _traced_flops(bf16) == _traced_flops(fp32)
+    block = ("blocks.0", "sharded")
+    weights = len(fp32.regions[block].matmuls)  # each matmul's weight is cast once per forward
+    assert bf16.regions[block].ops >= fp32.regions[block].ops + weights
+
+
 def test_the_trace_places_each_operator_where_tensor_parallel_splits_it():
     """q/k/v and the MLP (and attention between them) are in a block's sharded part, the norms
     and residual adds in its replicated part, the head after the blocks, split by its output."""
@@ -268,3 +284,26 @@ def test_the_trace_places_each_operator_where_tensor_parallel_splits_it():
     assert replicated.bytes > 0 and replicated.ops >= 4  # two norms, two residual adds
     assert [style for *_, style in trace.regions["post"].matmuls] == ["output"]
     assert trace.regions["post"].matmuls[0][:3] == (64, 64, cfg.model.vocab_size)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_combination_the_search_ranks_is_one_the_run_accepts(world):
+    """Each layout and knob combination parallel=auto may pick passes the run's own checks (a
+    pipeline's micro-batches at least its stages where the schedule needs it): a pick never fails
+    at launch."""
+    import copy
+
+    from framework.config.model import model_dims_of
+    from framework.parallel.dims import ParallelDims
+    from framework.plan import choose
+
+    cfg = compose_config([*GPT_100M, *LINK, "parallel=auto", "plan.memory_budget_mb=100000"])
+    _, ranked, _ = choose(cfg, world, "config")
+    schedules = set()
+    for r in ranked:
+        trial = copy.deepcopy(r.candidate.cfg)
+        r.knobs.apply(trial)
+        dims = ParallelDims.from_config(trial.parallel, world, *model_dims_of(trial))
+        dims.check_run(trial)  # raises DimsError, naming the key, on a combination the run refuses
+        schedules.add(trial.parallel.get("schedule") if dims.pp > 1 else None)
+    assert {"1F1B", "Interleaved1F1B", "GPipe"} <= schedules

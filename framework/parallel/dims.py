@@ -149,7 +149,7 @@ class ParallelDims:
 
     def check_run(self, cfg: DictConfig) -> None:
         """What these degrees demand of the rest of the config (`cfg`: the whole run's)."""
-        from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
+        from framework.parallel.pipeline import least_microbatches, stages_per_rank
 
         p = cfg.parallel
         if p.get("version", 2) == 1:
@@ -170,7 +170,7 @@ class ParallelDims:
                      f"must divide the local batch data.batch_size x accumulation_steps = {local_batch}")  # fmt: skip
             stages = self.pp * stages_per_rank(p)
             _require(
-                n_microbatches >= stages or schedule in SINGLE_STAGE,
+                n_microbatches >= least_microbatches(schedule, stages),
                 "parallel.n_microbatches",
                 f"the {schedule} schedule needs at least as many micro-batches as stages ({stages})",
             )

@@ -28,6 +28,14 @@ MULTI_STAGE = {
     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
     "ZBVZeroBubble": "ScheduleZBVZeroBubble",
 }
+
+
+def least_microbatches(schedule: str, stages: int) -> int:
+    """The fewest micro-batches `schedule` runs over `stages` stages: GPipe any number; 1F1B
+    (torch checks it) and the multi-stage schedules one per stage at least."""
+    return 1 if schedule == "GPipe" else stages
+
+
 SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE)  # the names `parallel.schedule` accepts
 
 

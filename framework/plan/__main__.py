@@ -56,13 +56,20 @@ def machine_lines(profile: Profile) -> str:
         ("peak", f"{profile.peak_flops / 1e12:.3g} TFLOP/s per rank", where.get("peak_flops")),
         ("link within a node", f"{profile.intra_bytes_per_s / 1e9:.3g} GB/s", where.get("intra_bytes_per_s")),
         ("link across nodes", f"{profile.inter_bytes_per_s / 1e9:.3g} GB/s", where.get("inter_bytes_per_s")),
-        ("latency", f"{profile.latency_s * 1e6:.3g} us per call", where.get("latency_s")),
+        ("latency", _latency(profile), where.get("latency_s")),
         ("overlap", f"{profile.overlap:.2f}", where.get("overlap")),
         ("op overhead", f"{profile.op_overhead_s * 1e6:.3g} us per op", where.get("op_overhead_s", "nominal")),
         ("process baseline", f"{profile.baseline_bytes / MB:.0f} MB", where.get("baseline_bytes")),
     ]
     probe = f"link probed with {profile.probe_ranks} local ranks" if profile.probe_ranks else "no link probe ran"
     return "machine: " + "; ".join(f"{n} {v} ({s})" for n, v, s in figures) + f"; {probe}"
+
+
+def _latency(profile: Profile) -> str:
+    by_op = profile.op_latency_s or {}
+    if not by_op:
+        return f"{profile.latency_s * 1e6:.3g} us per call"
+    return "per call " + ", ".join(f"{op} {s * 1e6:.3g} us" for op, s in by_op.items())
 
 
 def main(argv: list[str]) -> int:

@@ -1,10 +1,11 @@
 """What this machine's kernels cost, probed once per CPU, thread count, dtype and torch version
 (a few seconds; cached in ~/.cache/hydradist/links.json beside the link figures):
 
-- matmul seconds on a grid of shapes (M rows by a K x N weight, run as training runs them:
-  `F.linear` under the run's autocast), interpolated in log space for any shape;
+- matmul seconds on a grid of shapes (M rows by a K x N weight, `F.linear` in the run's compute
+  dtype; autocast's casts are operators of the trace, priced by their bytes), interpolated in log
+  space for any shape;
 - elementwise bytes per second: layer norm, GELU and an add, forward and backward, on a tensor
-  the size of a small model's activations;
+  the size of a small model's activations, in the compute dtype;
 - the optimizer's seconds per parameter: AdamW's step (foreach) with gradient clipping and
   zeroing, over a model's worth of tensors.
 
@@ -90,27 +91,25 @@ def _median_s(fn, budget_s: float = 0.15, least: int = 3) -> float:
 
 def probe_kernels(dtype: torch.dtype = torch.float32) -> Kernels:
     """Measure the three figures on this process's threads (a few seconds)."""
-    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
     gemm = []
-    with autocast:
-        for m in GRID_M:
-            for s in GRID_S:
-                x, w = torch.randn(m, s), torch.randn(s, s)
-                gemm.append((m, s, _median_s(lambda x=x, w=w: F.linear(x, w))))
-    return Kernels(tuple(gemm), _elementwise_bytes_per_s(), _optimizer_s_per_param())
+    for m in GRID_M:
+        for s in GRID_S:
+            x, w = torch.randn(m, s, dtype=dtype), torch.randn(s, s, dtype=dtype)
+            gemm.append((m, s, _median_s(lambda x=x, w=w: F.linear(x, w))))
+    return Kernels(tuple(gemm), _elementwise_bytes_per_s(dtype), _optimizer_s_per_param())
 
 
-def _elementwise_bytes_per_s() -> float:
+def _elementwise_bytes_per_s(dtype: torch.dtype) -> float:
     """Bytes moved per second by a norm, an activation and a residual add, forward and backward:
-    each reads and writes its (4096, 256) fp32 tensor once per pass (12 tensors' worth in all)."""
-    x = torch.randn(4096, 256, requires_grad=True)
-    weight = torch.ones(256, requires_grad=True)
+    each reads and writes its (4096, 256) tensor once per pass (12 tensors' worth in all)."""
+    x = torch.randn(4096, 256, dtype=dtype, requires_grad=True)
+    weight = torch.ones(256, dtype=dtype, requires_grad=True)
 
     def step():
         y = F.gelu(F.layer_norm(x, (256,), weight)) + x
         y.sum().backward()
 
-    return 12 * x.numel() * 4 / _median_s(step)
+    return 12 * x.numel() * x.element_size() / _median_s(step)
 
 
 def _optimizer_s_per_param() -> float:

@@ -23,6 +23,7 @@ read the output's gradient and the saved input, and write the input's gradient).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +83,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.in_attention:  # the kernel's own operators: priced as attention
+        if self.in_attention or func.namespace == "prim":  # the kernel's own operators; a fake tensor's queries
             return out
         key, style = self.place()
         region = self.trace.region(key)
@@ -119,9 +120,11 @@ class _Attention(TorchFunctionMode):
             self.recorder.in_attention -= 1
 
 
-def trace_forward(model: nn.Module, spec, batch: int, seq_len: int) -> Trace:
+def trace_forward(model: nn.Module, spec, batch: int, seq_len: int, autocast: torch.dtype | None = None) -> Trace:
     """The forward of `model` (built on meta) on a (batch, seq_len) batch of tokens, by place;
-    `spec`: its contract (the blocks' path and the tensor-parallel plan)."""
+    `spec`: its contract (the blocks' path and the tensor-parallel plan). `autocast`: the CPU
+    autocast dtype the run computes in: the forward then runs on fake CPU tensors (autocast has no
+    meta kernels), so the trace holds autocast's casts and each operator's own dtype's bytes."""
     from framework.contract import expand_plan, logits_of
 
     trace, stack = Trace(batch=batch, seq_len=seq_len), []
@@ -152,13 +155,30 @@ def trace_forward(model: nn.Module, spec, batch: int, seq_len: int) -> Trace:
     post = nn.modules.module.register_module_forward_hook(pop)
     recorder = _Recorder(trace, place)
     try:
-        tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-        with torch.no_grad(), _Attention(recorder), recorder:
-            logits_of(model(tokens))
+        with _inputs(model, autocast) as (state, device):
+            tokens = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+            with torch.no_grad(), _Attention(recorder), recorder:
+                logits_of(torch.func.functional_call(model, state, (tokens,)) if state else model(tokens))
     finally:
         pre.remove()
         post.remove()
     return trace
+
+
+@contextlib.contextmanager
+def _inputs(model: nn.Module, autocast: torch.dtype | None):
+    """(parameters and buffers to call `model` with, the tokens' device): the model's own on meta,
+    or, under autocast, fake CPU copies (no memory) inside a fake-tensor mode and the autocast."""
+    if autocast is None or autocast == torch.float32:
+        yield {}, "meta"
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        state = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu") for name, t in named}
+        with torch.autocast("cpu", dtype=autocast):
+            yield state, "cpu"
 
 
 def count_ops(fn) -> int:

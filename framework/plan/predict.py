@@ -16,6 +16,7 @@ from framework.plan.peak import peak_parts
 from framework.plan.profile import Profile
 from framework.plan.timing import bubble, comm_s, step_time
 from framework.plan.traffic import traffic
+from framework.precision import DTYPES
 
 FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls",
            "step_time_s", "peak_bytes")  # fmt: skip
@@ -91,14 +92,15 @@ def forward_trace(cfg: DictConfig, layout: Layout, model, spec) -> Trace | None:
     if spec.task != "lm" or not seq_len:
         return None
     b, tokens = micro_batch(cfg, layout), seq_len // layout.cp
+    autocast = DTYPES[cfg.precision.name]  # the trace prices CPU kernels only (profile.kernels)
 
     def make():
         try:
-            return trace_forward(model, spec, b, tokens)
+            return trace_forward(model, spec, b, tokens, autocast)
         except Exception:  # a forward that needs real tensors: priced by its FLOPs instead
             return None
 
-    return _cached(("trace", id(model), b, tokens), model, make)
+    return _cached(("trace", id(model), b, tokens, autocast), model, make)
 
 
 def _not_predicted(memory: dict, ranks, shapes: Shapes) -> dict[str, str]:

@@ -54,11 +54,15 @@ class Profile:
     op_overhead_s: float = 0.0  # dispatch cost per operator (Python, autograd, the kernel launch)
     kernels: Kernels | None = None  # matmul, elementwise and optimizer costs (CPU: probed; else None)
     share: float = 1.0  # the share of its threads a rank gets (local ranks x threads over the cores)
+    op_latency_s: dict = None  # collective -> seconds a call, back to back as training issues them (probed)
+
+    def latency_of(self, op: str) -> float:
+        return (self.op_latency_s or {}).get(op, self.latency_s)
 
 
 def _link_key(device: str, backend: str, world: int) -> str:
     name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
-    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}"
+    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|by_op"
 
 
 def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Profile:
@@ -81,6 +85,7 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     intra = plan.intra_node_gbps * 1e9 if plan.intra_node_gbps is not None else link["bytes_per_s"]
     inter = plan.inter_node_gbps * 1e9 if plan.inter_node_gbps is not None else intra
     latency = plan.latency_us * 1e-6 if plan.latency_us is not None else link["latency_s"]
+    by_op = link.get("by_op") if plan.latency_us is None else None
     where |= {
         "intra_bytes_per_s": "config" if plan.intra_node_gbps is not None else where["link"],
         "inter_bytes_per_s": "config" if plan.inter_node_gbps is not None else "as intra",
@@ -96,7 +101,7 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     share = 1.0 if device == "cuda" else min(1.0, cores / (max(1, cores // local) * local))
     return Profile(
         peak, intra, inter, latency, overlap, "; ".join(sources), baseline, NOMINAL_SLACK[device],
-        local if probed else 0, where, overhead, kernels, share,
+        local if probed else 0, where, overhead, kernels, share, by_op,
     )  # fmt: skip
 
 
@@ -109,7 +114,7 @@ def kernel_costs(cfg: DictConfig, device: str, local: int, measure: str) -> tupl
         return None, "none"
     threads = max(1, (os.cpu_count() or 1) // local)
     dtype = DTYPES[cfg.precision.name]
-    key = f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}"
+    key = f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}|casts=traced"
     cached = read_cache().get(key)
     if cached is not None:
         return Kernels.from_json(cached), "cache"
@@ -221,10 +226,10 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
 
 def probe_link(world: int, device: str) -> dict[str, float]:
     """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
-    samples = launch_local(world, _probe_worker, device)[0]
+    samples, by_op = launch_local(world, _probe_worker, device)[0]
     (n0, t0), (n1, t1) = samples[0], samples[-1]
     per_byte = max((t1 - t0) / (n1 - n0), 1e-12)
-    return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6)}
+    return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6), "by_op": by_op}
 
 
 def probe_sizes(device: str) -> tuple[int, ...]:
@@ -234,8 +239,9 @@ def probe_sizes(device: str) -> tuple[int, ...]:
     return (1024, 4 * 1024**2, 64 * 1024**2) if device == "cuda" else (1024, 4 * 1024**2)
 
 
-def _probe_worker(device: str) -> list[tuple[float, float]]:
-    """(wire bytes, seconds) of a small and a large all-reduce, the median of a few each."""
+def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """((wire bytes, seconds) of a small and a large all-reduce, the median of a few each;
+    {collective: seconds a small call takes back to back})."""
     import statistics
 
     import torch.distributed as dist
@@ -258,6 +264,45 @@ def _probe_worker(device: str) -> list[tuple[float, float]]:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             out.append((4 * numel * RING_FACTOR["all_reduce"](world), statistics.median(times[1:])))
-        return out
+        return out, _back_to_back(world, dev)
     finally:
         destroy_distributed()
+
+
+def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, float]:
+    """Seconds a small collective takes when calls follow each other, as a step issues them: on
+    an oversubscribed CPU each waits for its peers to be scheduled, which a single timed call
+    after a barrier hides."""
+    import torch.distributed as dist
+
+    rank, x = dist.get_rank(), torch.ones(1024, device=dev)
+    gathered = torch.empty(1024 * world, device=dev)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(x, gathered),
+        "send": lambda: _ping_pong(x, rank, world),
+    }
+    out = {}
+    for name, call in ops.items():
+        call()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0) / calls / (2 if name == "send" else 1)
+    return out
+
+
+def _ping_pong(x: torch.Tensor, rank: int, world: int) -> None:
+    """A message to the neighbour and its answer (ranks paired 0-1, 2-3, ...; an odd one out waits)."""
+    import torch.distributed as dist
+
+    peer = rank ^ 1
+    if peer >= world:
+        return
+    first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+    first(x, peer)
+    second(x, peer)

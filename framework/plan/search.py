@@ -23,7 +23,7 @@ from framework.config.model import meta_model, model_dims_of, model_spec
 from framework.config.schema import group_schema
 from framework.machine import local_ranks
 from framework.parallel.dims import ParallelDims
-from framework.parallel.pipeline import SINGLE_STAGE, stages_per_rank
+from framework.parallel.pipeline import least_microbatches, stages_per_rank
 from framework.plan.predict import predict
 from framework.plan.profile import Profile, machine_profile
 
@@ -85,6 +85,7 @@ def _candidate(cfg: DictConfig, world: int, name: str, settings: dict[str, Any])
             return None
         settings = settings | {"n_microbatches": m}
         parallel.n_microbatches = m
+        parallel.pp = dims.pp  # parallel=pp's -1 (all ranks) as a degree: the knob search's bound reads it
     trial.parallel = parallel
     try:
         if name != "ddp":
@@ -113,7 +114,7 @@ def _microbatches(cfg: DictConfig, parallel: DictConfig, pp: int) -> int | None:
     """Micro-batches for a pipeline candidate: the group's default if the local batch allows it,
     else the fewest that the batch divides into and the schedule accepts."""
     local = cfg.data.batch_size * cfg.accumulation_steps
-    least = 1 if parallel.schedule in SINGLE_STAGE else pp * stages_per_rank(parallel)
+    least = least_microbatches(parallel.schedule, pp * stages_per_rank(parallel))
     ok = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
     if not ok:
         return None
@@ -166,7 +167,7 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
     local = trial.data.batch_size * base.accumulation_steps  # samples per data-parallel rank per step
     out = []
     if trial.parallel.get("pp", 1) > 1 or trial.parallel.name == "pp":
-        least = 1 if trial.parallel.schedule in SINGLE_STAGE else _pp_degree(trial) * stages_per_rank(trial.parallel)
+        least = least_microbatches(trial.parallel.schedule, trial.parallel.pp * stages_per_rank(trial.parallel))
         ms = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
         if "ZeroBubble" in trial.parallel.schedule:  # one round: what the activations model forecasts
             ms = [m for m in ms if m == least]
@@ -178,10 +179,6 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
         for b in sizes:
             out.append(Knobs(k, b, local // b if b != trial.data.batch_size else base.accumulation_steps))
     return out
-
-
-def _pp_degree(trial: DictConfig) -> int:
-    return trial.parallel.get("pp", 1)  # parallel=pp has its own degree; ddp and fsdp have none
 
 
 # ----------------------------------------------------------------------------- the choice

@@ -51,21 +51,22 @@ def ops_per_step(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
     return micro * (per_block * blocks + 40 * recomputed + 30) + 12 * len(shapes.params) / layout.pp + 200
 
 
-def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: Trace | None) -> float:
-    """Seconds of one rank's arithmetic per optimizer step: the traced forward of its pipeline
-    stage, priced operator by operator (framework.plan.ops), its backward, checkpointing's second
-    forward, the optimizer over its share of the parameters, and the data-parallel gradient copies.
-    The slowest pipeline rank sets the pace. Without a trace or a probed machine: the FLOPs at
-    the profile's peak, plus a dispatch overhead per estimated operator."""
+def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: Trace | None) -> tuple[float, float]:
+    """(the slowest rank's, the mean rank's) seconds of arithmetic per optimizer step, on the
+    threads a rank has to itself: the traced forward of its pipeline stage, priced operator by
+    operator (framework.plan.ops), its backward, checkpointing's second forward, the optimizer
+    over its share of the parameters, and the data-parallel gradient copies. Without a trace or a
+    probed machine: the FLOPs at the profile's peak, plus a dispatch overhead per estimated operator."""
     kernels = profile.kernels
     if trace is None or kernels is None:
         flops = shapes.hardware_flops_per_token * step_tokens(cfg, layout) / max(layout.world, 1)
-        return flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s
+        seconds = flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s
+        return seconds, seconds * profile.share  # the profile's peak is already a rank's share of the cores
     micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
     every = checkpoint_every(cfg)
     block_keys = sorted({k[0] for k in trace.regions if isinstance(k, tuple)}, key=_block_order)
     stage_layers = shapes.stage_layers or [list(range(len(block_keys)))]
-    slowest = 0.0
+    per_rank = []
     for rank in range(layout.pp):
         mine = {block_keys[i] for s, ids in enumerate(stage_layers) if stage_rank(s, layout) == rank for i in ids}
         seconds = 0.0
@@ -77,10 +78,10 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
                 seconds += _region_s(region, key[1], layout, kernels, profile, forwards=1 + again)
             elif (key == "pre" and rank == 0) or (key == "post" and rank == layout.pp - 1):
                 seconds += _region_s(region, "post" if layout.loss_parallel else key, layout, kernels, profile)
-        slowest = max(slowest, seconds)
+        per_rank.append(seconds)
     local_params = sum(math.prod(p.shape) for p in shapes.params) / (layout.tp * layout.pp * max(layout.shard, 1))
     update = local_params * kernels.optimizer_s_per_param + _grad_copies_s(shapes, layout, kernels)
-    return (micro * slowest + update) / profile.share
+    return micro * max(per_rank) + update, micro * sum(per_rank) / len(per_rank) + update
 
 
 def _block_order(name: str) -> tuple:
@@ -132,9 +133,13 @@ def _grad_copies_s(shapes: Shapes, layout: Layout, kernels) -> float:
 def step_time(
     cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, profile, trace: Trace | None = None
 ) -> float:
-    """Seconds per optimizer step: the arithmetic (compute_s) stretched by the pipeline's bubble,
-    and the communication that does not hide behind it."""
-    busy = compute_s(cfg, layout, shapes, profile, trace) / (1 - bubble(layout))
+    """Seconds per optimizer step: the busier of two bounds on the arithmetic (compute_s), and
+    the communication that does not hide behind it. The slowest rank's work, stretched by the
+    pipeline's bubble, is the critical path; the ranks' work together over the cores is the other
+    bound, which decides where more ranks than cores share them (a CPU's `profile.share` < 1): a
+    pipeline rank idle in its bubble then lends its core to the others, instead of stretching."""
+    slowest, mean = compute_s(cfg, layout, shapes, profile, trace)
+    busy = max(slowest / (1 - bubble(layout)), mean / profile.share)
     return busy + comm_s(cfg, layout, ranks, profile, busy)
 
 
@@ -146,9 +151,9 @@ def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 
     worst = 0.0
     for t in ranks:
         hidden, exposed = 0.0, 0.0
-        for _op, calls, wire, group, kind in t.seconds_terms:
+        for op, calls, wire, group, kind in t.seconds_terms:
             spans_nodes = nodes > 1 and group > per_node
-            seconds = calls * profile.latency_s + wire / (
+            seconds = calls * profile.latency_of(op) + wire / (
                 profile.inter_bytes_per_s if spans_nodes else profile.intra_bytes_per_s
             )
             if kind == "dp":
@@ -156,5 +161,5 @@ def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 
             else:
                 exposed += seconds
         worst = max(worst, exposed + max(0.0, hidden - profile.overlap * busy))
-    figures = profile.latency_s if layout.world > 1 else 0.0  # the step's loss and counts, all-reduced
+    figures = profile.latency_of("all_reduce") if layout.world > 1 else 0.0  # the step's loss and counts, all-reduced
     return worst + figures
