@@ -307,3 +307,26 @@ def test_every_combination_the_search_ranks_is_one_the_run_accepts(world):
         dims.check_run(trial)  # raises DimsError, naming the key, on a combination the run refuses
         schedules.add(trial.parallel.get("schedule") if dims.pp > 1 else None)
     assert {"1F1B", "Interleaved1F1B", "GPipe"} <= schedules
+
+
+def test_plain_data_parallelism_on_the_hybrid_mesh_replicates_and_keeps_megatrons_trend():
+    """Megatron-LM's PTD-P as benchmarks/plan_megatron.py plans it: `parallel.dp_replicate=<dp>
+    parallel.dp_shard=1` is plain data parallelism (every replica holds its stage's whole state, no
+    reduce-scatter, the gradients all-reduced across the replicas), and GPT-3 175B's forecast keeps
+    the direction of the paper's Table 2: the same batch of 1,536 over more GPUs, fewer FLOP/s each."""
+    from framework.plan.profile import machine_profile
+
+    def plan(world: int, replicate: bool) -> dict:
+        dp, m = world // 96, 1536 // (world // 96)
+        cfg = compose_config([*GPT3, "plan.overlap=0", f"plan.nodes={world // 8}", "parallel=hybrid", "parallel.tp=8",
+                              "parallel.pp=12", f"parallel.dp_replicate={dp if replicate else 1}",
+                              f"parallel.dp_shard={1 if replicate else dp}", "parallel.sequence_parallel=false",
+                              f"parallel.n_microbatches={m}", f"data.batch_size={m}"])  # fmt: skip
+        return predict(cfg, world, machine_profile(cfg, world, "config"))
+
+    replicated, sharded = plan(1536, True), plan(1536, False)
+    assert "reduce_scatter" not in replicated["comm"]["by_op"] and "reduce_scatter" in sharded["comm"]["by_op"]
+    ratio = replicated["memory"]["param_bytes"] / sharded["memory"]["param_bytes"]
+    assert 15.5 < ratio <= 16, ratio  # dp 16: the whole stage on each replica (FSDP pads its shards)
+    seconds = [plan(world, True)["step_time_s"] * world for world in (384, 768, 1536)]  # GPU-seconds per step
+    assert seconds[0] < seconds[1] < seconds[2], seconds
