@@ -301,7 +301,7 @@ def test_lstm_lengths_stay_in_host_memory():
 
 
 def test_the_link_probe_reaches_a_few_hundred_megabytes_on_cuda():
-    from framework.plan.profile import probe_sizes
+    from framework.plan.link import probe_sizes
 
     assert max(probe_sizes("cuda")) * 4 >= 256 * 2**20 and max(probe_sizes("cpu")) * 4 == 16 * 2**20
 

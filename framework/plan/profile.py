@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from framework.machine import cpu_name, launch_local, local_ranks
+from framework.machine import cpu_name, local_ranks
 from framework.plan.baseline import baseline_bytes, forks_workers
 from framework.plan.cache import read_cache, write_cache
 from framework.plan.kernels import Kernels, probe_kernels
+from framework.plan.link import probe_link
 from framework.plan.ops import BACKWARD_OPS, count_ops
 
 # figures for what is neither configured nor measured (ranks a launcher started: set plan.*)
@@ -57,12 +58,15 @@ class Profile:
     op_latency_s: dict = None  # collective -> seconds a call, back to back as training issues them (probed)
 
     def latency_of(self, op: str) -> float:
-        return (self.op_latency_s or {}).get(op, self.latency_s)
+        """Seconds a call of `op` ("all_gather", or "fsdp:all_gather" as FSDP issues it) takes
+        beyond its bytes: the probed figure of the caller, else of the bare collective."""
+        by_op = self.op_latency_s or {}
+        return by_op.get(op, by_op.get(op.rpartition(":")[2], self.latency_s))
 
 
 def _link_key(device: str, backend: str, world: int) -> str:
     name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
-    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|by_op"
+    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|by_path"
 
 
 def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Profile:
@@ -222,87 +226,3 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
         torch.set_num_threads(before)
     sources.append("peak: cpu probe")
     return flops * min(1.0, cores / (threads * local))
-
-
-def probe_link(world: int, device: str) -> dict[str, float]:
-    """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
-    samples, by_op = launch_local(world, _probe_worker, device)[0]
-    (n0, t0), (n1, t1) = samples[0], samples[-1]
-    per_byte = max((t1 - t0) / (n1 - n0), 1e-12)
-    return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6), "by_op": by_op}
-
-
-def probe_sizes(device: str) -> tuple[int, ...]:
-    """fp32 elements of the probe's all-reduces, smallest to largest (the fit takes the ends): a
-    16 MB message saturates gloo's sockets, but not NVLink or InfiniBand, whose large-message
-    bandwidth needs a few hundred MB (256 MB here) to show."""
-    return (1024, 4 * 1024**2, 64 * 1024**2) if device == "cuda" else (1024, 4 * 1024**2)
-
-
-def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, float]]:
-    """((wire bytes, seconds) of a small and a large all-reduce, the median of a few each;
-    {collective: seconds a small call takes back to back})."""
-    import statistics
-
-    import torch.distributed as dist
-
-    from framework.comm import RING_FACTOR
-    from framework.dist import destroy_distributed, init_distributed
-
-    init_distributed(device, "nccl" if device == "cuda" else "gloo", timeout_s=60)
-    try:
-        world, out = dist.get_world_size(), []
-        dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        for numel in probe_sizes(device):
-            x = torch.ones(numel, device=dev)
-            times = []
-            for _ in range(10):
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(x)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            out.append((4 * numel * RING_FACTOR["all_reduce"](world), statistics.median(times[1:])))
-        return out, _back_to_back(world, dev)
-    finally:
-        destroy_distributed()
-
-
-def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, float]:
-    """Seconds a small collective takes when calls follow each other, as a step issues them: on
-    an oversubscribed CPU each waits for its peers to be scheduled, which a single timed call
-    after a barrier hides."""
-    import torch.distributed as dist
-
-    rank, x = dist.get_rank(), torch.ones(1024, device=dev)
-    gathered = torch.empty(1024 * world, device=dev)
-    ops = {
-        "all_reduce": lambda: dist.all_reduce(x),
-        "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(x, gathered),
-        "send": lambda: _ping_pong(x, rank, world),
-    }
-    out = {}
-    for name, call in ops.items():
-        call()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        out[name] = (time.perf_counter() - t0) / calls / (2 if name == "send" else 1)
-    return out
-
-
-def _ping_pong(x: torch.Tensor, rank: int, world: int) -> None:
-    """A message to the neighbour and its answer (ranks paired 0-1, 2-3, ...; an odd one out waits)."""
-    import torch.distributed as dist
-
-    peer = rank ^ 1
-    if peer >= world:
-        return
-    first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
-    first(x, peer)
-    second(x, peer)

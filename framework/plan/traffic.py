@@ -40,20 +40,26 @@ class Traffic:
         self.calls: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
         self.wire: dict[str, float] = defaultdict(float)
-        # (op, calls, wire bytes, group size, kind): "dp" traffic can overlap compute, "model" cannot
+        # (op, calls, wire bytes, group size, kind): "dp" traffic can overlap compute, "model" cannot;
+        # op is "fsdp:all_gather" or "tp:all_reduce" where the strategy's own path issues it (the
+        # profile prices a call by who issues it: FSDP's hooks and DTensor's redistributes cost more
+        # than the bare collective)
         self.seconds_terms: list[tuple[str, float, float, int, str]] = []
 
-    def add(self, op: str, payload: float, group: int, calls: float = 1, kind: str = "model") -> None:
+    def add(self, op: str, payload: float, group: int, calls: float = 1, kind: str = "model", via: str = "") -> None:
         if group <= 1 or calls == 0:
             return
         wire = payload * RING_FACTOR[op](group)
         self.calls[op] += calls
         self.bytes[op] += payload
         self.wire[op] += wire
-        self.seconds_terms.append((op, calls, wire, group, kind))
+        self.seconds_terms.append((f"{via}:{op}" if via else op, calls, wire, group, kind))
         if op == "send":  # the peer's matching receive is a call too (no bytes of its own)
             self.calls["recv"] += calls
             self.bytes["recv"] += payload
+
+    def add_tp(self, op: str, payload: float, group: int, calls: float = 1) -> None:
+        self.add(op, payload, group, calls, via="tp")
 
     def totals(self) -> dict[str, Any]:
         return {
@@ -126,8 +132,8 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     for (rank, unit), elements in units.items():
         t = ranks[rank]
         gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
-        t.add("all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp")
-        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp")
+        t.add("all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp", "fsdp")
+        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp", "fsdp")
         shard = elements // layout.shard * reduce_bytes
         t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp")
 
@@ -149,8 +155,10 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
         blocks = len(layers) * n_micro
         norms = []
         if layout.sequence_parallel:
-            t.add("all_gather", blocks * stream * (gathers * 4 + rows * out_bytes), tp, calls=(gathers + rows) * blocks)
-            t.add(
+            t.add_tp(
+                "all_gather", blocks * stream * (gathers * 4 + rows * out_bytes), tp, calls=(gathers + rows) * blocks
+            )
+            t.add_tp(
                 "reduce_scatter",
                 blocks * stream * (rows * out_bytes + gathers * 4),
                 tp,
@@ -158,26 +166,26 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
             )
             norms = tps.block_norm_params * len(layers)
         else:
-            t.add("all_reduce", blocks * stream * (rows * out_bytes + cols * 4), tp, calls=(rows + cols) * blocks)
+            t.add_tp("all_reduce", blocks * stream * (rows * out_bytes + cols * 4), tp, calls=(rows + cols) * blocks)
         vocab_split = tps.top.get("vocab_embedding", 0)
         if stage == 0 and vocab_split and not layout.sequence_parallel:  # partial lookups summed
-            t.add("all_reduce", n_micro * 4 * stream * vocab_split, tp, calls=n_micro * vocab_split)
+            t.add_tp("all_reduce", n_micro * 4 * stream * vocab_split, tp, calls=n_micro * vocab_split)
         if stage == 0 and layout.sequence_parallel:  # embeddings leave split along the sequence
             lookups = tps.top.get("embedding", 0) + vocab_split
             embedded = lookups * stream + tps.top.get("position_embedding", 0) * T * tps.hidden
             calls = (lookups + tps.top.get("position_embedding", 0)) * n_micro
-            t.add("reduce_scatter", n_micro * 4 * embedded, tp, calls=calls)
-            t.add("all_gather", n_micro * 4 * embedded, tp, calls=calls)  # their gradients
+            t.add_tp("reduce_scatter", n_micro * 4 * embedded, tp, calls=calls)
+            t.add_tp("all_gather", n_micro * 4 * embedded, tp, calls=calls)  # their gradients
         if stage == layout.stages - 1 and tps.top.get("output"):
             if layout.sequence_parallel:
-                t.add("all_gather", n_micro * 4 * stream, tp, calls=n_micro)
-                t.add("reduce_scatter", n_micro * 4 * stream, tp, calls=n_micro)
+                t.add_tp("all_gather", n_micro * 4 * stream, tp, calls=n_micro)
+                t.add_tp("reduce_scatter", n_micro * 4 * stream, tp, calls=n_micro)
                 norms = norms + tps.top_norm_params
             else:
-                t.add("all_reduce", n_micro * 4 * stream, tp, calls=n_micro)
+                t.add_tp("all_reduce", n_micro * 4 * stream, tp, calls=n_micro)
             if not layout.loss_parallel:
-                t.add("all_gather", n_micro * out_bytes * mb * T * tps.vocab, tp, calls=n_micro)
-        t.add("all_reduce", 4 * sum(norms), tp, calls=len(norms))  # partial norm-parameter gradients
+                t.add_tp("all_gather", n_micro * out_bytes * mb * T * tps.vocab, tp, calls=n_micro)
+        t.add_tp("all_reduce", 4 * sum(norms), tp, calls=len(norms))  # partial norm-parameter gradients
 
 
 def _pipeline(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:

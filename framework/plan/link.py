@@ -1,0 +1,143 @@
+"""The link between local ranks, probed once per machine and world (a few seconds; cached by
+framework.plan.profile): all-reduce latency and bandwidth fitted on a small and a large message,
+and what a small call costs back to back, as a step issues it, for each collective and for each
+path that issues one:
+
+- the bare collective (DDP's buckets, a pipeline's sends);
+- `tp:` a DTensor redistribute (tensor parallel's all-gathers, reduce-scatters and all-reduces);
+- `fsdp:` one of FSDP2's collectives with the hooks, copies and waits around it, from a few tiny
+  units' forward and backward against the same layers unsharded.
+
+On an oversubscribed CPU (more ranks than cores) each call waits for its peers to be scheduled,
+which a single timed call after a barrier hides.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from framework.machine import launch_local
+
+
+def probe_link(world: int, device: str) -> dict[str, float]:
+    """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
+    samples, by_op = launch_local(world, _probe_worker, device)[0]
+    (n0, t0), (n1, t1) = samples[0], samples[-1]
+    per_byte = max((t1 - t0) / (n1 - n0), 1e-12)
+    return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6), "by_op": by_op}
+
+
+def probe_sizes(device: str) -> tuple[int, ...]:
+    """fp32 elements of the probe's all-reduces, smallest to largest (the fit takes the ends): a
+    16 MB message saturates gloo's sockets, but not NVLink or InfiniBand, whose large-message
+    bandwidth needs a few hundred MB (256 MB here) to show."""
+    return (1024, 4 * 1024**2, 64 * 1024**2) if device == "cuda" else (1024, 4 * 1024**2)
+
+
+def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """((wire bytes, seconds) of a small and a large all-reduce, the median of a few each;
+    {collective: seconds a small call takes back to back})."""
+    import torch.distributed as dist
+
+    from framework.comm import RING_FACTOR
+    from framework.dist import destroy_distributed, init_distributed
+
+    init_distributed(device, "nccl" if device == "cuda" else "gloo", timeout_s=60)
+    try:
+        world, out = dist.get_world_size(), []
+        dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        for numel in probe_sizes(device):
+            x = torch.ones(numel, device=dev)
+            times = []
+            for _ in range(10):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            out.append((4 * numel * RING_FACTOR["all_reduce"](world), statistics.median(times[1:])))
+        return out, _back_to_back(world, dev) | _strategy_paths(world, dev)
+    finally:
+        destroy_distributed()
+
+
+def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, float]:
+    """{collective: seconds a small call takes when calls follow each other}."""
+    import torch.distributed as dist
+
+    rank, x = dist.get_rank(), torch.ones(1024, device=dev)
+    gathered = torch.empty(1024 * world, device=dev)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(x, gathered),
+        "send": lambda: _ping_pong(x, rank, world),
+    }
+    out = {name: _per_call(call, dev, calls) for name, call in ops.items()}
+    out["send"] /= 2  # a ping-pong is two messages
+    return out
+
+
+def _per_call(call, dev: torch.device, calls: int) -> float:
+    import torch.distributed as dist
+
+    call()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls
+
+
+def _strategy_paths(world: int, dev: torch.device, units: int = 4) -> dict[str, float]:
+    """Seconds a small collective costs as tensor parallel's DTensors and FSDP2 issue it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh(dev.type, (world,))
+    local = torch.ones(1024, device=dev)
+    sharded = DTensor.from_local(local, mesh, [Shard(0)])
+    partial = DTensor.from_local(local, mesh, [Partial()])
+    out = {
+        "tp:all_gather": _per_call(lambda: sharded.redistribute(mesh, [Replicate()]).to_local(), dev, 20),
+        "tp:reduce_scatter": _per_call(lambda: partial.redistribute(mesh, [Shard(0)]).to_local(), dev, 20),
+        "tp:all_reduce": _per_call(lambda: partial.redistribute(mesh, [Replicate()]).to_local(), dev, 20),
+    }
+    x = torch.randn(4, 32, device=dev)
+
+    def layers(shard: bool) -> torch.nn.Module:
+        net = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(units))).to(dev)
+        if shard:
+            for layer in net:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+        return net
+
+    def step(net: torch.nn.Module) -> None:
+        net(x).sum().backward()
+
+    plain, fsdp = layers(False), layers(True)
+    extra = _per_call(lambda: step(fsdp), dev, 10) - _per_call(lambda: step(plain), dev, 10)
+    out["fsdp:all_gather"] = out["fsdp:reduce_scatter"] = max(extra, 0.0) / (3 * units)  # 2 gathers, 1 reduce each
+    dist.barrier()
+    return out
+
+
+def _ping_pong(x: torch.Tensor, rank: int, world: int) -> None:
+    """A message to the neighbour and its answer (ranks paired 0-1, 2-3, ...; an odd one out waits)."""
+    import torch.distributed as dist
+
+    peer = rank ^ 1
+    if peer >= world:
+        return
+    first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+    first(x, peer)
+    second(x, peer)
