@@ -4,9 +4,12 @@ and what a small call costs back to back, as a step issues it, for each collecti
 path that issues one:
 
 - the bare collective (DDP's buckets, a pipeline's sends);
-- `tp:` a DTensor redistribute (tensor parallel's all-gathers, reduce-scatters and all-reduces);
+- `tp:` one of tensor parallel's collectives with DTensor's dispatch around it, from a few tiny
+  column- and row-wise pairs' forward and backward (with and without sequence parallel);
 - `fsdp:` one of FSDP2's collectives with the hooks, copies and waits around it, from a few tiny
-  units' forward and backward against the same layers unsharded.
+  units' forward and backward;
+
+each against the same layers whole.
 
 On an oversubscribed CPU (more ranks than cores) each call waits for its peers to be scheduled,
 which a single timed call after a barrier hides.
@@ -83,52 +86,60 @@ def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, f
 
 
 def _per_call(call, dev: torch.device, calls: int) -> float:
+    """The median seconds of `calls` back-to-back calls (this machine's scheduler is jittery: a
+    few calls wait a whole time slice)."""
     import torch.distributed as dist
 
     call()
     dist.barrier()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(calls):
+        t0 = time.perf_counter()
         call()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _strategy_paths(world: int, dev: torch.device, units: int = 4) -> dict[str, float]:
-    """Seconds a small collective costs as tensor parallel's DTensors and FSDP2 issue it."""
-    import torch.distributed as dist
+    """Seconds a small collective costs as tensor parallel and FSDP2 issue it: a few tiny layers'
+    forward and backward, parallelized, against the same layers whole, per collective they issue."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh(dev.type, (world,))
-    local = torch.ones(1024, device=dev)
-    sharded = DTensor.from_local(local, mesh, [Shard(0)])
-    partial = DTensor.from_local(local, mesh, [Partial()])
-    out = {
-        "tp:all_gather": _per_call(lambda: sharded.redistribute(mesh, [Replicate()]).to_local(), dev, 20),
-        "tp:reduce_scatter": _per_call(lambda: partial.redistribute(mesh, [Shard(0)]).to_local(), dev, 20),
-        "tp:all_reduce": _per_call(lambda: partial.redistribute(mesh, [Replicate()]).to_local(), dev, 20),
-    }
-    x = torch.randn(4, 32, device=dev)
+    x = torch.randn(8 * world, 32, device=dev)
 
-    def layers(shard: bool) -> torch.nn.Module:
-        net = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(units))).to(dev)
-        if shard:
-            for layer in net:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(net, mesh=mesh)
+    def layers(wrap=None) -> torch.nn.Module:
+        net = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(2 * units))).to(dev)
+        if wrap is not None:
+            wrap(net)
         return net
 
-    def step(net: torch.nn.Module) -> None:
-        net(x).sum().backward()
+    def fsdp(net):
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
 
-    plain, fsdp = layers(False), layers(True)
-    extra = _per_call(lambda: step(fsdp), dev, 10) - _per_call(lambda: step(plain), dev, 10)
-    out["fsdp:all_gather"] = out["fsdp:reduce_scatter"] = max(extra, 0.0) / (3 * units)  # 2 gathers, 1 reduce each
-    dist.barrier()
-    return out
+    def tp(sequence_parallel: bool):
+        into, out = ({"input_layouts": Shard(0)}, {"output_layouts": Shard(0)}) if sequence_parallel else ({}, {})
+        plan = {f"{i}": ColwiseParallel(**into) if i % 2 == 0 else RowwiseParallel(**out) for i in range(2 * units)}
+        return lambda net: parallelize_module(net, mesh, plan)
+
+    def extra(wrap, calls: int, inputs: torch.Tensor = x) -> float:
+        step = lambda net: net(inputs).sum().backward()  # noqa: E731
+        plain, wrapped = layers(), layers(wrap)
+        return max(_per_call(lambda: step(wrapped), dev, 10) - _per_call(lambda: step(plain), dev, 10), 0.0) / calls
+
+    rows = x[: x.shape[0] // world]  # a rank's share of the sequence
+    gathered = extra(tp(True), 4 * units, rows)  # per pair: gather in, reduce-scatter out, and back
+    reduced = extra(tp(False), 2 * units)  # per pair: the output's all-reduce, the input gradient's
+    fsdp_call = extra(fsdp, 2 * 3 * units)  # per layer: 2 gathers (forward, backward), 1 reduce
+    return {"tp:all_gather": gathered, "tp:reduce_scatter": gathered, "tp:all_reduce": reduced,
+            "fsdp:all_gather": fsdp_call, "fsdp:reduce_scatter": fsdp_call}  # fmt: skip
 
 
 def _ping_pong(x: torch.Tensor, rank: int, world: int) -> None:
