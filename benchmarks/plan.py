@@ -9,18 +9,22 @@
    gpt, an ample budget), trained in one sweep; the planner's pick against the fastest measured.
 
     python benchmarks/plan.py [--steps N] [--quick] [--pick]      # writes docs/results/plan.md
+    python benchmarks/plan.py --replan    # the planner as it is now, against the runs last measured
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
-from common import run, table, write_result
+from common import ROOT, config, run, table, write_result
+from omegaconf import OmegaConf
 
 from framework.config import compose
-from framework.plan import choose
+from framework.plan import check, choose, predict
 from framework.plan.__main__ import best_per_layout
 from framework.plan.profile import machine_profile
 
@@ -62,23 +66,46 @@ ACCURACY = {
 QUICK = {2: ("ddp", "fsdp", "tp", "pp 1F1B"), 4: ("ddp", "fsdp checkpoint", "hybrid dp2 x tp2")}
 
 
-def accuracy(steps: int, quick: bool = False) -> str:
-    """The error table; `quick`: a few layouts per world (a busy machine's run)."""
-    rows, step_errors = [], {}
+# what the accuracy runs measured, for --replan (beside the table: HYDRADIST_RESULTS_DIR moves both)
+RUNS = Path(os.environ.get("HYDRADIST_RESULTS_DIR", ROOT / "docs" / "results")) / "plan_runs.json"
+
+
+def measure(steps: int, quick: bool = False) -> dict[str, dict]:
+    """Train every layout (`quick`: a few per world, a busy machine's run); {"shape|world|layout":
+    the overrides and what the run measured}, also written to RUNS."""
     plan = {w: {k: v for k, v in ls.items() if not quick or k in QUICK[w]} for w, ls in ACCURACY.items()}
     for world in ACCURACY:  # this machine's figures for each world and dtype, probed once (cached) before the runs
         for precision in ("fp32", "bf16"):
             cfg = compose([*MODEL, f"launch.nproc_per_node={world}", "device=cpu", f"precision={precision}"])
             machine_profile(cfg, world, "probe")
+    runs = {}
     for shape, extra in (("4 x 256", []), ("8 x 384", WIDER)):
         for world, layouts in plan.items():
             for name, summary in run(layouts, world, [*MODEL, f"steps={steps}", *extra]).items():
-                err = summary["plan"]["error"]
-                if err["step_time_s"] is not None:
-                    step_errors.setdefault(shape, []).append(abs(err["step_time_s"]))
-                rows.append([shape, world, name, *(f"{err[f]:+.1%}" if err[f] is not None else "-" for f in FIGURES)])
+                runs[f"{shape}|{world}|{name}"] = {
+                    "overrides": [*MODEL, f"steps={steps}", *extra, f"launch.nproc_per_node={world}", *layouts[name]],
+                    "measured": {k: summary.get(k) for k in ("step_time_s", "memory", "comm")},
+                }  # fmt: skip
+    measured = {"steps": steps, "quick": quick, "load": os.getloadavg()[0], "runs": runs}
+    RUNS.write_text(json.dumps(measured, indent=1) + "\n")
+    return measured
+
+
+def accuracy(measured: dict) -> str:
+    """The error table: each run's figures against the planner's prediction for its config, made
+    now (so --replan reads a changed planner against the same measurements)."""
+    rows, step_errors = [], {}
+    for key, r in measured["runs"].items():
+        shape, world, name = key.split("|")
+        cfg = OmegaConf.create(config(r["overrides"]))
+        block = check(predict(cfg, int(world), machine_profile(cfg, int(world), "cache")), r["measured"])
+        err = block["error"]
+        if err["step_time_s"] is not None:
+            step_errors.setdefault(shape, []).append(abs(err["step_time_s"]))
+        ms = [block[k]["step_time_s"] * 1000 for k in ("predicted", "measured")]
+        rows.append([shape, int(world), name, *(f"{err[f]:+.1%}" if err[f] is not None else "-" for f in FIGURES), *ms])
     text = table(["shape", "world", "layout", "params", "grads", "optim", "activations", "wire bytes", "calls",
-                  "step time", "peak"], rows)  # fmt: skip
+                  "step time", "peak", "predicted ms", "measured ms"], rows)  # fmt: skip
     for shape, errors in step_errors.items():
         text += (f"\n\nstep time, {shape}: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
                  f"over {len(errors)} layouts")  # fmt: skip
@@ -106,13 +133,17 @@ def pick(world: int = 2) -> None:
 if __name__ == "__main__":
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 4
     quick = "--quick" in sys.argv
-    text = accuracy(steps, quick)
+    replan = "--replan" in sys.argv  # the planner as it is now against the last measured runs (RUNS)
+    measured = json.loads(RUNS.read_text()) if replan else measure(steps, quick)
+    steps, quick = measured["steps"], measured["quick"]
+    text = accuracy(measured)
     print(text)
     header = (f"Each run's own check of the planner (summary.json plan.error), {steps} optimizer steps per run. "
-              f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: step times on a "
+              f"Load average at the end of the runs: {measured['load']:.1f} on {os.cpu_count()} cores: step times on a "
               "shared machine are noisy; rerun on a quiet one before reading the step-time column. The peak column "
               "is not a peak check: a sweep's runs share their worker processes, so a run's resident peak "
               "keeps what earlier runs left (docs/results/plan_peak.md checks the peak, one process per run).")  # fmt: skip
-    write_result("plan", f"python benchmarks/plan.py --steps {steps}{' --quick' * quick}", header, text)
+    command = f"python benchmarks/plan.py --steps {steps}{' --quick' * quick}" + " (then --replan)" * replan
+    write_result("plan", command, header, text)
     if "--pick" in sys.argv:
         pick()

@@ -69,7 +69,11 @@ def _latency(profile: Profile) -> str:
     by_op = profile.op_latency_s or {}
     if not by_op:
         return f"{profile.latency_s * 1e6:.3g} us per call"
-    return "per call " + ", ".join(f"{op} {s * 1e6:.3g} us" for op, s in by_op.items())
+    bandwidth = profile.op_bytes_per_s or {}
+    return "per call " + ", ".join(
+        f"{op} {s * 1e6:.3g} us" + (f" at {bandwidth[op] / 1e9:.3g} GB/s" if op in bandwidth else "")
+        for op, s in by_op.items()
+    )
 
 
 def main(argv: list[str]) -> int:

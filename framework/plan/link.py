@@ -26,11 +26,13 @@ from framework.machine import launch_local
 
 
 def probe_link(world: int, device: str) -> dict[str, float]:
-    """Fit latency and bandwidth of all-reduce among `world` local workers (a few seconds)."""
-    samples, by_op = launch_local(world, _probe_worker, device)[0]
+    """Fit latency and bandwidth of all-reduce among `world` local workers, and each collective's
+    own bandwidth (a few seconds)."""
+    samples, by_op, bandwidth = launch_local(world, _probe_worker, device)[0]
     (n0, t0), (n1, t1) = samples[0], samples[-1]
     per_byte = max((t1 - t0) / (n1 - n0), 1e-12)
-    return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6), "by_op": by_op}
+    return {"bytes_per_s": 1 / per_byte, "latency_s": max(t0 - n0 * per_byte, 1e-6), "by_op": by_op,
+            "bytes_per_s_by_op": bandwidth}  # fmt: skip
 
 
 def probe_sizes(device: str) -> tuple[int, ...]:
@@ -40,9 +42,9 @@ def probe_sizes(device: str) -> tuple[int, ...]:
     return (1024, 4 * 1024**2, 64 * 1024**2) if device == "cuda" else (1024, 4 * 1024**2)
 
 
-def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, float]]:
+def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, float], dict[str, float]]:
     """((wire bytes, seconds) of a small and a large all-reduce, the median of a few each;
-    {collective: seconds a small call takes back to back})."""
+    {collective: seconds a small call takes back to back}; {collective: its wire bytes per second})."""
     import torch.distributed as dist
 
     from framework.comm import RING_FACTOR
@@ -63,7 +65,8 @@ def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, flo
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             out.append((4 * numel * RING_FACTOR["all_reduce"](world), statistics.median(times[1:])))
-        return out, _back_to_back(world, dev) | _strategy_paths(world, dev)
+        small = _back_to_back(world, dev)
+        return out, small | _strategy_paths(world, dev), _bandwidths(world, dev, 1024**2, small)
     finally:
         destroy_distributed()
 
@@ -82,6 +85,29 @@ def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, f
     }
     out = {name: _per_call(call, dev, calls) for name, call in ops.items()}
     out["send"] /= 2  # a ping-pong is two messages
+    return out
+
+
+def _bandwidths(world: int, dev: torch.device, numel: int, small: dict[str, float]) -> dict[str, float]:
+    """{collective: wire bytes per second of a `numel` call (4 MB in fp32, an FSDP unit's or a DDP
+    bucket's size) beyond a small one's seconds}: backends
+    implement each collective alike in bytes but not in speed (gloo's reduce-scatter runs at a
+    fraction of its all-reduce's rate)."""
+    import torch.distributed as dist
+
+    from framework.comm import RING_FACTOR
+
+    x = torch.ones(numel, device=dev)
+    full = torch.empty(numel * world, device=dev)
+    ops = {  # payload: the full tensor, as framework.comm counts it
+        "all_reduce": (lambda: dist.all_reduce(x), numel),
+        "all_gather": (lambda: dist.all_gather_into_tensor(full, x), numel * world),
+        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(x, full), numel * world),
+    }  # (a pipeline's sends: the all-reduce's rate; a ping-pong's small-message time is too jittery here to subtract)
+    out = {}
+    for name, (call, payload) in ops.items():
+        seconds = _per_call(call, dev, 5) - small[name]
+        out[name] = 4 * payload * RING_FACTOR[name](world) / max(seconds, 1e-9)
     return out
 
 

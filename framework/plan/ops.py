@@ -6,8 +6,9 @@ An operator is one of:
 - attention (scaled_dot_product_attention, whatever kernel runs it): the scores' matmul shape
   (B·H·Tq, D, Tk), priced as two such matmuls (the scores and the weighted sum; no causal
   discount, as the CPU and flash kernels compute every tile of a short sequence);
-- any other operator: the bytes of its tensor inputs and outputs (elementwise, norms, softmax,
-  the loss; views and copies included: they cost their dispatch even when they move nothing).
+- any other operator: its dispatch, and the bytes of its tensor inputs and outputs, of one of two
+  kinds: math-bound (activations, norms, softmax: MATH), memory-bound (adds, scales, copies,
+  casts, the embedding's gather), or none for a view, which moves nothing.
 
 Each is placed by the module it runs in: before the blocks, after them, or in block i, where it
 is `sharded` under tensor parallel when it runs inside a planned module or a container of one
@@ -40,6 +41,18 @@ BACKWARD_OPS = 1.6  # the ratio a traced backward of gpt and llama blocks dispat
 # sequence_parallel and the embeddings, place its input or output, and split nothing but the sequence)
 SPLIT = {"colwise", "rowwise", "gather_input", "output"}
 MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
+# operators whose cost per byte is arithmetic (a CPU runs them several times slower than an add)
+MATH = {"gelu", "silu", "tanh", "sigmoid", "erf", "exp", "softmax", "_softmax", "log_softmax", "_log_softmax",
+        "native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"}  # fmt: skip
+VIEWS = {"_unsafe_view", "alias", "lift_fresh"}  # views whose schema does not say so
+
+
+def byte_kind(func) -> str | None:
+    """ "math", "memory" or None (a view: it moves no bytes) for an aten operator."""
+    name = func.__name__.split(".")[0]
+    if func.is_view or name in VIEWS:
+        return None
+    return "math" if name in MATH else "memory"
 
 
 @dataclass
@@ -49,8 +62,9 @@ class Region:
 
     matmuls: list[tuple[int, int, int, str | None]] = field(default_factory=list)  # (M, K, N, tp style)
     attention: list[tuple[int, int, int]] = field(default_factory=list)  # the scores' (B·H·Tq, D, Tk)
-    bytes: float = 0.0
+    bytes: float = 0.0  # memory-bound operators' bytes
     ops: int = 0
+    math_bytes: float = 0.0  # math-bound operators' bytes
 
 
 @dataclass
@@ -79,7 +93,7 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, trace: Trace, place):
         super().__init__()
-        self.trace, self.place, self.in_attention = trace, place, 0
+        self.trace, self.place, self.in_attention, self.kinds = trace, place, 0, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -94,7 +108,13 @@ class _Recorder(TorchDispatchMode):
             m = a.shape[0] * a.shape[1] if a.dim() == 3 else a.shape[0]
             region.matmuls.append((m, a.shape[-1], b.shape[-1], style))
         else:
-            region.bytes += _nbytes(list(args)) + _nbytes(out)
+            kind = self.kinds.get(func, False)
+            if kind is False:  # once per operator: a name costs more than most small operators
+                kind = self.kinds[func] = byte_kind(func)
+            if kind == "memory":
+                region.bytes += _nbytes(list(args)) + _nbytes(out)
+            elif kind == "math":
+                region.math_bytes += _nbytes(list(args)) + _nbytes(out)
         return out
 
 
@@ -181,10 +201,20 @@ def _inputs(model: nn.Module, autocast: torch.dtype | None):
             yield state, "cpu"
 
 
-def count_ops(fn) -> int:
-    """The operators `fn()` dispatches, counted as a trace counts them (attention as one)."""
+def _record(fn) -> Region:
     trace = Trace()
     recorder = _Recorder(trace, lambda: ("pre", None))
     with torch.no_grad(), _Attention(recorder), recorder:
         fn()
-    return trace.region("pre").ops
+    return trace.region("pre")
+
+
+def count_ops(fn) -> int:
+    """The operators `fn()` dispatches, counted as a trace counts them (attention as one)."""
+    return _record(fn).ops
+
+
+def elementwise_bytes(fn) -> dict[str, float]:
+    """{"memory": bytes, "math": bytes} of `fn()`'s operators, counted as a trace counts them."""
+    region = _record(fn)
+    return {"memory": region.bytes, "math": region.math_bytes}

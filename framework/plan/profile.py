@@ -56,6 +56,7 @@ class Profile:
     kernels: Kernels | None = None  # matmul, elementwise and optimizer costs (CPU: probed; else None)
     share: float = 1.0  # the share of its threads a rank gets (local ranks x threads over the cores)
     op_latency_s: dict = None  # collective -> seconds a call, back to back as training issues them (probed)
+    op_bytes_per_s: dict = None  # collective -> its own wire bytes per second within a node (probed)
 
     def latency_of(self, op: str) -> float:
         """Seconds a call of `op` ("all_gather", or "fsdp:all_gather" as FSDP issues it) takes
@@ -63,10 +64,17 @@ class Profile:
         by_op = self.op_latency_s or {}
         return by_op.get(op, by_op.get(op.rpartition(":")[2], self.latency_s))
 
+    def bandwidth_of(self, op: str, spans_nodes: bool = False) -> float:
+        """Wire bytes per second of `op` ("fsdp:all_gather" as "all_gather") within a node (the
+        probed figure of that collective, else the link's), or across nodes."""
+        if spans_nodes:
+            return self.inter_bytes_per_s
+        return (self.op_bytes_per_s or {}).get(op.rpartition(":")[2], self.intra_bytes_per_s)
+
 
 def _link_key(device: str, backend: str, world: int) -> str:
     name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
-    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|paths=tiny-layers"
+    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|paths=tiny-layers|bandwidth-by-op"
 
 
 def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Profile:
@@ -90,6 +98,7 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     inter = plan.inter_node_gbps * 1e9 if plan.inter_node_gbps is not None else intra
     latency = plan.latency_us * 1e-6 if plan.latency_us is not None else link["latency_s"]
     by_op = link.get("by_op") if plan.latency_us is None else None
+    bandwidth_by_op = link.get("bytes_per_s_by_op") if plan.intra_node_gbps is None else None
     where |= {
         "intra_bytes_per_s": "config" if plan.intra_node_gbps is not None else where["link"],
         "inter_bytes_per_s": "config" if plan.inter_node_gbps is not None else "as intra",
@@ -105,7 +114,7 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     share = 1.0 if device == "cuda" else min(1.0, cores / (max(1, cores // local) * local))
     return Profile(
         peak, intra, inter, latency, overlap, "; ".join(sources), baseline, NOMINAL_SLACK[device],
-        local if probed else 0, where, overhead, kernels, share, by_op,
+        local if probed else 0, where, overhead, kernels, share, by_op, bandwidth_by_op,
     )  # fmt: skip
 
 
@@ -118,7 +127,9 @@ def kernel_costs(cfg: DictConfig, device: str, local: int, measure: str) -> tupl
         return None, "none"
     threads = max(1, (os.cpu_count() or 1) // local)
     dtype = DTYPES[cfg.precision.name]
-    key = f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}|casts=traced"
+    key = (
+        f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}|casts=traced|orientations|byte-kinds"
+    )
     cached = read_cache().get(key)
     if cached is not None:
         return Kernels.from_json(cached), "cache"

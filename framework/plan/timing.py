@@ -105,9 +105,11 @@ def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwa
         elif split > 1:
             m = m / split
         forward = kernels.matmul_s(m, k, n)
-        matmul += forward * forwards + kernels.matmul_s(m, n, k) + kernels.matmul_s(k, m, n)
+        matmul += (
+            forward * forwards + kernels.matmul_s(m, k, n, "input_grad") + kernels.matmul_s(m, k, n, "weight_grad")
+        )
     attention = sum(2 * kernels.matmul_s(m / split, k, n) for m, k, n in region.attention) * layout.cp
-    elementwise = region.bytes / split / kernels.bytes_per_s
+    elementwise = (region.bytes / kernels.bytes_per_s + region.math_bytes / kernels.math_bytes_per_s) / split
     ops = region.ops * profile.op_overhead_s
     return (
         matmul
@@ -153,9 +155,7 @@ def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 
         hidden, exposed = 0.0, 0.0
         for op, calls, wire, group, kind in t.seconds_terms:
             spans_nodes = nodes > 1 and group > per_node
-            seconds = calls * profile.latency_of(op) + wire / (
-                profile.inter_bytes_per_s if spans_nodes else profile.intra_bytes_per_s
-            )
+            seconds = calls * profile.latency_of(op) + wire / profile.bandwidth_of(op, spans_nodes)
             if kind == "dp":
                 hidden += seconds
             else:
