@@ -8,7 +8,7 @@
 2. The pick (`--pick`): every candidate `python -m framework.plan` ranks at world 2 (the default
    gpt, an ample budget), trained in one sweep; the planner's pick against the fastest measured.
 
-    python benchmarks/plan.py [--steps N] [--quick] [--pick]      # writes docs/results/plan.md
+    python benchmarks/plan.py [--steps N] [--repeat R] [--quick] [--pick]      # writes docs/results/plan.md
     python benchmarks/plan.py --replan    # the planner as it is now, against the runs last measured
 """
 
@@ -70,23 +70,28 @@ QUICK = {2: ("ddp", "fsdp", "tp", "pp 1F1B"), 4: ("ddp", "fsdp checkpoint", "hyb
 RUNS = Path(os.environ.get("HYDRADIST_RESULTS_DIR", ROOT / "docs" / "results")) / "plan_runs.json"
 
 
-def measure(steps: int, quick: bool = False) -> dict[str, dict]:
-    """Train every layout (`quick`: a few per world, a busy machine's run); {"shape|world|layout":
-    the overrides and what the run measured}, also written to RUNS."""
+def measure(steps: int, quick: bool = False, repeat: int = 1) -> dict[str, dict]:
+    """Train every layout (`quick`: a few per world, a busy machine's run), the whole sweep
+    `repeat` times (a shared machine's speed drifts by 10 to 20% over minutes: each row keeps its
+    median run); {"shape|world|layout": the overrides and what the run measured}, also written to RUNS."""
     plan = {w: {k: v for k, v in ls.items() if not quick or k in QUICK[w]} for w, ls in ACCURACY.items()}
     for world in ACCURACY:  # this machine's figures for each world and dtype, probed once (cached) before the runs
         for precision in ("fp32", "bf16"):
             cfg = compose([*MODEL, f"launch.nproc_per_node={world}", "device=cpu", f"precision={precision}"])
             machine_profile(cfg, world, "probe")
     runs = {}
-    for shape, extra in (("4 x 256", []), ("8 x 384", WIDER)):
-        for world, layouts in plan.items():
-            for name, summary in run(layouts, world, [*MODEL, f"steps={steps}", *extra]).items():
-                runs[f"{shape}|{world}|{name}"] = {
-                    "overrides": [*MODEL, f"steps={steps}", *extra, f"launch.nproc_per_node={world}", *layouts[name]],
-                    "measured": {k: summary.get(k) for k in ("step_time_s", "memory", "comm")},
-                }  # fmt: skip
-    measured = {"steps": steps, "quick": quick, "load": os.getloadavg()[0], "runs": runs}
+    for _ in range(repeat):
+        for shape, extra in (("4 x 256", []), ("8 x 384", WIDER)):
+            for world, layouts in plan.items():
+                for name, summary in run(layouts, world, [*MODEL, f"steps={steps}", *extra]).items():
+                    row = runs.setdefault(f"{shape}|{world}|{name}", {
+                        "overrides": [*MODEL, f"steps={steps}", *extra, f"launch.nproc_per_node={world}", *layouts[name]],
+                        "repeats": []})  # fmt: skip
+                    row["repeats"].append({k: summary.get(k) for k in ("step_time_s", "memory", "comm")})
+    for row in runs.values():
+        row["measured"] = sorted(row["repeats"], key=lambda m: m["step_time_s"])[(len(row["repeats"]) - 1) // 2]
+        row["step_times_s"] = [m["step_time_s"] for m in row.pop("repeats")]
+    measured = {"steps": steps, "quick": quick, "repeat": repeat, "load": os.getloadavg()[0], "runs": runs}
     RUNS.write_text(json.dumps(measured, indent=1) + "\n")
     return measured
 
@@ -134,8 +139,9 @@ if __name__ == "__main__":
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 4
     quick = "--quick" in sys.argv
     replan = "--replan" in sys.argv  # the planner as it is now against the last measured runs (RUNS)
-    measured = json.loads(RUNS.read_text()) if replan else measure(steps, quick)
-    steps, quick = measured["steps"], measured["quick"]
+    repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 1
+    measured = json.loads(RUNS.read_text()) if replan else measure(steps, quick, repeat)
+    steps, quick, repeat = measured["steps"], measured["quick"], measured.get("repeat", 1)
     text = accuracy(measured)
     print(text)
     header = (f"Each run's own check of the planner (summary.json plan.error), {steps} optimizer steps per run. "
@@ -143,7 +149,9 @@ if __name__ == "__main__":
               "shared machine are noisy; rerun on a quiet one before reading the step-time column. The peak column "
               "is not a peak check: a sweep's runs share their worker processes, so a run's resident peak "
               "keeps what earlier runs left (docs/results/plan_peak.md checks the peak, one process per run).")  # fmt: skip
-    command = f"python benchmarks/plan.py --steps {steps}{' --quick' * quick}" + " (then --replan)" * replan
+    command = (
+        f"python benchmarks/plan.py --steps {steps} --repeat {repeat}{' --quick' * quick}" + " (then --replan)" * replan
+    )
     write_result("plan", command, header, text)
     if "--pick" in sys.argv:
         pick()

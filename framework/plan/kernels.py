@@ -47,6 +47,7 @@ class Kernels:
     bytes_per_s: float  # memory-bound elementwise operators
     optimizer_s_per_param: float
     math_bytes_per_s: float  # math-bound ones (norms, activations, softmax)
+    in_situ: float = 1.0  # a real step's seconds over the operators' alone (framework.plan.calibrate)
 
     def matmul_s(self, m: float, k: float, n: float, orientation: str = "forward") -> float:
         """Seconds of an (m, k) by (k, n) matmul in `orientation` (ORIENTATIONS): the grid's FLOP
@@ -72,12 +73,13 @@ class Kernels:
 
     def to_json(self) -> dict:
         return {"gemm": {o: [list(g) for g in grid] for o, grid in self.gemm.items()}, "bytes_per_s": self.bytes_per_s,
-                "optimizer_s_per_param": self.optimizer_s_per_param, "math_bytes_per_s": self.math_bytes_per_s}  # fmt: skip
+                "optimizer_s_per_param": self.optimizer_s_per_param, "math_bytes_per_s": self.math_bytes_per_s,
+                "in_situ": self.in_situ}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict) -> Kernels:
         gemm = {o: tuple(tuple(g) for g in grid) for o, grid in d["gemm"].items()}
-        return cls(gemm, d["bytes_per_s"], d["optimizer_s_per_param"], d["math_bytes_per_s"])
+        return cls(gemm, d["bytes_per_s"], d["optimizer_s_per_param"], d["math_bytes_per_s"], d["in_situ"])
 
 
 def _clamp(v: float, grid: tuple[int, ...]) -> float:

@@ -17,6 +17,7 @@ nominal) is in `Profile.sources`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     where["overlap"] = "config" if plan.overlap is not None else "nominal"
     baseline, where["baseline_bytes"] = baseline_bytes(device, measure, forks_workers(cfg, world))
     overhead, where["op_overhead_s"] = op_overhead(cfg, device, local, measure)
-    kernels, where["kernels"] = kernel_costs(cfg, device, local, measure)
+    kernels, where["kernels"] = kernel_costs(cfg, device, local, measure, overhead)
     cores = os.cpu_count() or 1
     share = 1.0 if device == "cuda" else min(1.0, cores / (max(1, cores // local) * local))
     return Profile(
@@ -118,18 +119,20 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     )  # fmt: skip
 
 
-def kernel_costs(cfg: DictConfig, device: str, local: int, measure: str) -> tuple[Kernels | None, str]:
+def kernel_costs(
+    cfg: DictConfig, device: str, local: int, measure: str, overhead_s: float
+) -> tuple[Kernels | None, str]:
     """(this machine's kernel costs on the threads one of `local` ranks gets, source): CPU only,
-    from the cache or a probe (framework.plan.kernels); None where neither may run."""
+    from the cache or a probe (framework.plan.kernels, with the in-situ factor of
+    framework.plan.calibrate at `overhead_s` per operator); None where neither may run."""
+    from framework.plan.calibrate import in_situ_factor
     from framework.precision import DTYPES
 
     if device == "cuda" or measure == "config":
         return None, "none"
     threads = max(1, (os.cpu_count() or 1) // local)
     dtype = DTYPES[cfg.precision.name]
-    key = (
-        f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}|casts=traced|orientations|byte-kinds"
-    )
+    key = f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}|orientations|byte-kinds|in-situ"
     cached = read_cache().get(key)
     if cached is not None:
         return Kernels.from_json(cached), "cache"
@@ -139,6 +142,7 @@ def kernel_costs(cfg: DictConfig, device: str, local: int, measure: str) -> tupl
     torch.set_num_threads(threads)
     try:
         kernels = probe_kernels(dtype)
+        kernels = dataclasses.replace(kernels, in_situ=in_situ_factor(kernels, overhead_s, dtype))
     finally:
         torch.set_num_threads(before)
     write_cache(key, kernels.to_json())

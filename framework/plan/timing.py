@@ -81,7 +81,8 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
         per_rank.append(seconds)
     local_params = sum(math.prod(p.shape) for p in shapes.params) / (layout.tp * layout.pp * max(layout.shard, 1))
     update = local_params * kernels.optimizer_s_per_param + _grad_copies_s(shapes, layout, kernels)
-    return micro * max(per_rank) + update, micro * sum(per_rank) / len(per_rank) + update
+    scale = kernels.in_situ  # the operators as a real step runs them (framework.plan.calibrate)
+    return scale * (micro * max(per_rank) + update), scale * (micro * sum(per_rank) / len(per_rank) + update)
 
 
 def _block_order(name: str) -> tuple:
