@@ -144,11 +144,14 @@ if __name__ == "__main__":
     steps, quick, repeat = measured["steps"], measured["quick"], measured.get("repeat", 1)
     text = accuracy(measured)
     print(text)
-    header = (f"Each run's own check of the planner (summary.json plan.error), {steps} optimizer steps per run. "
-              f"Load average at the end of the runs: {measured['load']:.1f} on {os.cpu_count()} cores: step times on a "
-              "shared machine are noisy; rerun on a quiet one before reading the step-time column. The peak column "
-              "is not a peak check: a sweep's runs share their worker processes, so a run's resident peak "
-              "keeps what earlier runs left (docs/results/plan_peak.md checks the peak, one process per run).")  # fmt: skip
+    header = (f"Each run's figures against the planner's prediction for its config, {steps} optimizer steps per run, "
+              f"the whole sweep run {repeat} time(s); each row is its median sweep's (a shared machine's speed "
+              "drifts by 10 to 20% over minutes). The machine profile (kernels, in-situ factor, link) was probed "
+              "once before the runs; '--replan' re-predicts the stored runs (docs/results/plan_runs.json) with the "
+              f"planner as it is now. Load average at the end of the runs: {measured['load']:.1f} on "
+              f"{os.cpu_count()} cores. The peak column is not a peak check: a sweep's runs share their worker "
+              "processes, so a run's resident peak keeps what earlier runs left (docs/results/plan_peak.md checks "
+              "the peak, one process per run).")  # fmt: skip
     command = (
         f"python benchmarks/plan.py --steps {steps} --repeat {repeat}{' --quick' * quick}" + " (then --replan)" * replan
     )

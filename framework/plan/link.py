@@ -4,9 +4,9 @@ and what a small call costs back to back, as a step issues it, for each collecti
 path that issues one:
 
 - the bare collective (DDP's buckets, a pipeline's sends);
-- `tp:` one of tensor parallel's collectives with DTensor's dispatch around it, from a few tiny
+- `tp:` one of tensor parallel's collectives with DTensor's dispatch around it, from a few small
   column- and row-wise pairs' forward and backward (with and without sequence parallel);
-- `fsdp:` one of FSDP2's collectives with the hooks, copies and waits around it, from a few tiny
+- `fsdp:` one of FSDP2's collectives with the hooks, copies and waits around it, from a few small
   units' forward and backward;
 
 each against the same layers whole.
@@ -66,7 +66,8 @@ def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, flo
                 times.append(time.perf_counter() - t0)
             out.append((4 * numel * RING_FACTOR["all_reduce"](world), statistics.median(times[1:])))
         small = _back_to_back(world, dev)
-        return out, small | _strategy_paths(world, dev), _bandwidths(world, dev, 1024**2, small)
+        bandwidth = _bandwidths(world, dev, 1024**2, small)
+        return out, small | _strategy_paths(world, dev, bandwidth), bandwidth
     finally:
         destroy_distributed()
 
@@ -128,19 +129,25 @@ def _per_call(call, dev: torch.device, calls: int) -> float:
     return statistics.median(times)
 
 
-def _strategy_paths(world: int, dev: torch.device, units: int = 4) -> dict[str, float]:
-    """Seconds a small collective costs as tensor parallel and FSDP2 issue it: a few tiny layers'
-    forward and backward, parallelized, against the same layers whole, per collective they issue."""
+def _strategy_paths(world: int, dev: torch.device, bandwidth: dict[str, float], units: int = 4) -> dict[str, float]:
+    """Seconds a collective costs beyond its bytes as tensor parallel and FSDP2 issue it: a few
+    layers' forward and backward, parallelized, against the same layers whole, per collective
+    they issue, less its wire bytes at that collective's `bandwidth`. The layers are a small
+    model's (width 256, 512 tokens a rank): each rank computes between the calls, as in training,
+    so a call also waits for the peers the scheduler ran late."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from framework.comm import RING_FACTOR
+
+    width, rows = 256, 512
     mesh = init_device_mesh(dev.type, (world,))
-    x = torch.randn(8 * world, 32, device=dev)
+    x = torch.randn(rows, width, device=dev)
 
     def layers(wrap=None) -> torch.nn.Module:
-        net = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(2 * units))).to(dev)
+        net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(2 * units))).to(dev)
         if wrap is not None:
             wrap(net)
         return net
@@ -155,15 +162,18 @@ def _strategy_paths(world: int, dev: torch.device, units: int = 4) -> dict[str, 
         plan = {f"{i}": ColwiseParallel(**into) if i % 2 == 0 else RowwiseParallel(**out) for i in range(2 * units)}
         return lambda net: parallelize_module(net, mesh, plan)
 
-    def extra(wrap, calls: int, inputs: torch.Tensor = x) -> float:
+    def extra(wrap, calls: dict[str, float], payload: int, inputs: torch.Tensor = x) -> float:
         step = lambda net: net(inputs).sum().backward()  # noqa: E731
         plain, wrapped = layers(), layers(wrap)
-        return max(_per_call(lambda: step(wrapped), dev, 10) - _per_call(lambda: step(plain), dev, 10), 0.0) / calls
+        seconds = _per_call(lambda: step(wrapped), dev, 5) - _per_call(lambda: step(plain), dev, 5)
+        wire = sum(n * payload * RING_FACTOR[op](world) / bandwidth[op] for op, n in calls.items())
+        return max(seconds - wire, 0.0) / sum(calls.values())
 
-    rows = x[: x.shape[0] // world]  # a rank's share of the sequence
-    gathered = extra(tp(True), 4 * units, rows)  # per pair: gather in, reduce-scatter out, and back
-    reduced = extra(tp(False), 2 * units)  # per pair: the output's all-reduce, the input gradient's
-    fsdp_call = extra(fsdp, 2 * 3 * units)  # per layer: 2 gathers (forward, backward), 1 reduce
+    activation, weight = 4 * rows * width, 4 * width * (width + 1)
+    pairs = units  # per pair: gather in, reduce-scatter out, and back
+    gathered = extra(tp(True), {"all_gather": 2 * pairs, "reduce_scatter": 2 * pairs}, activation, x[: rows // world])
+    reduced = extra(tp(False), {"all_reduce": 2 * pairs}, activation)  # the output's, the input gradient's
+    fsdp_call = extra(fsdp, {"all_gather": 2 * 2 * units, "reduce_scatter": 2 * units}, weight)  # 2 gathers, 1 reduce
     return {"tp:all_gather": gathered, "tp:reduce_scatter": gathered, "tp:all_reduce": reduced,
             "fsdp:all_gather": fsdp_call, "fsdp:reduce_scatter": fsdp_call}  # fmt: skip
 

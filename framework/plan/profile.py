@@ -75,7 +75,7 @@ class Profile:
 
 def _link_key(device: str, backend: str, world: int) -> str:
     name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
-    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|paths=tiny-layers|bandwidth-by-op"
+    return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|paths=small-layers|bandwidth-by-op"
 
 
 def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Profile:
