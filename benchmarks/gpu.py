@@ -6,7 +6,8 @@
   parallel=fsdp shards even on one rank);
 - CUDA autocast float16 with its loss scaler (`precision=amp`), bf16, fp32 on TF32;
 - FSDP CPU offload (`memory=offload`): what stays on the device;
-- the allocator's peak against the accounted memory and the planner's prediction;
+- the allocator's peak against the accounted memory and the planner's prediction, and every
+  run's planner error on step time and peak (the GPU table of the planner's forecast);
 - `compile=true` against eager (only where a C compiler and Python.h let Triton build);
 - a rank that hangs under NCCL (2 GPUs): the launcher names the collective and the missing rank
   from the watchdogs' flight-recorder dumps;
@@ -121,6 +122,11 @@ def figures(name: str, s: dict, metrics: list[dict]) -> str:
                      f"peak {(mem.get('device_peak_bytes') or 0) / MB:,.0f} MB")  # fmt: skip
     if s.get("compile_s") is not None:
         parts.append(f"compile {s['compile_s']:.0f} s")
+    plan = s.get("plan") or {}
+    error = plan.get("error") if isinstance(plan.get("error"), dict) else {}
+    for figure, label in (("step_time_s", "step time"), ("peak_bytes", "peak")):
+        if error.get(figure) is not None:  # the planner's forecast for this run, as summary.json checks it
+            parts.append(f"planner's {label} {error[figure]:+.0%}")
     return "; ".join(parts)
 
 
