@@ -97,8 +97,9 @@ def _bracket(v: float, grid: tuple[int, ...]) -> tuple[int, int, float]:
 def _median_s(fn, budget_s: float = 0.15, least: int = 3) -> float:
     start = time.perf_counter()
     fn()  # warm-up; a call longer than the budget is its own measure (a slow bf16 kernel takes seconds)
-    if time.perf_counter() - start > budget_s:
-        return time.perf_counter() - start
+    warm = time.perf_counter() - start
+    if warm > budget_s:
+        return warm
     times, start = [], time.perf_counter()
     while len(times) < least or time.perf_counter() - start < budget_s:
         t0 = time.perf_counter()
