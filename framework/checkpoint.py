@@ -61,7 +61,13 @@ def step_folders(root: str) -> list[str]:
     """Every `step-N` folder under `root`, complete or not, oldest first."""
     if not os.path.isdir(root):
         return []
-    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if STEP_DIR.match(d)]
+    names = [d for d in os.listdir(root) if STEP_DIR.match(d)]
+    return [os.path.join(root, d) for d in sorted(names, key=step_of)]
+
+
+def step_of(path: str) -> int:
+    """The step a `step-N` folder holds (numeric order: `step-1000000` is newer than `step-999500`)."""
+    return int(os.path.basename(os.path.normpath(path)).rpartition("-")[2])
 
 
 def latest(root: str) -> str | None:
@@ -168,8 +174,11 @@ class Checkpointer:
         folder, or None when the save failed under on_error=warn (async: when the previous did)."""
         ok = self.wait()  # one save in flight at a time; the previous one is complete after this
         path = step_dir(self.root, step)
+        agree = dist.barrier if dist.is_initialized() else (lambda: None)
+        agree()  # no rank has begun this save's folder yet: what rank 0 finds there is an earlier attempt's
         if self.rank == 0 and os.path.exists(path):
             print(f"checkpoint: {path} is left from an earlier attempt; kept as {move_aside(path)}", flush=True)
+        agree()  # ... and it is moved aside before any rank writes
         buffer = io.BytesIO()
         torch.save(rng_state(generators), buffer)
         small = {rng_file(self.rank): buffer.getvalue()}

@@ -44,6 +44,8 @@ def choose(cfg: DictConfig, root: str, info: DistInfo) -> tuple[str | None, floa
     t0, mode, resume = time.perf_counter(), cfg.checkpoint.verify, cfg.checkpoint.resume
     if resume == "best":  # checkpoint.monitor's best (launch checked that one exists)
         resume = checkpoint.latest(checkpoint.best_root(root))
+    if resume not in (None, "auto") and restart_count() > 0 and checkpoint.checkpoints(root):
+        resume = "auto"  # an elastic restart continues from this run's newest save, not from where it began
     if resume not in (None, "auto"):
         problem = verify(resume, mode, info)
         if problem is not None:
