@@ -82,6 +82,9 @@ class ModelSpec:
     planner_shape: dict[str, int] | None = None  # gpt-like dims for the planner's activation formula
     # checkpoint name -> (our name, layout change): a state-dict adapter for model.pretrained (models/llama.py)
     from_hf_name: Callable | None = None
+    # {a parameter held a second time: its first holder}, e.g. {"output.weight": "tok_embeddings.weight"}:
+    # every strategy keeps them one parameter in value (framework/parallel/ties.py)
+    ties: dict[str, str] = field(default_factory=dict)
 
     @property
     def on_meta(self) -> bool:
@@ -167,7 +170,20 @@ def spec_of(model: nn.Module, model_cfg: Mapping[str, Any]) -> ModelSpec:
         heads=getattr(model, "n_heads", None) or getattr(model, "n_head", None),
         planner_shape=model.planner_shape() if hasattr(model, "planner_shape") else None,
         from_hf_name=getattr(model, "from_hf_name", None),
+        ties=tied_names(model),
     )
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """{the name of each parameter held a second time: the name of its first holder}."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties[canonical_name(name)] = first[id(p)]
+        else:
+            first[id(p)] = canonical_name(name)
+    return ties
 
 
 def find_blocks(model: nn.Module) -> str | None:

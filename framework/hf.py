@@ -97,12 +97,20 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 @torch.no_grad()
-def load_pretrained(module: nn.Module, folder: str, device: torch.device, rename: Rename | None = None) -> list[str]:
+def load_pretrained(
+    module: nn.Module,
+    folder: str,
+    device: torch.device,
+    rename: Rename | None = None,
+    ties: dict[str, str] | None = None,
+) -> list[str]:
     """Copy the folder's weights into `module`'s parameters, each rank into its own shards
     (DTensors) or whole tensors. Every rank takes part (a collective per tensor when a process
     group is up). `rename`: checkpoint name -> (the module's name, a layout change), for a model
     whose state dict differs from the checkpoint's (models/llama_hf.py). Returns the module's
-    parameter names the folder did not have; a shape that differs is a ValueError naming it."""
+    parameter names the folder did not have; a shape that differs is a ValueError naming it.
+    `ties` (alias -> source): a copy of a tied parameter (a pipeline's last stage holds the head
+    tied to the embedding, which the checkpoint has once) is loaded from its source's tensor."""
     params = {canonical_name(n): p for n, p in module.named_parameters()}
     distributed = dist.is_available() and dist.is_initialized()
     main = not distributed or dist.get_rank() == 0
@@ -116,13 +124,15 @@ def load_pretrained(module: nn.Module, folder: str, device: torch.device, rename
         if distributed:
             dist.broadcast(full, src=0)
         ours, full = rename_tensor(rename, name, full)
-        target = params.get(ours)
-        if target is not None:
+        for target_name in [ours, *(a for a, s in (ties or {}).items() if s == ours)]:
+            target = params.get(target_name)
+            if target is None:
+                continue
             if tuple(target.shape) != tuple(full.shape):
                 raise ValueError(f"model.pretrained: {name} is {list(full.shape)} in {folder}, "
-                                 f"{ours} is {list(target.shape)} in the model")  # fmt: skip
+                                 f"{target_name} is {list(target.shape)} in the model")  # fmt: skip
             _copy_into(target, full)
-            loaded.add(ours)
+            loaded.add(target_name)
         del full  # one full-size tensor at a time
     return sorted(set(params) - loaded)
 

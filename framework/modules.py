@@ -28,16 +28,25 @@ def map_blocks(model: nn.Module, path: str | None, fn: Callable[[nn.Module], nn.
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device: torch.device, rule: Callable[[str, int], Rule], seed: int) -> None:
+def materialize(
+    module: nn.Module,
+    device: torch.device,
+    rule: Callable[[str, int], Rule],
+    seed: int,
+    ties: dict[str, str] | None = None,
+) -> None:
     """Allocate this rank's part of every parameter of a module built on the meta device, on
     `device`, and initialise it as the whole model would be (models/init.py): a shard (FSDP,
-    tensor parallel) or a pipeline stage is filled on its own, with no full-size tensor."""
+    tensor parallel) or a pipeline stage is filled on its own, with no full-size tensor. A copy of
+    a tied parameter (`ties`: alias -> source; a pipeline's last stage holds the head, tied to the
+    first stage's embedding) is filled as its source."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     to_empty(module, device)
     for name, p in module.named_parameters():
         name = canonical_name(name)
+        name = (ties or {}).get(name, name)
         if isinstance(p, DTensor):
             _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             fill_(p.to_local(), rule(name, p.dim()), seed, name, p.shape, offset)
@@ -49,7 +58,7 @@ def materialize_model(module: nn.Module, spec, cfg, device: torch.device) -> Non
     """Allocate and fill a module (a model, a stage, or a sharded model) built on the meta device:
     by the model's init rule, then its non-persistent buffers, then pretrained weights if any."""
     if spec.init_rule is not None:
-        materialize(module, device, spec.init_rule, cfg.seed)
+        materialize(module, device, spec.init_rule, cfg.seed, spec.ties)
     else:
         to_empty(module, device)
     restore_buffers(module, device)
@@ -59,7 +68,7 @@ def materialize_model(module: nn.Module, spec, cfg, device: torch.device) -> Non
     folder = cfg.model.get("pretrained")
     if folder is not None:
         # a model whose names or layouts differ from the checkpoint's maps them (models/llama.py)
-        missing = load_pretrained(module, folder, device, spec.from_hf_name)
+        missing = load_pretrained(module, folder, device, spec.from_hf_name, spec.ties)
         if missing and (spec.init_rule is None or spec.from_hf_name is not None):
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise ValueError(f"model.pretrained: {folder} has no weights for {len(missing)} parameters ({shown})")

@@ -190,7 +190,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:  # one parameter (a pipeline needs untied: it lives on two stages)
+        if args.tie_embeddings:  # one parameter; every strategy keeps it one (framework/parallel/ties.py)
             self.output.weight = self.tok_embeddings.weight
         self.reset_parameters()
 

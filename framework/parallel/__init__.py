@@ -38,6 +38,7 @@ from framework.memory import apply_activation_checkpointing
 from framework.modules import map_blocks, materialize_model
 from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split
+from framework.parallel.ties import SplitTies, retie, split_ties
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Parallelized:
     split_batch: Callable[[tuple, torch.Tensor], tuple[tuple, dict, torch.Tensor]] = lambda i, t: (i, {}, t)
     cp_size: int = 1  # ranks that split each sequence: gradients are averaged over dp x cp
     counts_loss: bool = True  # this rank's loss is a part of the step's (tp peers hold the same one)
+    ties: SplitTies = field(default_factory=SplitTies)  # copies of tied parameters on other pipeline ranks
     decay: set[str] = field(default_factory=set)  # parameters with weight decay: the plain model's matrices
 
     def __post_init__(self):
@@ -102,6 +104,7 @@ def parallelize(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInf
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, info.device)
     decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
+    decay |= {alias for alias, source in spec.ties.items() if source in decay}  # a pipeline's copy of a tie
     par = _wrap(model, spec, cfg, info, strategy)
     if late:
         materialize_model(par.module, spec, cfg, info.device)
@@ -156,7 +159,7 @@ def _parallelize_on_mesh(
 
     dims = ParallelDims.from_config(cfg.parallel, info.world_size, *model_dims(model, spec))
     mesh = Mesh(dims, dims.build_mesh(info.device.type))
-    stages, stage_ids, n_stages = _stages(model, spec, cfg, info, mesh, strategy)
+    stages, stage_ids, n_stages, ties = _stages(model, spec, cfg, info, mesh, strategy)
     par = Parallelized(
         module=stages[0] if dims.pp == 1 else LocalStages(stages, spec.blocks),
         mesh=mesh,
@@ -166,6 +169,7 @@ def _parallelize_on_mesh(
         pp_group=mesh.device_mesh["pp"].get_group() if dims.pp > 1 else None,
         cp_size=dims.cp,
         counts_loss=mesh.tp_rank == 0 and mesh.pp_rank == 0,
+        ties=ties,
     )
     if dims.pp > 1:
         par.pipeline = build_pipeline(stages, stage_ids, n_stages, cfg.parallel, par.pp_group, info.device)
@@ -185,9 +189,10 @@ def _parallelize_on_mesh(
 
 def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, mesh: Mesh, strategy: Strategy):
     """Steps 1 to 6 of the order on a mesh: this rank's stages (stage ids, stage count: None without
-    a pipeline), each tensor-parallel, checkpointed, compiled and sharded like a model of its own."""
+    a pipeline), each tensor-parallel, checkpointed, compiled and sharded like a model of its own;
+    and the copies of tied parameters that a pipeline put on other ranks (framework/parallel/ties.py)."""
     from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2
-    from framework.parallel.pipeline import build_stages
+    from framework.parallel.pipeline import build_stages, holder_ranks
     from framework.parallel.tensor import apply_tp
 
     dims, parallel_cfg = mesh.dims, cfg.parallel
@@ -198,10 +203,14 @@ def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, 
         stages, stage_ids, n_stages = build_stages(model, split, parallel_cfg, mesh.pp_rank, dims.pp)
     else:
         stages = [model]
-    for stage in stages:
-        # 2. tensor parallel
+    for stage in stages:  # 2. tensor parallel
         if dims.tp > 1:
             apply_tp(stage, spec, mesh.device_mesh["tp"], *_tp_knobs(parallel_cfg))
+    split = retie(stages, spec.ties)  # one parameter again where tp made two; copies where pp split them
+    ties = SplitTies()
+    if spec.ties and dims.pp > 1:
+        ties = split_ties(split, mesh.device_mesh, holder_ranks(parallel_cfg, dims.pp))
+    for stage in stages:
         # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
         # 4. activation checkpointing, 5. compile
         _checkpoint_and_compile(stage, spec, cfg)
@@ -211,7 +220,7 @@ def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, 
     elif strategy.shards(dims):
         for stage in stages:
             apply_fsdp2(stage, blocks_of(stage, spec), mesh.dp_mesh, cfg)
-    return stages, stage_ids, n_stages
+    return stages, stage_ids, n_stages, ties
 
 
 def _sync_and_clip(par: Parallelized, root: nn.Module, parallel_cfg: DictConfig, strategy: Strategy) -> None:
@@ -230,7 +239,7 @@ def _sync_and_clip(par: Parallelized, root: nn.Module, parallel_cfg: DictConfig,
     if sharded_fsdp1:
         par.clip_grad_norm = root.clip_grad_norm_
     else:
-        par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims)
+        par.clip_grad_norm = lambda max_norm: clip_sharded_grad_norm(par.module, max_norm, dims, par.ties)
 
 
 def _tp_knobs(parallel_cfg: DictConfig) -> tuple[bool, bool]:
@@ -260,11 +269,18 @@ def _replicas(t: torch.Tensor, dims: ParallelDims) -> int:
 
 
 @torch.no_grad()
-def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
+def clip_sharded_grad_norm(
+    module: nn.Module, max_norm: float, dims: ParallelDims, ties: SplitTies | None = None
+) -> torch.Tensor:
     """Global gradient norm over parameters sharded or replicated in any way (FSDP, TP, PP), with
     one all-reduce: each rank sums the squares of its local gradient shards, each divided by how
     many ranks hold that shard, so the world-wide sum counts every element once. Then the
-    gradients are scaled in place (`max_norm` inf: not at all). No host sync."""
+    gradients are scaled in place (`max_norm` inf: not at all). No host sync. The copies of a
+    parameter tied across pipeline ranks (`ties`) first sum their gradients, and count once."""
+    copies = {}
+    if ties is not None and ties.holders:
+        ties.sync()
+        copies = {id(p): ties.copies for p in ties.params()}
     grads = []
     for p in module.parameters():
         if p.grad is None:
@@ -273,7 +289,8 @@ def clip_sharded_grad_norm(module: nn.Module, max_norm: float, dims: ParallelDim
             # e.g. a sequence-parallel norm's weight: each tp rank holds a partial sum of its
             # gradient until someone asks; reduce it now, into the parameter's own layout.
             p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        grads.append((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, _replicas(p.grad, dims)))
+        holders = _replicas(p.grad, dims) * copies.get(id(p), 1)
+        grads.append((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, holders))
     total = local_squared_norm(grads, next(module.parameters()).device)
     dist.all_reduce(total)
     norm = total.sqrt()

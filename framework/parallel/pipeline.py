@@ -148,6 +148,13 @@ def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
+def holder_ranks(cfg: DictConfig, pp: int) -> list[int]:
+    """The pipeline ranks that run the first or the last stage (one rank under the V schedules)."""
+    per_rank, schedule = stages_per_rank(cfg), cfg.get("schedule", "1F1B")
+    ends = {0, pp * per_rank - 1}
+    return [r for r in range(pp) if ends & set(stage_ids(r, pp, per_rank, schedule))]
+
+
 def split_layers(n_layer: int, n_stages: int) -> list[list[int]]:
     """Layers per stage, as even as possible (earlier stages take the remainder)."""
     base, extra = divmod(n_layer, n_stages)
