@@ -7,7 +7,7 @@ worker (RANK/WORLD_SIZE set), trains directly. See framework/launch.py.
 
 import sys
 
-from framework.runlock import refuse_early
+from framework.checkpoint.runlock import refuse_early
 
 if __name__ == "__main__":
     refuse_early(sys.argv[1:])  # a live run's folder is refused before seconds of imports

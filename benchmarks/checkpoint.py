@@ -70,10 +70,10 @@ def _verify_worker(out: str) -> dict[str, list[float]] | None:
     verify=off and full REPEATS times."""
     from omegaconf import OmegaConf
 
-    from framework import checkpoint
+    from framework.checkpoint import store as checkpoint
+    from framework.checkpoint.integrity import file_entries
     from framework.dist import destroy_distributed, init_distributed
-    from framework.integrity import file_entries
-    from framework.trainer import build
+    from framework.run.trainer import build
 
     info = init_distributed("cpu", "gloo", timeout_s=600)
     try:
@@ -104,8 +104,8 @@ def _verify_worker(out: str) -> dict[str, list[float]] | None:
 
 
 def _resume(cfg, info, model, optimizer) -> None:
-    from framework import checkpoint
-    from framework.resume import choose
+    from framework.checkpoint import store as checkpoint
+    from framework.checkpoint.resume import choose
 
     checkpoint.load(choose(cfg, "", info)[0], model, optimizer, info.rank)
 

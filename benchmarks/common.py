@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from framework.compose import compose_run  # noqa: E402
-from framework.sweep import run_configs  # noqa: E402
+from framework.run.sweep import run_configs  # noqa: E402
 
 
 def on_cpu(overrides: list[str]) -> list[str]:

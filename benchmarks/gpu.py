@@ -15,7 +15,7 @@
   micro-batch that fits: tried from large to small, stopping at the first failure that is not
   out-of-memory.
 
-Every figure of MFU states its peak (bf16, TF32 or fp32: framework.datasheet). The whole script
+Every figure of MFU states its peak (bf16, TF32 or fp32: framework.measure.datasheet). The whole script
 keeps to `--budget` seconds: rows that would start after it are skipped, saying so.
 `--dry-run` composes and validates every check's config with the CUDA parts swapped for CPU ones,
 says what would run and what would be skipped, and runs one CPU smoke job.
@@ -227,7 +227,7 @@ HANG = ["experiment=smoke", "steps=20", "backend=nccl", "parallel=ddp", "launch.
 
 def hang_row(out: Path, timeout: float) -> list:
     """Rank 1 stops before step 4 under NCCL: the watchdogs dump their flight recorders into the
-    run dir (framework.resilience.flight_recorder_env) and the launcher names the collective
+    run dir (framework.run.resilience.flight_recorder_env) and the launcher names the collective
     and rank 1 as missing (read_dumps)."""
     import torch
 

@@ -18,7 +18,7 @@ import tempfile
 
 from common import ROOT, on_cpu, recorded, run, table
 
-from framework.memory import peak_rss_of
+from framework.measure.memory import peak_rss_of
 
 COMMON = ["experiment=smoke", "model.n_layer=8", "model.n_embd=128", "model.n_head=4", "data.seq_len=128",
           "data.batch_size=4", "steps=8", "metrics.sample_every=5"]  # fmt: skip

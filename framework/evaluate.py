@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework import checkpoint
+from framework.checkpoint import store as checkpoint
 from framework.config import ConfigError, validate
 
 ALL_BYTES = 1 << 62  # data.path given: read the whole file
@@ -69,12 +69,12 @@ def load_model(path: str, module) -> None:
 
 def evaluate_rank(config: dict[str, Any], path: str, whole_file: bool) -> dict[str, Any]:
     """One rank: build the model as the run did, load the checkpoint's weights, evaluate."""
-    from framework.build import build
     from framework.config import resolve_backend, resolve_device
     from framework.data import build_dataset
     from framework.dist import destroy_distributed, init_distributed
-    from framework.evaluation import build_eval_data, evaluate
     from framework.parallel.dims import Strategy
+    from framework.run.build import build
+    from framework.run.evaluation import build_eval_data, evaluate
 
     cfg = OmegaConf.create(config)
     backend = resolve_backend(cfg) if Strategy.of(cfg.parallel).needs_backend else None

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from framework.checkpoint import full_model_state_dict
+from framework.checkpoint.store import full_model_state_dict
 from framework.contract import factory_kwargs
 from models.llama import Llama
 from models.llama_args import LlamaArgs

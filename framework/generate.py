@@ -15,7 +15,7 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from framework import checkpoint
+from framework.checkpoint import store as checkpoint
 from framework.config import ConfigError
 from framework.contract import build_model, logits_of, spec_of
 from framework.evaluate import load_model, resolve_checkpoint

@@ -25,15 +25,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from framework.checkpoint.integrity import CheckpointError
+from framework.checkpoint.runlock import FolderInUse, RunLock
 from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
-from framework.integrity import CheckpointError
 from framework.machine import launch_local
 from framework.parallel.dims import Strategy
 from framework.plan.baseline import ensure_measured
-from framework.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
-from framework.run_files import Summary, read_summary, write_summary
-from framework.runlock import FolderInUse, RunLock
+from framework.run.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
+from framework.run.run_files import Summary, read_summary, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def main(cfg: DictConfig) -> float | None:
         print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
         return objective(done.to_dict(), cfg.optimize)
     try:
-        lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/runlock.py)
+        lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/checkpoint/runlock.py)
         plan_auto = admit(cfg, run_dir, choices)
     except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
@@ -248,8 +248,8 @@ def objective(summary: dict[str, Any], optimize: str) -> float:
 
 def check_best_exists(cfg: DictConfig, run_dir: str) -> None:
     """checkpoint.resume=best needs a best checkpoint of this run (checkpoint.monitor saves one)."""
-    from framework.checkpoint import best_root, latest
-    from framework.run_files import checkpoint_root
+    from framework.checkpoint.store import best_root, latest
+    from framework.run.run_files import checkpoint_root
 
     if cfg.checkpoint.resume == "best":
         where = best_root(checkpoint_root(cfg, run_dir))
@@ -345,6 +345,6 @@ def worker_main(config: DictConfig, job: Job) -> dict[str, Any] | None:
     record() writes its exception to the error file the launcher reads back."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     return record(run)(config, job.run_dir, job.choices, job.started, job.plan_auto)

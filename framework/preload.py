@@ -14,4 +14,4 @@ import torch  # noqa: E402, F401
 import torch._dynamo  # noqa: E402, F401  (the optimizer's first step imports it)
 import torch.distributed  # noqa: E402, F401
 
-import framework.trainer  # noqa: E402, F401
+import framework.run.trainer  # noqa: E402, F401

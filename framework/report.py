@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from framework.plotting import MB, plot, speed
-from framework.run_files import SUMMARY_FILE, read_summary
+from framework.measure.plotting import MB, plot, speed
+from framework.run.run_files import SUMMARY_FILE, read_summary
 
 CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
 

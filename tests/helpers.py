@@ -176,9 +176,9 @@ def train_in_process(overrides: list[str], out) -> dict:
 
     from framework.config import resolve_device
     from framework.dist import init_distributed
-    from framework.resilience import Guard
-    from framework.run_files import RunFiles
-    from framework.trainer import train
+    from framework.run.resilience import Guard
+    from framework.run.run_files import RunFiles
+    from framework.run.trainer import train
 
     cfg = OmegaConf.create(world_config(["parallel=none", "logger=none", "progress=false", *overrides], 1))
     info = init_distributed(resolve_device(cfg), None, timeout_s=60)

@@ -33,35 +33,25 @@ LAYERS: list[tuple[str, ...]] = [
         "dist",
         "contract",
         "loss",
-        "integrity",
-        "datasheet",
-        "plotting",
         "tracking",
-        "runlock",
         "precision",
-        "profiling",
         "modules",
         "hf",
-        "memory",
-        "comm",
-        "peak",
-        "metrics",
-        "checkpoint_io",
-        "checkpoint",
-        "resilience",
         "optim",
-        "resume",
-        "export",
-        "measurements",
     ),  # fmt: skip
-    # the parts, with their own checks (ParallelDims, the data checks); the run folder's files
-    ("parallel", "data", "run_files"),
+    # the measure wing: what a run measures and how it counts (FLOPs, memory, collectives, peaks)
+    ("measure",),
+    # the checkpoint wing: step folders, save and load, digests, resume, the run folder's lock;
+    # export's library (a checkpoint to Hugging Face files), which the trainer calls at the end
+    ("checkpoint", "export"),
+    # the parts, with their own checks (ParallelDims, the data checks)
+    ("parallel", "data"),
     # validation, which asks the parts' checks
     ("config",),
     # the planner: a pure function of the config, the model's shapes and the machine
     ("plan",),
-    # one rank's run
-    ("step", "summary", "evaluation", "ledger", "build", "trainer", "sweep"),
+    # the run wing: one rank's run
+    ("run",),
     # launch and the front doors
     ("launch", "compose", "evaluate", "generate", "report", "plan.__main__", "preload"),
 ]
@@ -176,7 +166,7 @@ def test_every_import_points_down_the_layers():
 def test_the_graph_sees_function_local_imports_and_package_inits():
     """The check itself: a deferred import is an edge, and importing a submodule runs its package."""
     graph = import_graph()
-    assert "framework.trainer" in graph["framework.launch"]  # launch imports the trainer inside a function
+    assert "framework.run.trainer" in graph["framework.launch"]  # launch imports the trainer inside a function
     assert "framework.config" not in graph["framework.config.validate"]  # its own package: already running
     # importing framework.parallel.dims runs framework.parallel's __init__ first
     assert {"framework.parallel", "framework.parallel.dims"} <= graph["framework.config.validate"]
@@ -185,8 +175,12 @@ def test_the_graph_sees_function_local_imports_and_package_inits():
     two = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}}
     assert cycles(two) == [["a", "b"], ["c", "d", "e"]]  # counted one by one
     assert layer_of("framework.plan.profile") == layer_of("framework.plan") < layer_of("framework.plan.__main__")
-    assert upward_edges({"framework.dist": {"framework.trainer"}, "framework.trainer": {"framework.dist"}}) == {
-        ("framework.dist", "framework.trainer")
+    # the wings: measure/ and checkpoint/ below the parts, run/ above the planner, the front doors on top
+    assert layer_of("framework.measure.memory") < layer_of("framework.parallel") < layer_of("framework.run.trainer")
+    assert layer_of("framework.checkpoint.store") < layer_of("framework.plan") < layer_of("framework.run.step")
+    assert layer_of("framework.run.sweep") < layer_of("framework.launch")
+    assert upward_edges({"framework.dist": {"framework.run.trainer"}, "framework.run.trainer": {"framework.dist"}}) == {
+        ("framework.dist", "framework.run.trainer")
     }
 
 

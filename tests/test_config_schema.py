@@ -95,7 +95,7 @@ def test_choices_are_enums_that_compare_as_strings():
 
 
 def test_the_enums_match_what_the_parts_accept():
-    from framework.memory import HOST_ALLOCATORS
+    from framework.measure.memory import HOST_ALLOCATORS
     from framework.parallel.context import CP_IMPLS
     from framework.parallel.pipeline import SCHEDULES
 

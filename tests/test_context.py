@@ -110,7 +110,7 @@ def reference(tmp_path_factory):
     """One process on the same global batch of 8 sequences."""
     from omegaconf import OmegaConf
 
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     out = tmp_path_factory.mktemp("reference")
     cfg = OmegaConf.create(_config(["parallel=none", f"data.batch_size={BATCH}"], 1))
@@ -120,7 +120,7 @@ def reference(tmp_path_factory):
 
 
 def _train(configs: dict, world: int, out_dir) -> dict:
-    from framework.sweep import run_configs
+    from framework.run.sweep import run_configs
 
     summaries = run_configs({name: _config(args, world) for name, args in configs.items()}, world, str(out_dir))
     return {name: (_trajectory(out_dir / name), summary) for name, summary in summaries.items()}

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from framework.data.datasets import PackedSequences, VarlenSequences, VarlenShape
 from framework.data.samplers import LengthGroupedBatchSampler, TokenBudgetBatchSampler, WeightedBatchSampler
-from framework.sweep import run_configs
+from framework.run.sweep import run_configs
 from models import GPT
 from tests.helpers import losses, run_workers, world_config
 
@@ -99,7 +99,7 @@ def config(overrides: list[str], world: int) -> dict:
 
 
 def test_per_rank_batch_sizes_update_like_one_process_on_the_union_batch(tmp_path):
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     args = ["experiment=smoke", "optim.grad_clip=0"]
     got = run_configs({"ddp_6_2": config([*args, "data.rank_batch_sizes=[6,2]"], 2)}, 2, str(tmp_path))
@@ -120,7 +120,7 @@ def test_token_losses_are_token_weighted_like_one_process_on_the_union_batch(tmp
     two ranks' batches computes it (the sampler's order does not depend on the world size), not a
     mean of per-rank means; SGD without clipping, so a wrong weighting shows in the losses.
     (Token budgets split each step's tokens evenly, so there a mean of means would agree too.)"""
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     args = ["model=gpt", "data=varlen", "optim=sgd", "optim.lr=0.5", "optim.grad_clip=0", "metrics.sample_every=0"]
     got = run_configs({"ddp": config([*args, "data.batch_size=4"], 2)}, 2, str(tmp_path))
@@ -148,7 +148,7 @@ def test_token_budget_and_grouping_cut_imbalance_and_padding(tmp_path):
 
 
 def test_load_balance_arithmetic_on_known_work():
-    from framework.metrics import load_balance
+    from framework.measure.metrics import load_balance
 
     # two ranks, three steps: even, 3:1, even; 52 real tokens in 65 positions: 20% padding
     lb = load_balance([[8, 12, 10], [8, 4, 10]], [30, 35], [[0.0, 0.3, 0.1], [0.0, 0.1, 0.1]])
@@ -171,10 +171,10 @@ def _token_budget_step(rank: int, world: int):
 
     from framework.dist import DistInfo, all_gather_object
     from framework.loss import IGNORE_INDEX, cross_entropy
-    from framework.measurements import Measurements
-    from framework.metrics import ForwardTimer
-    from framework.step import StepInput, forward_backward
-    from framework.trainer import build
+    from framework.measure.metrics import ForwardTimer
+    from framework.run.measurements import Measurements
+    from framework.run.step import StepInput, forward_backward
+    from framework.run.trainer import build
 
     cfg = OmegaConf.create(config(["model=gpt", "data=varlen", "data.sampler=token_budget", "data.max_tokens=512"], 2))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")

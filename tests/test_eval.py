@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.sweep import run_configs
+from framework.run.sweep import run_configs
 from tests.helpers import (
     ROOT,
     compose_config,
@@ -56,7 +56,7 @@ WORLD4 = {
 
 
 def single_process(out, overrides: list[str]) -> dict:
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     cfg = OmegaConf.create(world_config(["parallel=none", "data.batch_size=8", *overrides], 1))
     summary = run(cfg, str(out), {"parallel": "none"})
@@ -151,7 +151,7 @@ def test_validation_split_never_overlaps_training():
 
 
 def test_best_checkpoint_is_the_argmin_and_resume_best_continues_exactly(tmp_path):
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     base = [*GPT, "optim.schedule=constant", "eval.at_start=false", "eval.every=2", "checkpoint.monitor=val_loss"]
     first = tmp_path / "first"

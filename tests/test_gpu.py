@@ -32,7 +32,7 @@ def test_cuda_loop_syncs_once_per_logged_step(monkeypatch, tmp_path):
 def test_cuda_dp_replicas_compute_in_bf16_and_record_activations():
     if torch.cuda.device_count() < 2:
         pytest.skip("parallel=dp needs two GPUs")
-    from framework.memory import SavedActivationMeter
+    from framework.measure.memory import SavedActivationMeter
     from framework.parallel.dp import DataParallel
 
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()

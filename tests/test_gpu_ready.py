@@ -53,7 +53,7 @@ def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus, tmp_path):
 
 
 def test_run_configs_take_the_configs_device_and_backend():
-    from framework.sweep import device_and_backend
+    from framework.run.sweep import device_and_backend
 
     cpu = world_config(["experiment=smoke"], 2)
     assert device_and_backend({"a": cpu, "b": cpu}) == ("cpu", "gloo")
@@ -68,7 +68,7 @@ def test_run_configs_take_the_configs_device_and_backend():
 
 
 def test_the_peak_is_per_part_and_per_dtype():
-    from framework.datasheet import datasheet_tflops as peak
+    from framework.measure.datasheet import datasheet_tflops as peak
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     sxm = "NVIDIA H100 80GB HBM3"
@@ -116,7 +116,7 @@ def _replica_thread(call, *args):
 def test_dp_replica_threads_compute_in_the_callers_autocast_dtype_and_record_its_saved_tensors():
     """CPU stands in for CUDA: autocast's default dtype is bf16 on CPU (fp16 on CUDA), so a
     replica thread that loses the caller's fp16 computes in bf16 here, as dp bf16 computed in fp16."""
-    from framework.memory import SavedActivationMeter
+    from framework.measure.memory import SavedActivationMeter
     from framework.parallel.dp import CallerState, InCallerState
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -138,8 +138,8 @@ def test_dp_replica_threads_compute_in_the_callers_autocast_dtype_and_record_its
 def test_state_in_host_memory_is_not_counted_in_a_device_reading():
     """FSDP CPU offload keeps shards and optimizer state in host memory: a CUDA reading holds
     none of it (the placement decision, with CPU tensors and a CUDA compute device)."""
-    from framework.memory import SavedActivationMeter, model_state_bytes
-    from framework.peak import PeakProbe
+    from framework.measure.memory import SavedActivationMeter, model_state_bytes
+    from framework.measure.peak import PeakProbe
 
     model = nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -166,7 +166,7 @@ def _hook_collectives(rank: int, world: int) -> dict[str, dict]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from framework.comm import CommCounter
+    from framework.measure.comm import CommCounter
 
     torch.manual_seed(0)
     ddp = DDP(nn.Linear(16, 4))
@@ -307,7 +307,7 @@ def test_the_link_probe_reaches_a_few_hundred_megabytes_on_cuda():
 
 
 def test_the_memory_history_covers_the_profilers_active_steps_only():
-    from framework.profiling import memory_window
+    from framework.measure.profiling import memory_window
 
     assert memory_window(compose_config(["profile=true"]).profiler) == (3, 5)  # wait 2, warmup 1, active 2
 
@@ -315,10 +315,10 @@ def test_the_memory_history_covers_the_profilers_active_steps_only():
 def test_every_rank_pops_its_forward_timings():
     """Tensor-parallel peers do not report forward times, but pop them: on CUDA each holds two
     events per micro-batch, which piled up for the whole run."""
-    from framework.ledger import Entry, record_steps
-    from framework.metrics import ForwardTimer
-    from framework.step import StepFigures
-    from framework.summary import RunStats
+    from framework.measure.metrics import ForwardTimer
+    from framework.run.ledger import Entry, record_steps
+    from framework.run.step import StepFigures
+    from framework.run.summary import RunStats
 
     timer, stats = ForwardTimer(torch.device("cpu")), RunStats(losses=[])
     for _ in range(3):
@@ -360,7 +360,7 @@ def _dump_after_collectives(rank: int, world: int, folder: str) -> None:
 def test_the_flight_recorder_dumps_name_the_collective_and_the_missing_rank(tmp_path, monkeypatch):
     """The launcher's reading of the per-rank dumps an NCCL timeout leaves (real flight-recorder
     dumps of a 2-rank gloo group: the format is the backend's recorder, not NCCL's kernels)."""
-    from framework.resilience import read_dumps
+    from framework.run.resilience import read_dumps
     from tests.helpers import run_workers
 
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
@@ -373,7 +373,7 @@ def test_the_flight_recorder_dumps_name_the_collective_and_the_missing_rank(tmp_
 
 
 def test_nccl_runs_get_the_watchdog_dump_settings_and_gloo_runs_none(tmp_path):
-    from framework.resilience import flight_recorder_env
+    from framework.run.resilience import flight_recorder_env
 
     env = flight_recorder_env("nccl", 2000, str(tmp_path))
     assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.sweep import run_configs
+from framework.run.sweep import run_configs
 from tests.helpers import losses, run_workers, world_config, write_tiny_llama_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,7 +40,7 @@ def llama(tmp_path_factory):
 
 
 def test_hf_llama_matches_one_process_under_every_strategy(llama, tmp_path):
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     config, _, _ = llama
     cfg = OmegaConf.create(world_config([*base(config), "parallel=none", f"data.batch_size={GLOBAL_BATCH}"], 1))
@@ -100,7 +100,7 @@ def _load_probe(rank: int, world: int, overrides: list[str]) -> tuple[int, int, 
 
     import framework.modules
     from framework.dist import DistInfo
-    from framework.trainer import build
+    from framework.run.trainer import build
 
     class Live(TorchDispatchMode):
         """Storages allocated inside the mode and still alive, by data pointer (views and

@@ -114,8 +114,8 @@ def test_a_damaged_newest_checkpoint_is_refused_by_name_and_auto_resumes_the_pre
 def test_metadata_is_read_without_unpickling_anything_else(reference, tmp_path):
     """A `.metadata` that would run code when unpickled is reported unreadable, and the code
     never runs."""
+    from framework.checkpoint.resume import verify
     from framework.dist import DistInfo
-    from framework.resume import verify
 
     ckpt = tmp_path / "step-000005"
     shutil.copytree(reference[0] / "checkpoints" / "step-000005", ckpt)
@@ -155,7 +155,7 @@ LIMIT = 100_000  # the smoke run's shards are about 300 kB; its other files a fe
 
 
 def test_a_failed_save_stops_with_one_line_and_the_previous_checkpoint_verifies_and_resumes(reference, tmp_path):
-    from framework.integrity import verify_share
+    from framework.checkpoint.integrity import verify_share
 
     run = copy_run(reference, tmp_path / "run", drop_newest=True)
     assert all(os.path.getsize(f) > LIMIT for f in (reference[0] / "checkpoints" / "step-000010").glob("*.distcp"))
@@ -177,7 +177,7 @@ def test_a_failed_save_stops_with_one_line_and_the_previous_checkpoint_verifies_
 
 
 def test_on_error_warn_trains_on_past_a_failed_save(reference, tmp_path):
-    from framework.integrity import verify_share
+    from framework.checkpoint.integrity import verify_share
 
     run = copy_run(reference, tmp_path / "run", drop_newest=True)
     proc = train_limited([*RUN, "steps=12", "checkpoint.resume=auto", "checkpoint.on_error=warn"], run, LIMIT)
@@ -237,7 +237,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_line(reference):
 HOLD = """
 import os, sys
 from framework.launch import hold_run_folder
-from framework.runlock import FolderInUse
+from framework.checkpoint.runlock import FolderInUse
 try:
     lock = hold_run_folder(sys.argv[1])
 except FolderInUse as err:

@@ -8,8 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.config import ConfigError, validate
-from framework.peak import PARTS
-from framework.sweep import run_configs
+from framework.measure.peak import PARTS
+from framework.run.sweep import run_configs
 from tests.helpers import assert_plan_holds, compose_config, run_workers, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=4", "model.n_layer=4", "metrics.sample_every=1"]
@@ -153,7 +153,7 @@ def _count_known(rank: int, world: int):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from framework.comm import CommCounter
+    from framework.measure.comm import CommCounter
 
     ddp = DDP(torch.nn.Linear(100, 10))  # 1010 parameters: one all-reduce of 4040 bytes
     with CommCounter() as ddp_count:
@@ -183,7 +183,7 @@ def _count_sub_groups(rank: int, world: int):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from framework.comm import CommCounter
+    from framework.measure.comm import CommCounter
 
     hsdp = torch.nn.Linear(100, 10)  # 1010 parameters
     fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
@@ -212,14 +212,14 @@ def test_counting_is_exact_on_sub_groups_at_world_4():
 
 
 def test_counting_refuses_to_guess_a_process_group():
-    from framework.comm import _group_size
+    from framework.measure.comm import _group_size
 
     with pytest.raises(ValueError, match="cannot tell the process group of c10d.allreduce_"):
         _group_size("c10d.allreduce_", (torch.zeros(2),), {})
 
 
 def test_measuring_can_be_switched_off_and_is_sampled(tmp_path):
-    from framework.trainer import is_sampled, run
+    from framework.run.trainer import is_sampled, run
 
     assert [s for s in range(200) if is_sampled(s, 0, 200, 50)] == [2, 52, 102, 152]
     assert [s for s in range(2) if is_sampled(s, 0, 2, 50)] == [1]

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from omegaconf import OmegaConf
 
-from framework.sweep import run_configs
+from framework.run.sweep import run_configs
 from tests.helpers import losses, read_metrics, run_workers, train_cli, world_config
 
 TINY = """
@@ -150,7 +150,7 @@ STRATEGIES = {
 @pytest.fixture(scope="module")
 def runs(user_folder, tmp_path_factory):
     """One process on the global batch, then every strategy at 2 and 4 ranks (shared)."""
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     out = tmp_path_factory.mktemp("runs")
     cfg = OmegaConf.create(world_config([*base(user_folder), "parallel=none", f"data.batch_size={GLOBAL_BATCH}"], 1))
@@ -189,7 +189,7 @@ def _fsdp_units(rank, world, overrides):
     from torch.distributed.fsdp import FSDPModule
 
     from framework.dist import DistInfo
-    from framework.trainer import build
+    from framework.run.trainer import build
 
     cfg = OmegaConf.create(world_config(overrides, world))
     module = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")).par.module

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from framework.config import validate
 from framework.contract import build_model
-from framework.metrics import cpu_peak_flops, gpu_peak_tflops
-from framework.sweep import run_configs
+from framework.measure.metrics import cpu_peak_flops, gpu_peak_tflops
+from framework.run.sweep import run_configs
 from tests.helpers import ROOT, compose_config, losses, read_summary, train_cli, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=4"]
@@ -49,7 +49,7 @@ def test_compile_trains_like_eager_in_one_process(tmp_path):
     and trains like eager; compile=false captures none."""
     from torch._dynamo.utils import counters
 
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     graphs = {}
     for c in ("false", "true"):

@@ -1,6 +1,6 @@
 """What clusters do to runs: preemption, resumes across epochs and layouts, hung ranks,
 non-finite losses. Faults are injected with HYDRADIST_FAULT="RANK:STEP[:KIND]"
-(framework/resilience.py); everything else is a real run of train.py."""
+(framework/run/resilience.py); everything else is a real run of train.py."""
 
 from __future__ import annotations
 
@@ -335,7 +335,7 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(
     """nonfinite=skip (one process, a NaN loss at step 4): the checkpoints after steps 3 and 4 hold
     the same parameters and optimizer state, bit for bit (an update with zeroed gradients would
     still move Adam's moments and step count; the LR schedule in param_groups moves on regardless)."""
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     monkeypatch.setenv("HYDRADIST_FAULT", "0:3:nan")
     cfg = world_config([*SMOKE, "parallel=none", "steps=5", "nonfinite=skip", "checkpoint.every=1"], 1)

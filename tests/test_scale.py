@@ -18,10 +18,10 @@ BASE = ["experiment=smoke", "logger=none", "model.n_layer=4", "model.n_head=4", 
 
 
 def _built_equals_single_process(rank: int, world: int, overrides: list[str]) -> list[str]:
-    from framework.checkpoint import full_model_state_dict
+    from framework.checkpoint.store import full_model_state_dict
     from framework.contract import build_model
     from framework.dist import DistInfo
-    from framework.trainer import build
+    from framework.run.trainer import build
 
     cfg = OmegaConf.create(world_config(overrides, world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
@@ -54,7 +54,7 @@ def _largest_allocation(rank: int, world: int, overrides: list[str]) -> tuple[in
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from framework.dist import DistInfo
-    from framework.trainer import build
+    from framework.run.trainer import build
 
     class Allocations(TorchDispatchMode):
         largest = 0
@@ -124,7 +124,7 @@ def test_two_torchrun_agents_form_one_run_as_two_nodes(tmp_path):
 
 def _optimizer_groups(rank: int, world: int, overrides: list[str]) -> tuple[int, int, str]:
     from framework.dist import DistInfo
-    from framework.trainer import build
+    from framework.run.trainer import build
 
     cfg = OmegaConf.create(world_config(overrides, world))
     setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"))
@@ -166,7 +166,7 @@ def test_nccl_with_cpu_offload_also_gets_a_cpu_backend():
 
 
 def _peak_rss_from_outside(tmp_path, overrides: list[str]) -> int:
-    from framework.memory import peak_rss_of
+    from framework.measure.memory import peak_rss_of
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(root / "train.py"), *overrides, "device=cpu", f"hydra.run.dir={tmp_path}"]

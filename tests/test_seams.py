@@ -8,7 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework import checkpoint, resume
+from framework.checkpoint import resume
+from framework.checkpoint import store as checkpoint
 from framework.dist import DistInfo
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend=None)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.sweep import run_configs
+from framework.run.sweep import run_configs
 from tests.helpers import assert_plan_holds, losses, read_metrics, run_workers, world_config
 
 STEPS = 5
@@ -33,7 +33,7 @@ def config(overrides: list[str], world: int) -> dict:
 
 
 def single_process(out, overrides: list[str] = ()) -> tuple:
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     cfg = OmegaConf.create(config(["parallel=none", f"data.batch_size={GLOBAL_BATCH}", *overrides], 1))
     summary = run(cfg, str(out), {"parallel": "none"})
@@ -187,7 +187,7 @@ def _pipeline_actions(rank: int, world: int, schedules: list[str]) -> dict[str, 
     """This rank's stage forwards (F) and backwards (B) of a pipeline step, in the order run, per
     schedule (the second step: the first also infers the stages' shapes)."""
     from framework.dist import DistInfo
-    from framework.trainer import build
+    from framework.run.trainer import build
 
     got = {}
     for schedule in schedules:
@@ -223,7 +223,7 @@ def test_grad_clip_scales_the_update_in_a_run_designed_to_clip(tmp_path):
     """One plain SGD step with clipping at 0.1, below the first step's gradient norm: the update
     is the unclipped update times the clip coefficient 0.1 / norm < 1, parameter by parameter."""
     from framework.dist import DistInfo
-    from framework.trainer import build, run
+    from framework.run.trainer import build, run
 
     sgd = ["optim=sgd", "optim.momentum=0.0", "optim.lr=0.5", "optim.schedule=constant", "optim.warmup_steps=0",
            "steps=1", "parallel=none", f"data.batch_size={GLOBAL_BATCH}"]  # fmt: skip

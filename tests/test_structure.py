@@ -1,5 +1,5 @@
 """The structure's own parts, without processes: the strategy object's answers and the run
-record (summary.json) that only framework/run_files.py writes and reads."""
+record (summary.json) that only framework/run/run_files.py writes and reads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.parallel.dims import ParallelDims, Strategy
-from framework.run_files import SUMMARY_FILE, Summary, read_summary, write_summary
+from framework.run.run_files import SUMMARY_FILE, Summary, read_summary, write_summary
 from tests.helpers import ROOT
 
 
@@ -119,7 +119,7 @@ def _what_a_worker_sees(tag: str) -> tuple:
         sys.path[-1],
         sigterm,
         method,
-        ("framework.trainer" in sys.modules),
+        ("framework.run.trainer" in sys.modules),
     )
 
 
@@ -153,7 +153,7 @@ def test_the_peak_read_from_outside_includes_the_forked_workers(tmp_path):
     import os
     import sys
 
-    from framework.memory import peak_rss_of
+    from framework.measure.memory import peak_rss_of
 
     code = (
         "from framework.machine import launch_local\n"

@@ -211,7 +211,7 @@ def test_training_on_tokens_keeps_rss_flat_as_the_corpus_grows(tmp_path):
     nothing more in peak RSS (whole-corpus reading would add at least those 96 MB)."""
     import sys
 
-    from framework.memory import peak_rss_of
+    from framework.measure.memory import peak_rss_of
     from tests.helpers import ROOT
 
     peaks = {}

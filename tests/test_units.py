@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from framework.config.schema import AdamWConfig, AmpConfig, OptimConfig, PrecisionConfig
 from framework.data.datasets import VarlenSequences, VarlenShape
 from framework.data.samplers import ResumableDistributedSampler
-from framework.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes
+from framework.measure.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes
 from framework.optim import build_optimizer, lr_factor
 from framework.precision import build_precision
 from models import GPT, MLP, LSTMClassifier, ResNet
@@ -229,7 +229,7 @@ def test_varlen_text_source_reads_paragraphs_of_the_corpus(tmp_path):
 def test_amp_trains_with_a_dynamic_loss_scale(tmp_path):
     """precision=amp end to end: float16 autocast on CPU, the GradScaler's scale in every
     metrics line (65536 to start; halved after any step whose gradients overflow), loss falls."""
-    from framework.trainer import run
+    from framework.run.trainer import run
     from tests.helpers import compose_config, read_metrics
 
     cfg = compose_config(["experiment=smoke", "logger=none", "parallel=none", "precision=amp", "steps=6"])
@@ -246,7 +246,7 @@ def test_host_allocator_policy_by_strategy_and_applied_through_glibc():
     (on glibc), and `glibc` leaves its defaults alone."""
     import sys
 
-    from framework.memory import host_allocator, set_host_allocator
+    from framework.measure.memory import host_allocator, set_host_allocator
 
     assert [host_allocator("auto", p) for p in ("fsdp", "hybrid", "ddp", "none", "pp")] == \
         ["lean", "lean", "steady", "steady", "steady"]  # fmt: skip
@@ -259,7 +259,7 @@ def test_host_allocator_policy_by_strategy_and_applied_through_glibc():
 def test_amp_loss_scale_halves_on_overflow_and_grows_after_the_interval(tmp_path, monkeypatch):
     """The scaler is dynamic: growth_interval=2 clean steps double the scale, an injected
     overflow (a NaN loss at step 3, so inf/nan gradients) skips that update and halves it."""
-    from framework.trainer import run
+    from framework.run.trainer import run
     from tests.helpers import compose_config, read_metrics
 
     monkeypatch.setenv("HYDRADIST_FAULT", "0:2:nan")

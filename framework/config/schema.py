@@ -114,7 +114,7 @@ class MemoryConfig:
 
     name: MemoryName = MemoryName.none
     empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
-    # glibc malloc policy (framework.memory.set_host_allocator); auto: lean under fsdp, hybrid and
+    # glibc malloc policy (framework.measure.memory.set_host_allocator); auto: lean under fsdp, hybrid and
     # cp, steady elsewhere
     host_allocator: HostAllocator = HostAllocator.auto
 
@@ -192,7 +192,7 @@ class CheckpointConfig:
     async_save: bool = False  # write the model and optimizer in a background thread (DCP async_save)
     preempt_grace_s: float = 25.0  # after SIGTERM/SIGINT: the time to end the step and save before exiting anyway
     export: bool = False  # at the end, the full model: <run dir>/hf (llama, hf: Hugging Face format), else model.pt
-    verify: Verify = Verify.full  # what a resume checks against the manifest (framework/integrity.py)
+    verify: Verify = Verify.full  # what a resume checks against the manifest (framework/checkpoint/integrity.py)
     on_error: OnError = OnError.stop  # a failed save (a full disk) stops the run, or warns and retries next time
     monitor: Monitor | None = None  # val_loss: keep a complete checkpoint of the best evaluation (<root>/best)
 
@@ -235,7 +235,7 @@ class PlanConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation during training (framework/evaluation.py) on the data group's validation split."""
+    """Validation during training (framework/run/evaluation.py) on the data group's validation split."""
 
     every: int = 0  # evaluate every N optimizer steps (0: never); when on, also once at the end
     steps: int = -1  # batches per evaluation per data-parallel rank (-1: the whole validation split)

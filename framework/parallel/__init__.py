@@ -34,7 +34,7 @@ from torch import nn
 
 from framework.contract import ModelSpec, blocks_of, build_model
 from framework.dist import DistInfo
-from framework.memory import apply_activation_checkpointing
+from framework.measure.memory import apply_activation_checkpointing
 from framework.modules import map_blocks, materialize_model
 from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split

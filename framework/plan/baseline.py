@@ -68,7 +68,7 @@ def _worker_rss() -> int:
     """A forked worker's resident bytes once it has run a step: a tiny block's forward, backward
     and AdamW update touch the pages of torch's kernels, autograd and the optimizer that any run
     touches (the forkserver imported them, framework.preload; a worker maps them as it uses them)."""
-    import framework.memory as m
+    import framework.measure.memory as m
 
     block = torch.nn.Sequential(
         torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
@@ -94,7 +94,7 @@ def _process_rss() -> int | None:
     import sys
 
     code = (
-        "import torch, torch._dynamo, torch.distributed, framework.trainer, framework.memory as m; "
+        "import torch, torch._dynamo, torch.distributed, framework.run.trainer, framework.measure.memory as m; "
         "print(m.current_rss_bytes())"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -47,8 +47,8 @@ def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, flo
     {collective: seconds a small call takes back to back}; {collective: its wire bytes per second})."""
     import torch.distributed as dist
 
-    from framework.comm import RING_FACTOR
     from framework.dist import destroy_distributed, init_distributed
+    from framework.measure.comm import RING_FACTOR
 
     init_distributed(device, "nccl" if device == "cuda" else "gloo", timeout_s=60)
     try:
@@ -96,11 +96,11 @@ def _bandwidths(world: int, dev: torch.device, numel: int, small: dict[str, floa
     fraction of its all-reduce's rate)."""
     import torch.distributed as dist
 
-    from framework.comm import RING_FACTOR
+    from framework.measure.comm import RING_FACTOR
 
     x = torch.ones(numel, device=dev)
     full = torch.empty(numel * world, device=dev)
-    ops = {  # payload: the full tensor, as framework.comm counts it
+    ops = {  # payload: the full tensor, as framework.measure.comm counts it
         "all_reduce": (lambda: dist.all_reduce(x), numel),
         "all_gather": (lambda: dist.all_gather_into_tensor(full, x), numel * world),
         "reduce_scatter": (lambda: dist.reduce_scatter_tensor(x, full), numel * world),
@@ -140,7 +140,7 @@ def _strategy_paths(world: int, dev: torch.device, bandwidth: dict[str, float], 
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from framework.comm import RING_FACTOR
+    from framework.measure.comm import RING_FACTOR
 
     width, rows = 256, 512
     mesh = init_device_mesh(dev.type, (world,))

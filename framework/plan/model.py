@@ -7,7 +7,7 @@ per optimizer step, from the model's parameter shapes and the config alone (noth
 - Saved activations: `framework.plan.activations`; the peak: `framework.plan.peak`.
 - Collectives: payloads by op and group (DDP's bucketed all-reduce, FSDP's all-gathers and
   reduce-scatters per unit, tensor parallel's per-block gathers and scatters, a pipeline's
-  sends), counted like `framework.comm` counts measured ones, with its ring factors for wire bytes.
+  sends), counted like `framework.measure.comm` counts measured ones, with its ring factors for wire bytes.
 
 What it ignores: padding under variable-length data (it takes the configured micro-batch as
 full). The shapes of a layout are walked once per model (`predict.shapes_of` caches them).
@@ -134,7 +134,7 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     """Parameter shapes from the model built on the meta device (no memory) and its contract."""
     from framework.config.model import meta_model, model_spec
     from framework.contract import block_index, blocks_of, expand_plan
-    from framework.metrics import model_flops, recomputed_blocks
+    from framework.measure.metrics import model_flops, recomputed_blocks
     from framework.parallel.pipeline import split_layers
 
     model, spec = meta_model(cfg), model_spec(cfg)

@@ -36,7 +36,7 @@ def shapes_of(cfg: DictConfig, layout: Layout, facts: tuple | None = None) -> Sh
     """model_shapes, once per model and layout, with the FLOPs of this config's checkpointing (a
     search asks for each many times, and a 96-block model takes a while to walk)."""
     from framework.contract import blocks_of
-    from framework.metrics import model_flops, recomputed_blocks
+    from framework.measure.metrics import model_flops, recomputed_blocks
 
     model, spec = facts[:2] if facts else (meta_model(cfg), model_spec(cfg))
     seq_len = cfg.data.get("seq_len")

@@ -2,7 +2,7 @@
 link bandwidth within and across nodes.
 
 Measured once by a short probe and cached in ~/.cache/hydradist/links.json: the peak is the
-matmul probe MFU uses (framework.metrics), shared among the local ranks as training shares the
+matmul probe MFU uses (framework.measure.metrics), shared among the local ranks as training shares the
 cores; the link is an all-reduce of a few sizes between `world` local workers on the backend,
 fitted as seconds = latency + wire bytes / bandwidth. `plan.*` overrides any figure (a GPU
 cluster: peak TFLOP/s, GB/s within and across nodes). Ranks started by a launcher (torchrun,
@@ -215,7 +215,7 @@ def _link(cfg: DictConfig, device: str, local: int, measure: str, sources: list[
 
 
 def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure: str) -> float:
-    from framework.metrics import cpu_peak_flops, gpu_peak_tflops
+    from framework.measure.metrics import cpu_peak_flops, gpu_peak_tflops
     from framework.precision import DTYPES
 
     tflops = cfg.plan.peak_tflops or cfg.metrics.peak_tflops

@@ -1,5 +1,5 @@
 """The planner's collectives per optimizer step on one rank, by op: calls, payload bytes and ring
-wire bytes, in the shape `framework.comm` measures them (so the two compare figure by figure).
+wire bytes, in the shape `framework.measure.comm` measures them (so the two compare figure by figure).
 
 - ddp: one all-reduce of every gradient per step (accumulation skips the others), in buckets:
   of `bucket_cap_mb` (rebuilt so after the first step); compression hooks halve the payload;
@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from framework.comm import RING_FACTOR
+from framework.measure.comm import RING_FACTOR
 from framework.plan.activations import checkpoint_every, micro_batch, tokens_per_rank
 from framework.plan.model import Layout, Shapes, _numel, _tp_local, fsdp_rows, stage_rank
 

@@ -16,23 +16,23 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig
 
-from framework import checkpoint
+from framework.checkpoint import store as checkpoint
+from framework.checkpoint.resume import choose as choose_resume
 from framework.contract import build_model, spec_of
 from framework.data import build_data
 from framework.data.datasets import truncation_line
 from framework.dist import DistInfo, restart_count
-from framework.measurements import Measurements
-from framework.memory import SavedActivationMeter
-from framework.metrics import ForwardTimer, count_flops, peak_flops
+from framework.measure.memory import SavedActivationMeter
+from framework.measure.metrics import ForwardTimer, count_flops, peak_flops
+from framework.measure.peak import PeakProbe
+from framework.measure.profiling import build_profiler
 from framework.optim import build_optimizer, build_scheduler, resumed_schedule
 from framework.parallel import Parallelized, parallelize
 from framework.parallel.dims import Strategy
-from framework.peak import PeakProbe
 from framework.precision import build_precision
-from framework.profiling import build_profiler
-from framework.resume import choose as choose_resume
-from framework.run_files import checkpoint_root
-from framework.step import Parts, Resumed
+from framework.run.measurements import Measurements
+from framework.run.run_files import checkpoint_root
+from framework.run.step import Parts, Resumed
 
 
 def seed_everything(seed: int) -> None:
@@ -59,7 +59,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
 
 def resume(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Resumed:
     """Where this run goes on from: checkpoint.resume, or the newest checkpoint after an elastic
-    restart, verified first (framework/resume.py) and loaded into `parts`; else the start."""
+    restart, verified first (framework/checkpoint/resume.py) and loaded into `parts`; else the start."""
     path, verify_s = choose_resume(cfg, checkpoint_root(cfg, run_dir), info)
     if restart_count() > 0 and info.is_main:
         print(f"restart {restart_count()} of launch.max_restarts={cfg.launch.max_restarts} after a worker failed: "

@@ -11,14 +11,14 @@ from typing import Any, NamedTuple
 import torch
 from omegaconf import DictConfig
 
-from framework.comm import mean_totals
 from framework.config import backend_env
 from framework.dist import DistInfo, all_gather_object
-from framework.measurements import Measurements
-from framework.memory import device_peak_bytes, device_reserved_bytes, peak_rss_bytes
-from framework.metrics import Throughput, load_balance, mfu
-from framework.peak import PARTS
-from framework.step import Parts
+from framework.measure.comm import mean_totals
+from framework.measure.memory import device_peak_bytes, device_reserved_bytes, peak_rss_bytes
+from framework.measure.metrics import Throughput, load_balance, mfu
+from framework.measure.peak import PARTS
+from framework.run.measurements import Measurements
+from framework.run.step import Parts
 from framework.tracking import Tracker
 
 
@@ -143,7 +143,7 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[
 def breakdown(local: dict[str, Any], parts: dict[str, int] | None) -> dict[str, int | None]:
     """This rank's peak taken apart: on CUDA the allocator's peak (from zero), on CPU the peak RSS
     above the baseline (the process before the model). `parts` are what was live at the highest
-    reading of the sampled steps (see framework.peak): model state, saved activations, gathered
+    reading of the sampled steps (see framework.measure.peak): model state, saved activations, gathered
     parameters, buffers of the collective in flight. What they do not account for is
     `unexplained_bytes`: temporaries (the optimizer's, the backend's copies), allocator retention,
     and any part of the peak reached outside the sampled steps."""

@@ -9,7 +9,7 @@ A checkpoint is one folder `step-NNNNNN` holding
 - `rng-rank<r>.pt` (every rank): that rank's random states (Python, torch CPU and CUDA, the
   device-side augmentation's generator).
 
-Every rank writes its small files and its shards, then digests them (framework/integrity.py);
+Every rank writes its small files and its shards, then digests them (framework/checkpoint/integrity.py);
 the coordinator writes `manifest.json` with every rank's entries, and DCP writes `.metadata` last:
 a folder with `.metadata` is complete, and it verifies when its files match the manifest. A save
 that fails (a full disk) leaves a folder without `.metadata`, never taken for a checkpoint.
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.integrity import CheckpointError
+from framework.checkpoint.integrity import CheckpointError
 
 TRAINER_FILE = "trainer.json"
 STEP_DIR = re.compile(r"step-\d+$")
@@ -187,7 +187,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp  # here: a run that never saves never imports it
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from framework.checkpoint_io import VerifiedWriter
+        from framework.checkpoint.io import VerifiedWriter
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         writer = VerifiedWriter(path, small, self.digests)
@@ -254,7 +254,7 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from framework.checkpoint_io import SafeLoadPlanner, SafeReader
+    from framework.checkpoint.io import SafeLoadPlanner, SafeReader
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tensors = {"model": model_sd, "optim": optim_sd}

@@ -37,9 +37,9 @@ def device_and_backend(configs: dict[str, dict[str, Any]]) -> tuple[str, str]:
 
 def _train_each(configs: dict[str, dict[str, Any]], out_dir: str, place: tuple[str, str]) -> dict[str, dict[str, Any]]:
     from framework.dist import destroy_distributed, init_distributed
-    from framework.resilience import Guard
-    from framework.run_files import RunFiles
-    from framework.trainer import train
+    from framework.run.resilience import Guard
+    from framework.run.run_files import RunFiles
+    from framework.run.trainer import train
 
     info = init_distributed(*place, timeout_s=300)
     summaries = {}

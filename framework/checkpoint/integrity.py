@@ -8,7 +8,7 @@ entries, and only then DCP writes `.metadata`. A folder is taken for a checkpoin
 a share of the files) so a large checkpoint is read once, in parallel.
 
 `.metadata` itself cannot be in the manifest (it is written after it); it is checked by
-reading it with the restricted unpickler DCP loads go through (framework/checkpoint.py).
+reading it with the restricted unpickler DCP loads go through (framework/checkpoint/store.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ model's own count (GPT: 6N over its matmul weights + 12·L·H·Q·T for attentio
 as nanoGPT), taken from the plain model before any sharding, so every strategy divides the same
 work. HFU also counts the forward passes that activation checkpointing recomputes. The peak is
 `metrics.peak_tflops` when set, a known GPU's datasheet figure for the run's compute dtype
-(framework.datasheet: bf16, fp16, TF32 or fp32), or on a CPU a short matmul probe in the run's
+(framework.measure.datasheet: bf16, fp16, TF32 or fp32), or on a CPU a short matmul probe in the run's
 compute dtype, measured once per machine and cached.
 """
 
@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from framework.datasheet import datasheet_tflops
 from framework.machine import cpu_name
+from framework.measure.datasheet import datasheet_tflops
 
 
 def gpu_peak_tflops(name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = False) -> float | None:
     """The datasheet's dense peak for a CUDA device name ("NVIDIA H100 80GB HBM3") computing in
-    `dtype` (fp32: TF32 when `tf32`), or None (framework.datasheet)."""
+    `dtype` (fp32: TF32 when `tf32`), or None (framework.measure.datasheet)."""
     return datasheet_tflops(name, dtype, tf32)
 
 

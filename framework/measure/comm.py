@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
-from framework.memory import tensor_bytes
+from framework.measure.memory import tensor_bytes
 
 # dispatcher op name (without overload) -> category
 OPS = {

@@ -24,7 +24,7 @@ PREEMPTION_KEYS = ("step", "checkpoint", "signal")
 @dataclass
 class Summary:
     """summary.json. Every status has `status` and `choices`; a failed run its `error`; a
-    preempted one where it stopped; a finished one (ok) what it measured (framework.summary), whose
+    preempted one where it stopped; a finished one (ok) what it measured (framework.run.summary), whose
     keys sit at the top level of the file beside the others."""
 
     status: str  # one of STATUSES

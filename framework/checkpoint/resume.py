@@ -5,11 +5,11 @@
 - `checkpoint.resume=auto`, and every elastic restart (a worker died, launch.max_restarts): the
   newest checkpoint of the run that verifies; each newer one is skipped with one line naming its
   file and why (missing, size, digest, unreadable). The skipped folders are left as they are
-  (a later save at the same step moves such a folder aside, framework/checkpoint.py). If only
+  (a later save at the same step moves such a folder aside, framework/checkpoint/store.py). If only
   unfinished saves are there, the run starts fresh; if complete checkpoints are there and none
   verifies, it stops rather than start over on top of them.
 
-Every rank verifies its share of the files (framework/integrity.py) and the verdicts are
+Every rank verifies its share of the files (framework/checkpoint/integrity.py) and the verdicts are
 gathered, so all ranks pick the same checkpoint.
 """
 
@@ -20,9 +20,9 @@ import time
 
 from omegaconf import DictConfig
 
-from framework import checkpoint
+from framework.checkpoint import store as checkpoint
+from framework.checkpoint.integrity import CheckpointError, verify_share
 from framework.dist import DistInfo, all_gather_object, restart_count
-from framework.integrity import CheckpointError, verify_share
 
 
 def verify(path: str, mode: str, info: DistInfo) -> str | None:
@@ -30,7 +30,7 @@ def verify(path: str, mode: str, info: DistInfo) -> str | None:
     problem = verify_share(path, mode, (info.rank, info.world_size))
     if problem is None and mode != "off" and info.rank == 0:
         try:  # `.metadata` comes after the manifest, so it is checked by reading it (safely)
-            from framework.checkpoint_io import read_metadata
+            from framework.checkpoint.io import read_metadata
 
             read_metadata(path)
         except Exception as err:

@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from framework.comm import CommCounter
-from framework.memory import SavedActivationMeter
-from framework.metrics import ForwardTimer
-from framework.peak import PeakProbe
+from framework.measure.comm import CommCounter
+from framework.measure.memory import SavedActivationMeter
+from framework.measure.metrics import ForwardTimer
+from framework.measure.peak import PeakProbe
 
 
 @dataclass

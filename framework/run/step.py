@@ -14,15 +14,15 @@ from framework.contract import logits_of
 from framework.data import DataPipeline, concat_batches
 from framework.dist import DistInfo, all_reduce_sum, host_values
 from framework.loss import cross_entropy, loss_elements
-from framework.measurements import Measurements
-from framework.metrics import Flops
+from framework.measure.metrics import Flops
 from framework.parallel import Parallelized
 from framework.precision import Precision
+from framework.run.measurements import Measurements
 
 
 @dataclass
 class Parts:
-    """What a rank trains with, built once (framework.build)."""
+    """What a rank trains with, built once (framework.run.build)."""
 
     flops: Flops  # per token, counted on the plain model before any sharding
     par: Parallelized  # the module to run, its gradient-sync switch, its data-parallel coordinates
@@ -56,13 +56,13 @@ class StepInput:
 
 @dataclass(frozen=True)
 class PendingStep:
-    """A step just run, whose figures still wait on the device (framework.ledger settles them:
+    """A step just run, whose figures still wait on the device (framework.run.ledger settles them:
     reading them is a host sync, done once per logged step)."""
 
     values: torch.Tensor  # loss sum, loss terms, tokens, samples, signalled, grad norm, applied, loss scale
     sampled: bool
     seconds: float  # the host's time: on CUDA the GPU may still run it
-    val: dict | None = None  # an evaluation after this step: val_loss, ... (framework.evaluation)
+    val: dict | None = None  # an evaluation after this step: val_loss, ... (framework.run.evaluation)
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def reduce_step_figures(
     last stage), tokens and samples summed over one rank per data-parallel group, and whether any
     rank got a signal. The figures stay on the device (`pending`, with the gradient norm and the
     loss scale, and whether the update was applied: `update`, optimizer_step's answer) until
-    framework.ledger settles them: reading them is a host sync, once per logged step."""
+    framework.run.ledger settles them: reading them is a host sync, once per logged step."""
     par, data, (grad_norm, applied) = parts.par, parts.data, update
     counting = float(par.counts_data)  # tp, pp and cp peers read the same batch: count it once
     tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting

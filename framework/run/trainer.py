@@ -1,4 +1,4 @@
-"""One rank's training run, readable top to bottom: build (framework.build), loop (accumulate,
+"""One rank's training run, readable top to bottom: build (framework.run.build), loop (accumulate,
 step, measure, log, save), summarise. Every rank runs this; rank-0-only work is marked as such."""
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from framework import checkpoint
-from framework.build import build, build_measurements, generators, layout, resume
-from framework.checkpoint import Checkpointer, TrainerState
+from framework.checkpoint import store as checkpoint
+from framework.checkpoint.integrity import CheckpointError
+from framework.checkpoint.store import Checkpointer, TrainerState
 from framework.config import resolve_backend, resolve_device
 from framework.dist import DistInfo, destroy_distributed, init_distributed
-from framework.evaluation import Evaluator
 from framework.export import export_at_end
-from framework.integrity import CheckpointError
-from framework.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
-from framework.measurements import Measurements
-from framework.memory import (
+from framework.measure.memory import (
     current_rss_bytes,
     host_allocator,
     model_state_bytes,
@@ -32,9 +28,21 @@ from framework.memory import (
     set_host_allocator,
 )
 from framework.parallel.dims import Strategy
-from framework.resilience import Aborted, Guard, NonFiniteLoss, Preempted, diagnose, inject_fault, is_collective_failure
-from framework.run_files import RunFiles, Summary, checkpoint_root
-from framework.step import (
+from framework.run.build import build, build_measurements, generators, layout, resume
+from framework.run.evaluation import Evaluator
+from framework.run.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
+from framework.run.measurements import Measurements
+from framework.run.resilience import (
+    Aborted,
+    Guard,
+    NonFiniteLoss,
+    Preempted,
+    diagnose,
+    inject_fault,
+    is_collective_failure,
+)
+from framework.run.run_files import RunFiles, Summary, checkpoint_root
+from framework.run.step import (
     Parts,
     PendingStep,
     Resumed,
@@ -44,7 +52,7 @@ from framework.step import (
     optimizer_step,
     reduce_step_figures,
 )
-from framework.summary import Given, RunStats, Segment, report, summarize
+from framework.run.summary import Given, RunStats, Segment, report, summarize
 from framework.tracking import Tracker, build_tracker
 
 
@@ -183,7 +191,7 @@ class Trainer:
         val = self.evaluator.after_step(step + 1)  # after the step's time is taken: not in throughput
         ledger.add(PendingStep(values, sampled, seconds, val), step, work.batches, self.parts.data)
         if not (syncs_after(cfg, step, start) or val):
-            return False  # its figures wait on the device (framework.ledger): no host sync
+            return False  # its figures wait on the device (framework.run.ledger): no host sync
         settled = ledger.settle()  # the one host sync of these steps
         record_steps(self.stats, settled, self.parts.par.counts_data, self.measure.forward_timer)
         if is_logged(cfg, step) or val:
@@ -195,7 +203,7 @@ class Trainer:
     def train_step(self, step: int, work: StepInput):
         """One optimizer step: forward and backward over the micro-batches, the update (skipped for
         non-finite gradients under nonfinite=skip, or by amp's scaler); returns the step's figures,
-        waiting on the device (framework.step.reduce_step_figures)."""
+        waiting on the device (framework.run.step.reduce_step_figures)."""
         cfg, info, parts = self.cfg, self.info, self.parts
         with self.measure.sampled_step(work.sampled) as counter:
             step_loss = forward_backward(cfg, info, parts, work, self.measure)
@@ -252,7 +260,7 @@ class Trainer:
         )
 
     def build_evaluator(self) -> Evaluator:
-        """Evaluation during training (framework.evaluation); with checkpoint.monitor=val_loss it
+        """Evaluation during training (framework.run.evaluation); with checkpoint.monitor=val_loss it
         keeps one complete checkpoint of the best evaluation under <checkpoint root>/best. The
         resolved config goes beside the checkpoints, for `framework.evaluate` and `framework.generate`."""
         cfg, info, root = self.cfg, self.info, self.saver.root

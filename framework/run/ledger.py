@@ -2,7 +2,7 @@
 
 A step's figures (the global loss, tokens and samples, the gradient norm, whether the update was
 applied, amp's loss scale, whether some rank got a signal) come out of one small all-reduce as a
-device tensor (framework.step). Reading it (`.tolist()`) waits for the GPU to finish the step, so
+device tensor (framework.run.step). Reading it (`.tolist()`) waits for the GPU to finish the step, so
 steps that are not logged do not read theirs: they wait in the `Ledger`, and the next synced step
 reads every waiting step's with one `.tolist()`. On a CPU every op has finished when it returns;
 on CUDA the host runs ahead and the GPU never idles waiting for it.
@@ -23,11 +23,11 @@ import torch
 from omegaconf import DictConfig
 
 from framework.data import DataPipeline
-from framework.evaluation import tracker_names
-from framework.metrics import ForwardTimer, mfu
-from framework.run_files import RunFiles
-from framework.step import Parts, PendingStep, StepFigures
-from framework.summary import RunStats
+from framework.measure.metrics import ForwardTimer, mfu
+from framework.run.evaluation import tracker_names
+from framework.run.run_files import RunFiles
+from framework.run.step import Parts, PendingStep, StepFigures
+from framework.run.summary import RunStats
 from framework.tracking import Tracker
 
 

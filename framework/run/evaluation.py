@@ -29,7 +29,7 @@ from framework.data import build_dataset, to_device
 from framework.data.images import DeviceAugment
 from framework.dist import DistInfo, all_reduce_sum
 from framework.loss import IGNORE_INDEX, cross_entropy
-from framework.step import Parts, Resumed
+from framework.run.step import Parts, Resumed
 from framework.tracking import Tracker
 
 

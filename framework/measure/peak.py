@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from framework.memory import SavedActivationMeter, _storages, current_rss_bytes
+from framework.measure.memory import SavedActivationMeter, _storages, current_rss_bytes
 
 PARTS = ("state_bytes", "activation_bytes", "gathered_bytes", "comm_bytes")
 

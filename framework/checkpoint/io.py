@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from framework.integrity import MANIFEST, file_entries, write_manifest
+from framework.checkpoint.integrity import MANIFEST, file_entries, write_manifest
 
 
 class VerifiedWriter(FileSystemWriter):
