@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "integrity",
         "datasheet",
         "plotting",
+        "report_table",
         "tracking",
         "runlock",
         "precision",
