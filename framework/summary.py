@@ -35,7 +35,8 @@ class RunStats:
     state_bytes: dict[str, int] = field(default_factory=dict)  # parameters, gradients, optimizer
     first_step_s: float | None = None  # the first step's time (compilation included)
     startup_s: float | None = None  # process start to the end of the first optimizer step
-    checkpoint_saves: int = 0
+    checkpoint_saves: int = 0  # every checkpoint written: the periodic ones and the best evaluation's
+    best_saves: int = 0  # of checkpoint_saves, the best evaluation's (checkpoint.monitor, under best/)
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
     checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
     skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
@@ -55,7 +56,9 @@ class Given(NamedTuple):
 
 def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements) -> dict[str, Any]:
     """The figures of the run's summary.json: per-rank figures are the max over ranks (one gather,
-    at the end)."""
+    at the end). `checkpoint.saves` counts every checkpoint the run wrote, periodic
+    (checkpoint.every, a preemption's) and the best evaluation's (checkpoint.monitor), which
+    `checkpoint.best_saves` counts apart; `blocking_s` is what training waited for them all."""
     everyone = all_gather_object(rank_figures(info, stats, measure), info)
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
     # the peak of the rank whose peak is largest, taken apart
@@ -80,7 +83,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "per_step": per_step,
         "steps": cfg.steps,
         "nonfinite_skipped": stats.skipped_steps,
-        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s), **stats.checkpoint_io},
+        "checkpoint": checkpoint_figures(stats),
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
         "throughput": throughput,
@@ -121,6 +124,12 @@ def rank_figures(info: DistInfo, stats: RunStats, measure: Measurements) -> dict
     }
     local["breakdown"] = breakdown(local, measure.probe.parts)
     return local
+
+
+def checkpoint_figures(stats: RunStats) -> dict[str, Any]:
+    """summary.checkpoint: the saves, the best evaluation's among them, what training waited for."""
+    return {"saves": stats.checkpoint_saves, "best_saves": stats.best_saves, "blocking_s": sum(stats.checkpoint_s),
+            **stats.checkpoint_io}  # fmt: skip
 
 
 def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[str, Any] | None) -> dict[str, Any]:
