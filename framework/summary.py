@@ -146,7 +146,24 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[
         block = {"error": f"{type(err).__name__}: {err}"}
     if auto is not None:
         block["auto"] = auto
+    budget = budget_check(cfg, summary, auto)
+    if budget is not None:
+        block["budget"] = budget
     return block
+
+
+def budget_check(cfg: DictConfig, summary: dict[str, Any], auto: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run's measured peak per rank against the memory budget it was given (plan.memory_budget_mb,
+    or the one parallel=auto chose for: summary.plan.auto.budget_mb); None without one. A run over
+    it finished, but not within what it was asked to fit: `over`, and a closing line (`report`)."""
+    from framework.plan import measured_peak
+
+    budget_mb = cfg.plan.memory_budget_mb if cfg.plan.memory_budget_mb is not None else (auto or {}).get("budget_mb")
+    peak = measured_peak(summary)
+    if budget_mb is None or peak is None:
+        return None
+    budget = budget_mb * 2**20  # MB as the planner counts them (framework.plan.search.memory_budget_bytes)
+    return {"budget_bytes": budget, "peak_bytes": peak, "over": peak > budget}
 
 
 def breakdown(local: dict[str, Any], parts: dict[str, int] | None) -> dict[str, int | None]:
@@ -210,6 +227,11 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tra
         f"run dir: {run_dir}",
         flush=True,
     )
+    budget = (summary.get("plan") or {}).get("budget")
+    if budget and budget["over"]:
+        peak, limit = budget["peak_bytes"], budget["budget_bytes"]
+        print(f"warning: the measured peak, {peak / 2**20:.0f} MB per rank, is {peak / limit - 1:.0%} over the "
+              f"memory budget of {limit / 2**20:g} MB (plan.memory_budget_mb; summary.json plan.budget)", flush=True)  # fmt: skip
     if tracker.offline_dir:
         print(
             f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
