@@ -3,8 +3,10 @@
 DIR is a multirun directory (or any folder holding run directories: a folder with a
 `summary.json`, at any depth). One row per run with its choices and the figures that decide
 between strategies: tokens/s, MFU, per-rank memory by kind, wire bytes per step, load imbalance,
-final loss. The best value of each column is in bold; the fastest run that finished is named,
-with its lead over the next one. Failed runs are listed with their errors.
+final loss, the planner's worst error. The best value of each column is in bold (a column keeps
+the digits that tell its values apart); the fastest run that finished is named, with its lead
+over the next one, or called a tie when the lead is within the noise of the machine's speed.
+Failed runs are listed with their errors.
 
 At the end of a multirun the report is written by `SweepReport`, a Hydra callback
 (`hydra.callbacks.report` in conf/config.yaml); with W&B on it is also logged as one run of the
@@ -15,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from framework.measure.plotting import MB, plot, speed
+from framework.measure.plotting import plot, speed
+from framework.report_table import COLUMNS, DRIFT, column_texts, fastest, fmt
 from framework.run.run_files import SUMMARY_FILE, read_summary
 
 CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
@@ -37,6 +39,7 @@ class Run:
     summary: dict[str, Any]
     overrides: list[str]
     losses: list[tuple[int, float]] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # seconds of each logged step (metrics.jsonl)
     label: str = ""  # set by label_runs
 
     @property
@@ -69,7 +72,8 @@ def find_runs(root: Path) -> list[Run]:
         run_dir = summary_path.parent
         found = read_summary(run_dir)
         summary = found.to_dict() if found else {"status": "failed", "error": "unreadable summary.json"}
-        runs.append(Run(run_dir, str(run_dir.relative_to(root)) or ".", summary, _overrides(run_dir), _losses(run_dir)))
+        name = str(run_dir.relative_to(root)) or "."
+        runs.append(Run(run_dir, name, summary, _overrides(run_dir), *_metrics(run_dir)))
 
     def order(run: Run) -> tuple:
         return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in Path(run.name).parts)
@@ -88,88 +92,64 @@ def _overrides(run_dir: Path) -> list[str]:
     return [line[2:].strip().strip("'\"") for line in lines if line.startswith("- ")]
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
+def _metrics(run_dir: Path) -> tuple[list[tuple[int, float]], list[float]]:
+    """metrics.jsonl's (step, loss) points and step times."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
+    losses, times = [], []
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by a kill: the rest still reports
         if record.get("loss") is not None:
-            out.append((record["step"], record["loss"]))
-    return out
+            losses.append((record["step"], record["loss"]))
+        if record.get("step_time_s") is not None:
+            times.append(record["step_time_s"])
+    return losses, times
 
 
-# ----------------------------------------------------------------------------- the table
+# ----------------------------------------------------------------------------- the report
 
 
-# (header, getter, better): better is "max", "min" or None (not ranked)
-def _memory(kind: str):
-    return lambda s: _mb((s.get("memory") or {}).get(kind))
+def _headline(runs: list[Run]) -> list[str]:
+    """The fastest run and its lead over the next, called a tie when the lead is within the noise."""
+    lead = fastest(runs)
+    if lead is None:
+        return []
+    run, other = lead.run, lead.runner_up
+    unit = "tokens/s" if (run.summary.get("throughput") or {}).get("tokens_per_s") else "samples/s"
+    text = f"**Fastest:** `{run.label}` (job `{run.name}`): {fmt(speed(run))} {unit}"
+    if other is None:
+        return [f"{text} (the only run that finished).", ""]
+    verdict = "a tie within noise" if lead.tie else "beyond the noise"
+    return [f"{text}, {lead.ratio:.2f}x the next fastest (`{other.label}`, job `{other.name}`): "
+            f"{verdict} (±{lead.noise:.0%}).", ""]  # fmt: skip
 
 
-def _mb(value: float | None) -> float | None:
-    return None if value is None else value / MB
+def _rows(ok: list[Run], columns: list[tuple], best: dict[str, Any]) -> list[str]:
+    """The table's rows, one per finished run, each column's numbers formatted together."""
+    texts = {header: column_texts([get(r.summary) for r in ok]) for header, get, _ in columns}
+    lines = []
+    for i, run in enumerate(ok):
+        choices = run.summary.get("choices") or {}
+        cells = [run.name, f"`{run.label}`", fmt(run.summary.get("world_size")),
+                 fmt(run.summary.get("global_batch_size")), *(str(choices.get(k, "-")) for k in CHOICE_KEYS[:3])]  # fmt: skip
+        for header, get, _ in columns:
+            value, text = get(run.summary), texts[header][i]
+            cells.append(f"**{text}**" if value is not None and best.get(header) == value else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
-def _comm_wire(s: dict[str, Any]) -> float | None:
-    comm = s.get("comm") or {}
-    return _mb(comm.get("wire_bytes", comm.get("bytes")))
-
-
-PLAN_FIGURES = {"param_bytes": "params", "grad_bytes": "grads", "optim_bytes": "optim",
-                "activation_bytes": "activations", "wire_bytes": "wire"}  # fmt: skip
-
-
-def _plan_error(s: dict[str, Any]) -> str | None:
-    """The planner's worst relative error on this run, and on which figure (`plan.error`)."""
-    errors = {
-        k: v for k, v in ((s.get("plan") or {}).get("error") or {}).items() if k in PLAN_FIGURES and v is not None
-    }
-    if not errors:
-        return None
-    worst = max(errors, key=lambda k: abs(errors[k]))
-    return f"{errors[worst]:+.1%} ({PLAN_FIGURES[worst]})"
-
-
-COLUMNS = [
-    ("tokens/s", lambda s: (s.get("throughput") or {}).get("tokens_per_s"), "max"),
-    ("samples/s", lambda s: (s.get("throughput") or {}).get("samples_per_s"), "max"),
-    ("MFU", lambda s: s.get("mfu"), "max"),
-    ("params MB", _memory("param_bytes"), "min"),
-    ("grads MB", _memory("grad_bytes"), "min"),
-    ("optim MB", _memory("optim_bytes"), "min"),
-    ("activations MB", _memory("activation_bytes"), "min"),
-    ("comm wire MB/step", _comm_wire, "min"),
-    ("imbalance", lambda s: (s.get("load_balance") or {}).get("imbalance"), "min"),
-    ("final loss", lambda s: s.get("final_loss"), "min"),
-    ("val loss", lambda s: (s.get("eval") or {}).get("loss"), "min"),
-    ("plan error", _plan_error, None),
-]
-
-
-def _fmt(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        if value == 0:
-            return "0"
-        if abs(value) >= 100:
-            return f"{value:,.0f}"
-        return f"{value:.3g}" if abs(value) >= 0.001 else f"{value:.2e}"
-    return str(value)
-
-
-def fastest(runs: list[Run]) -> tuple[Run, float | None] | None:
-    """The fastest run that finished, and its lead: its speed over the next fastest's."""
-    ranked = sorted((r for r in runs if r.ok and speed(r)), key=speed, reverse=True)
-    if not ranked:
-        return None
-    lead = speed(ranked[0]) / speed(ranked[1]) if len(ranked) > 1 else None
-    return ranked[0], lead
+NOTES = (
+    "Memory is per rank (the largest rank), model state from the tensors each rank holds and activations the "
+    "live peak saved for backward; comm is wire bytes per optimizer step under ring algorithms (comm.png stacks "
+    "the payload handed to each collective, and marks this wire total); imbalance is the busiest data-parallel "
+    "rank's work over the mean; plan error is the planner's worst relative error over the figures it forecasts "
+    "(memory by kind, the peak, wire bytes, calls, step time: summary.json plan). A lead is a tie when within "
+    f"the noise: the larger of the two runs' step-time spread (metrics.jsonl) and {DRIFT:.0%}, what a machine "
+    "drifts between runs."
+)
 
 
 def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
@@ -186,46 +166,18 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
         if better and len(set(values)) > 1:  # a tie everywhere marks nothing
             best[header] = max(values) if better == "max" else min(values)
 
-    lines = [f"# Sweep report: {title}", ""]
-    lead = fastest(runs)
-    if lead:
-        run, ratio = lead
-        unit = "tokens/s" if (run.summary.get("throughput") or {}).get("tokens_per_s") else "samples/s"
-        lead_text = f", {ratio:.2f}x the next fastest" if ratio else " (the only run that finished)"
-        lines += [f"**Fastest:** `{run.label}` (job `{run.name}`): {_fmt(speed(run))} {unit}{lead_text}.", ""]
+    lines = [f"# Sweep report: {title}", "", *_headline(runs)]
     lines += [f"{len(runs)} runs: {len(ok)} ok, {len(failed)} failed. Best value of each column in bold."]
     if common:
         lines += [f"Every run: `{' '.join(common)}`."]
-    lines += [""]
-
     head = ["job", "overrides", "world", "global batch", *CHOICE_KEYS[:3], *(c[0] for c in columns)]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for run in ok:
-        choices = run.summary.get("choices") or {}
-        cells = [
-            run.name,
-            f"`{run.label}`",
-            _fmt(run.summary.get("world_size")),
-            _fmt(run.summary.get("global_batch_size")),
-        ]
-        cells += [str(choices.get(k, "-")) for k in CHOICE_KEYS[:3]]
-        for header, get, _ in columns:
-            value = get(run.summary)
-            text = _fmt(value)
-            cells.append(f"**{text}**" if value is not None and best.get(header) == value else text)
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *_rows(ok, columns, best)]
     if failed:
         lines += ["", "## Failed", "", "| job | overrides | error |", "|---|---|---|"]
         for run in failed:
             error = str(run.summary.get("error") or "no error recorded").replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {run.name} | `{run.label}` | {error[:300]} |")
-    lines += [
-        "",
-        "Memory is per rank (the largest rank), model state from the tensors each rank holds and "
-        "activations the live peak saved for backward; comm is wire bytes per optimizer step "
-        "under ring algorithms; imbalance is the busiest data-parallel rank's work over the mean; plan error "
-        "is the planner's worst relative error on the run's memory and wire bytes (summary.json plan).",
-    ]
+    lines += ["", NOTES]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"

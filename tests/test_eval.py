@@ -174,6 +174,18 @@ def test_best_checkpoint_is_the_argmin_and_resume_best_continues_exactly(tmp_pat
     assert sorted(p.name for p in (resumed / "checkpoints" / "best").iterdir()) == [f"step-{best_step:06d}"]
 
 
+def test_the_best_checkpoints_saves_are_counted_in_the_summary(tmp_path):
+    from framework.trainer import run
+
+    base = [*GPT, "parallel=none", "steps=4", "eval.at_start=false", "eval.every=2", "checkpoint.monitor=val_loss"]
+    run(OmegaConf.create(world_config(base, 1)), str(tmp_path), {})
+    evaluated = [m["val_loss"] for m in read_metrics(tmp_path) if "val_loss" in m]
+    improved = sum(loss < min(evaluated[:i], default=math.inf) for i, loss in enumerate(evaluated))
+    assert len(evaluated) == 2 and improved >= 1 and len(list((tmp_path / "checkpoints" / "best").iterdir())) == 1
+    saves = read_summary(tmp_path)["checkpoint"]  # each improvement saved under best/; no periodic saves
+    assert saves["saves"] == saves["best_saves"] == improved and saves["blocking_s"] > 0
+
+
 def test_patience_stops_every_rank_after_the_same_step(tmp_path):
     run = tmp_path / "run"  # min_delta 100: no evaluation after the first improves; patience 2
     args = [*GPT, "steps=8", "eval.every=1", "eval.patience=2", "eval.min_delta=100", "parallel=ddp"]

@@ -44,7 +44,39 @@ def test_auto_under_a_budget_below_ddp_picks_a_sharded_layout_that_fits(tmp_path
     memory = summary["memory"]
     assert memory["param_bytes"] + memory["grad_bytes"] + memory["optim_bytes"] <= budget * MB
     assert memory["rss_peak_bytes"] <= budget * MB  # the measured peak fits, not only the forecast
+    assert summary["plan"]["budget"] == {
+        "budget_bytes": budget * MB,
+        "peak_bytes": memory["rss_peak_bytes"],
+        "over": False,
+    }
     assert_plan_holds(summary, auto["layout"])
+
+
+def test_a_run_over_its_memory_budget_says_so_at_the_end_and_records_it(tmp_path, capsys):
+    from framework.trainer import run
+    from omegaconf import OmegaConf
+
+    from tests.helpers import world_config
+
+    args = ["experiment=smoke", "logger=none", "parallel=none", "steps=2", "plan.memory_budget_mb=1"]
+    run(OmegaConf.create(world_config(args, 1)), str(tmp_path), {})
+    summary = read_summary(tmp_path)
+    peak = summary["memory"]["device_peak_bytes"] or summary["memory"]["rss_peak_bytes"]
+    assert summary["plan"]["budget"] == {"budget_bytes": MB, "peak_bytes": peak, "over": True}
+    closing = capsys.readouterr().out.splitlines()
+    over = [line for line in closing if "over the memory budget of 1 MB" in line]
+    assert len(over) == 1 and f"the measured peak, {peak / MB:.0f} MB per rank" in over[0]
+
+
+def test_the_budget_checked_is_the_one_given_or_the_one_auto_chose_for():
+    from framework.summary import budget_check
+
+    summary = {"memory": {"device_peak_bytes": None, "rss_peak_bytes": 509 * MB}}
+    auto = {"budget_mb": 460}  # parallel=auto with plan.memory_budget_mb=460: 11% over
+    assert budget_check(compose_config([]), summary, auto) == {"budget_bytes": 460 * MB, "peak_bytes": 509 * MB,
+                                                               "over": True}  # fmt: skip
+    assert budget_check(compose_config(["plan.memory_budget_mb=600"]), summary, None)["over"] is False
+    assert budget_check(compose_config([]), summary, None) is None  # no budget given: nothing to check
 
 
 def test_a_budget_no_layout_meets_is_an_error_before_any_worker_starts(tmp_path):

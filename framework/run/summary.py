@@ -35,7 +35,8 @@ class RunStats:
     state_bytes: dict[str, int] = field(default_factory=dict)  # parameters, gradients, optimizer
     first_step_s: float | None = None  # the first step's time (compilation included)
     startup_s: float | None = None  # process start to the end of the first optimizer step
-    checkpoint_saves: int = 0
+    checkpoint_saves: int = 0  # every checkpoint written: the periodic ones and the best evaluation's
+    best_saves: int = 0  # of checkpoint_saves, the best evaluation's (checkpoint.monitor, under best/)
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
     checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
     skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
@@ -55,7 +56,9 @@ class Given(NamedTuple):
 
 def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements) -> dict[str, Any]:
     """The figures of the run's summary.json: per-rank figures are the max over ranks (one gather,
-    at the end)."""
+    at the end). `checkpoint.saves` counts every checkpoint the run wrote, periodic
+    (checkpoint.every, a preemption's) and the best evaluation's (checkpoint.monitor), which
+    `checkpoint.best_saves` counts apart; `blocking_s` is what training waited for them all."""
     everyone = all_gather_object(rank_figures(info, stats, measure), info)
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
     # the peak of the rank whose peak is largest, taken apart
@@ -80,7 +83,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "per_step": per_step,
         "steps": cfg.steps,
         "nonfinite_skipped": stats.skipped_steps,
-        "checkpoint": {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s), **stats.checkpoint_io},
+        "checkpoint": checkpoint_figures(stats),
         "first_loss": stats.losses[0] if stats.losses else None,
         "final_loss": stats.losses[-1] if stats.losses else None,
         "throughput": throughput,
@@ -123,6 +126,12 @@ def rank_figures(info: DistInfo, stats: RunStats, measure: Measurements) -> dict
     return local
 
 
+def checkpoint_figures(stats: RunStats) -> dict[str, Any]:
+    """summary.checkpoint: the saves, the best evaluation's among them, what training waited for."""
+    return {"saves": stats.checkpoint_saves, "best_saves": stats.best_saves, "blocking_s": sum(stats.checkpoint_s),
+            **stats.checkpoint_io}  # fmt: skip
+
+
 def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[str, Any] | None) -> dict[str, Any]:
     """The planner's prediction for this run's own layout against what the run measured (and,
     under parallel=auto, `auto`: what it chose and why). A planner fault never fails a finished
@@ -137,7 +146,24 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[
         block = {"error": f"{type(err).__name__}: {err}"}
     if auto is not None:
         block["auto"] = auto
+    budget = budget_check(cfg, summary, auto)
+    if budget is not None:
+        block["budget"] = budget
     return block
+
+
+def budget_check(cfg: DictConfig, summary: dict[str, Any], auto: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run's measured peak per rank against the memory budget it was given (plan.memory_budget_mb,
+    or the one parallel=auto chose for: summary.plan.auto.budget_mb); None without one. A run over
+    it finished, but not within what it was asked to fit: `over`, and a closing line (`report`)."""
+    from framework.plan import measured_peak
+
+    budget_mb = cfg.plan.memory_budget_mb if cfg.plan.memory_budget_mb is not None else (auto or {}).get("budget_mb")
+    peak = measured_peak(summary)
+    if budget_mb is None or peak is None:
+        return None
+    budget = budget_mb * 2**20  # MB as the planner counts them (framework.plan.search.memory_budget_bytes)
+    return {"budget_bytes": budget, "peak_bytes": peak, "over": peak > budget}
 
 
 def breakdown(local: dict[str, Any], parts: dict[str, int] | None) -> dict[str, int | None]:
@@ -201,6 +227,11 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tra
         f"run dir: {run_dir}",
         flush=True,
     )
+    budget = (summary.get("plan") or {}).get("budget")
+    if budget and budget["over"]:
+        peak, limit = budget["peak_bytes"], budget["budget_bytes"]
+        print(f"warning: the measured peak, {peak / 2**20:.0f} MB per rank, is {peak / limit - 1:.0%} over the "
+              f"memory budget of {limit / 2**20:g} MB (plan.memory_budget_mb; summary.json plan.budget)", flush=True)  # fmt: skip
     if tracker.offline_dir:
         print(
             f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",

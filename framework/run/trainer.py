@@ -273,7 +273,11 @@ class Trainer:
         )  # complete before training goes on
         best = Checkpointer(checkpoint.best_root(root), info.rank, options)
 
-        def save_best(done: int) -> None:
+        def save_best(done: int) -> None:  # counted with the run's saves (summary.checkpoint)
+            t0 = time.perf_counter()
             best.save(done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts))
+            self.stats.checkpoint_s.append(time.perf_counter() - t0)  # synchronous: training waited for all of it
+            self.stats.checkpoint_saves += 1
+            self.stats.best_saves += 1
 
         return Evaluator(cfg, info, self.parts, self.resumed, save_best)
