@@ -26,6 +26,8 @@ def _built_equals_single_process(rank: int, world: int, overrides: list[str]) ->
     cfg = OmegaConf.create(world_config(overrides, world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
     full = full_model_state_dict(build(cfg, info).par)
+    if rank != 0:  # gathered onto rank 0's host alone (an export of a model that fits only sharded)
+        return [] if full == {} else ["a full copy on another rank"]
     torch.manual_seed(cfg.seed)
     plain = build_model(cfg.model, "cpu").state_dict()
     assert full.keys() == plain.keys()

@@ -85,3 +85,20 @@ def test_a_save_agrees_on_its_folder_before_any_rank_writes(tmp_path, stale):
     assert aside == (["superseded-step-000015"] if stale else [])  # only a real earlier attempt is moved
     if stale:
         assert sorted(os.listdir(tmp_path / "superseded-step-000015")) == ["rng-rank0.pt"]
+
+
+def test_token_budget_resume_is_checked_on_what_decides_the_batches():
+    """With 400 samples, 2 ranks x 200 tokens and 4 ranks x 100 tokens (the same tokens a step)
+    pack other global batches from the first one on; the resume check tells them apart."""
+    from framework.data import global_batch
+    from framework.data.samplers import TokenBudgetBatchSampler
+
+    lengths = [int(n) for n in torch.randint(8, 64, (400,), generator=torch.Generator().manual_seed(0))]
+
+    def first_global_batch(max_tokens: int, world: int) -> list[int]:
+        ranks = [TokenBudgetBatchSampler(lengths, max_tokens, world, r, seed=0).epoch_batches()[0][r] for r in range(world)]
+        return sorted(i for rank in ranks for i in rank)
+
+    assert first_global_batch(200, 2) != first_global_batch(100, 4)
+    cfg = OmegaConf.create({"rank_batch_sizes": None, "sampler": "token_budget", "max_tokens": 200})
+    assert global_batch(cfg, 2) != global_batch(OmegaConf.merge(cfg, {"max_tokens": 100}), 4)

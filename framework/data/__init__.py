@@ -204,12 +204,14 @@ def loader_settings(num_workers: int | str, pin_memory: bool | str, device_type:
 
 
 def global_batch(cfg: DictConfig, dp_size: int) -> str:
-    """What one step of all data-parallel ranks reads: with the same sampler and global batch,
-    step s reads the same samples at any world size."""
+    """What decides the samples of one step of all data-parallel ranks: two runs that agree on it
+    read the same samples at step s, at any world size. token_budget packs each global batch by
+    the padded cost per rank (a rank's share of the samples x the longest), so its batches depend
+    on the ranks as well as on max_tokens x ranks."""
     if cfg.rank_batch_sizes:
         return f"rank_batch_sizes: {sum(cfg.rank_batch_sizes)} samples"
     if cfg.sampler == "token_budget":
-        return f"token_budget: {cfg.max_tokens * dp_size} tokens"
+        return f"token_budget: {cfg.max_tokens} tokens x {dp_size} data-parallel ranks"
     return f"{cfg.sampler}: {cfg.batch_size * dp_size} samples"
 
 
