@@ -96,7 +96,9 @@ def test_token_budget_resume_is_checked_on_what_decides_the_batches():
     lengths = [int(n) for n in torch.randint(8, 64, (400,), generator=torch.Generator().manual_seed(0))]
 
     def first_global_batch(max_tokens: int, world: int) -> list[int]:
-        ranks = [TokenBudgetBatchSampler(lengths, max_tokens, world, r, seed=0).epoch_batches()[0][r] for r in range(world)]
+        ranks = [
+            TokenBudgetBatchSampler(lengths, max_tokens, world, r, seed=0).epoch_batches()[0][r] for r in range(world)
+        ]
         return sorted(i for rank in ranks for i in rank)
 
     assert first_global_batch(200, 2) != first_global_batch(100, 4)
