@@ -247,3 +247,34 @@ def test_gpt_positions_default_is_the_plain_forward():
     # chunk (causal attention there sees only earlier tokens of the shard: rank 0's chunk 0)
     part = zigzag_indices(16, 2, 0)
     assert torch.allclose(model(idx[:, part], positions=part)[:, :4], plain[:, part[:4]], atol=1e-6)
+
+
+def _evaluate_fresh_model(rank: int, world: int, overrides: list[str]) -> tuple[float, list[int]]:
+    """The held-out loss of the freshly built model (row-seeded: the same weights at any layout)
+    and the sequence lengths its forward saw on this rank."""
+    from omegaconf import OmegaConf
+
+    from framework.dist import DistInfo
+    from framework.run.build import build
+    from framework.run.evaluation import build_eval_data, evaluate
+
+    cfg = OmegaConf.create(_config([*overrides, "data.val_fraction=0.1"], world))
+    info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
+    parts = build(cfg, info)
+    seen: list[int] = []
+    parts.par.module.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    result = evaluate(parts, build_eval_data(cfg, parts, info.device), info, max_batches=2)
+    return result["loss"], sorted(set(seen))
+
+
+def test_evaluation_under_cp_runs_each_ranks_part_of_the_sequence_through_the_ring():
+    """Under cp=2 each rank's forward sees half of every validation sequence (not the whole one
+    twice over), and the held-out loss is the single process's."""
+    [(whole, whole_seen)] = run_workers(
+        _evaluate_fresh_model, 1, ["parallel=none", f"data.batch_size={BATCH}"]
+    ).values()
+    sharded = run_workers(_evaluate_fresh_model, 2, ["parallel=cp", f"data.batch_size={BATCH}"])
+    assert whole_seen == [SEQ]
+    for loss, seen in sharded.values():
+        assert seen == [SEQ // 2]
+        assert abs(loss - whole) / whole <= 1e-5

@@ -80,20 +80,24 @@ def build_eval_data(cfg: DictConfig, setup: Parts, device: torch.device, dataset
     return EvalData(dataset, loader, repeats, transform)
 
 
-def _forward(setup: Parts, inputs: tuple, target: torch.Tensor) -> torch.Tensor | None:
-    """Logits of a batch (None on pipeline ranks without the last stage). A pipeline goes
-    through its schedule's forward-only path; DDP's wrapper is skipped (no gradients to sync)."""
+def _forward(setup: Parts, inputs: tuple, target: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(logits, their targets) of a batch (logits None on pipeline ranks without the last stage).
+    A pipeline goes through its schedule's forward-only path; DDP's wrapper is skipped (no
+    gradients to sync); under context parallel each rank runs its part of every sequence through
+    the ring, as in training (not the whole sequence cp times over)."""
     par = setup.par
     pipeline = par.pipeline
     if pipeline is not None:
         args = (inputs[0],) if pipeline.has_first else ()
         kwargs = {"target": target, "losses": []} if pipeline.has_last else {}
-        with _no_local_gradient_handover(pipeline.schedule):
-            return pipeline.schedule.eval(*args, **kwargs)
+        with _no_local_gradient_handover(pipeline.schedule), setup.precision.autocast():
+            return pipeline.schedule.eval(*args, **kwargs), target
     module = par.module
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         module = module.module
-    return logits_of(module(*inputs))
+    inputs, kwargs, target = par.split_batch(inputs, target)
+    with par.loss_context(), setup.precision.autocast():
+        return logits_of(module(*inputs, **kwargs)), target
 
 
 @contextmanager
@@ -124,8 +128,7 @@ def evaluate(setup: Parts, val: EvalData, info: DistInfo, max_batches: int = -1)
     totals = torch.zeros(3, device=info.device, dtype=torch.float64)  # loss sum, terms, correct
     try:
         for inputs, target in val.batches(info.device, max_batches):
-            with setup.precision.autocast():
-                logits = _forward(setup, inputs, target)
+            logits, target = _forward(setup, inputs, target)
             if logits is None:
                 continue
             with par.loss_context():
@@ -137,7 +140,9 @@ def evaluate(setup: Parts, val: EvalData, info: DistInfo, max_batches: int = -1)
     finally:
         module.train(was_training)
     tp_rank = par.mesh.tp_rank if par.mesh is not None else 0
-    adds = par.holds_loss and tp_rank == 0 if par.pipeline is not None else par.counts_data
+    # the ranks whose loss terms are distinct: the loss's holder off a pipeline's tp peers; else one
+    # rank of each tp group (its cp peers each hold a part of every sequence)
+    adds = par.holds_loss and tp_rank == 0 if par.pipeline is not None else par.counts_loss
     loss_sum, terms, correct = all_reduce_sum(totals * float(adds), info).tolist()
     loss = loss_sum / terms if terms else math.nan
     result = {"loss": loss, "terms": int(terms), "seconds": time.perf_counter() - t0}
