@@ -175,7 +175,7 @@ def test_best_checkpoint_is_the_argmin_and_resume_best_continues_exactly(tmp_pat
 
 
 def test_the_best_checkpoints_saves_are_counted_in_the_summary(tmp_path):
-    from framework.trainer import run
+    from framework.run.trainer import run
 
     base = [*GPT, "parallel=none", "steps=4", "eval.at_start=false", "eval.every=2", "checkpoint.monitor=val_loss"]
     run(OmegaConf.create(world_config(base, 1)), str(tmp_path), {})

@@ -53,7 +53,7 @@ def test_auto_under_a_budget_below_ddp_picks_a_sharded_layout_that_fits(tmp_path
 
 
 def test_a_run_over_its_memory_budget_says_so_at_the_end_and_records_it(tmp_path, capsys):
-    from framework.trainer import run
+    from framework.run.trainer import run
     from omegaconf import OmegaConf
 
     from tests.helpers import world_config
@@ -69,7 +69,7 @@ def test_a_run_over_its_memory_budget_says_so_at_the_end_and_records_it(tmp_path
 
 
 def test_the_budget_checked_is_the_one_given_or_the_one_auto_chose_for():
-    from framework.summary import budget_check
+    from framework.run.summary import budget_check
 
     summary = {"memory": {"device_peak_bytes": None, "rss_peak_bytes": 509 * MB}}
     auto = {"budget_mb": 460}  # parallel=auto with plan.memory_budget_mb=460: 11% over
