@@ -26,6 +26,8 @@ declaration        meaning                                    without it
                    after the last (pipeline stages)           before and after the blocks, as a chain
 ``trains_on``      data choices it trains on                  by task: lm on sequence data, classify
                                                               on any
+(ties)             a parameter held twice (``self.output.     found, never declared: every strategy
+                   weight = self.tok_embeddings.weight``)     keeps it one in value (parallel/ties.py)
 =================  =========================================  =========================================
 
 A model's output may be a tensor, a tuple whose first item is the logits, or an object with
