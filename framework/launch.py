@@ -26,6 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
+from framework.config.run_folder import discard_refused
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 from framework.integrity import CheckpointError
 from framework.machine import launch_local
@@ -102,7 +103,8 @@ def main(cfg: DictConfig) -> float | None:
         plan_auto = admit(cfg, run_dir, choices)
     except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
-        if not sweeping:
+        if not sweeping:  # the folder a refused config made goes; another run's (FolderInUse) stays
+            discard_refused(run_dir, lock if isinstance(err, ConfigError) else None)
             sys.exit(2)
         if isinstance(err, ConfigError):  # one bad job of a sweep: recorded as failed, the others still run
             lock.release()
@@ -229,9 +231,6 @@ def failed_job(hydra_cfg: Any, err: Exception) -> float:
     if "BasicSweeper" in str(hydra_cfg.sweeper.get("_target_", "")):
         return math.nan
     raise RunFailed(str(err)) from None
-
-
-OBJECTIVES = ("tokens_per_s", "samples_per_s", "final_loss", "val_loss")
 
 
 def objective(summary: dict[str, Any], optimize: str) -> float:
