@@ -268,6 +268,7 @@ def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, 
     """Start `nproc` workers on this machine with torch's elastic agent and wait for them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch  # noqa: F401 (its agent's loggers exist now)
 
     for name in list(logging.Logger.manager.loggerDict):  # each elastic module's logger sets its own level
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
