@@ -9,7 +9,18 @@ import sys
 
 from framework.checkpoint.runlock import refuse_early
 
+
+def interrupted(kind, value, traceback) -> None:
+    """Ctrl-C before any worker started (imports, composing, the checks): the one line the launcher
+    prints for a stop before a checkpoint, not a traceback from wherever start-up was."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("error: stopped by SIGINT before a checkpoint was saved", file=sys.stderr, flush=True)
+    else:
+        sys.__excepthook__(kind, value, traceback)
+
+
 if __name__ == "__main__":
+    sys.excepthook = interrupted
     refuse_early(sys.argv[1:])  # a live run's folder is refused before seconds of imports
 
 import hydra  # noqa: E402

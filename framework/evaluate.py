@@ -41,20 +41,17 @@ def eval_config(path: str, overrides: list[str]) -> DictConfig:
     saved = checkpoint.find_config(path)
     if saved is None:
         raise ConfigError("checkpoint", f"no {checkpoint.CONFIG_FILE} beside {path} (saved by runs since issue 21)")
+    from framework.config.overrides import apply_overrides
+
     cfg = OmegaConf.create(saved)
-    given = OmegaConf.from_dotlist(overrides)
     base = {"parallel": {"name": "none"}, "launch": {"nproc_per_node": 1}, "logger": {"name": "none"},
             "checkpoint": {"resume": None, "every": 0, "monitor": None, "export": False},
             "eval": {"every": 0, "at_start": False, "patience": 0}, "progress": False}  # fmt: skip
     cfg = OmegaConf.merge(cfg, base)
-    if OmegaConf.select(given, "data.path") is not None:  # a file of its own, read whole
+    if any(o.startswith("data.path=") for o in overrides):  # a file of its own, read whole
         cfg = OmegaConf.merge(cfg, {"data": {"val_fraction": 0.0, "val_path": None, "max_bytes": ALL_BYTES}})
     OmegaConf.set_struct(cfg, True)
-    try:
-        cfg = OmegaConf.merge(cfg, given)
-    except Exception as err:  # noqa: BLE001 - an unknown key: one line, exit 2
-        raise ConfigError(str(overrides), f"cannot apply: {err}".splitlines()[0]) from None
-    return cfg
+    return apply_overrides(cfg, overrides)  # as train.py composes and checks them: one line naming the key
 
 
 def load_model(path: str, module) -> None:

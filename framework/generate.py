@@ -56,8 +56,20 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: floa
     return tokens
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad argument is one line naming it and exit 2, as at every front door (not argparse's usage block)."""
+
+    def error(self, message: str):
+        extra = message.removeprefix("unrecognized arguments: ")
+        if extra != message:  # a key=value override: the model and its settings are the checkpoint's
+            message = f"{extra}: not an argument here; generate takes CHECKPOINT and --prompt, --max-new-tokens, " \
+                      "--temperature, --top-k, --seed (the model is the checkpoint's)"  # fmt: skip
+        print(f"error: {message.removeprefix('argument ')}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m framework.generate", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m framework.generate", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint folder, or a run directory (its best, else newest)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=100)

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.checkpoint.integrity import CheckpointError
 from framework.checkpoint.runlock import FolderInUse, RunLock
 from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
+from framework.config.run_folder import discard_refused
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 from framework.machine import launch_local
 from framework.parallel.dims import Strategy
@@ -102,7 +103,8 @@ def main(cfg: DictConfig) -> float | None:
         plan_auto = admit(cfg, run_dir, choices)
     except (ConfigError, FolderInUse) as err:  # a refused run writes nothing into the other run's folder
         print(f"error: {err}", file=sys.stderr)
-        if not sweeping:
+        if not sweeping:  # the folder a refused config made goes; another run's (FolderInUse) stays
+            discard_refused(run_dir, lock if isinstance(err, ConfigError) else None)
             sys.exit(2)
         if isinstance(err, ConfigError):  # one bad job of a sweep: recorded as failed, the others still run
             lock.release()
@@ -231,9 +233,6 @@ def failed_job(hydra_cfg: Any, err: Exception) -> float:
     raise RunFailed(str(err)) from None
 
 
-OBJECTIVES = ("tokens_per_s", "samples_per_s", "final_loss", "val_loss")
-
-
 def objective(summary: dict[str, Any], optimize: str) -> float:
     """The figure a sweeper optimises, from a run's summary; NaN for a failed run or a figure
     the run does not have (tokens/s of an image model)."""
@@ -269,6 +268,7 @@ def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, 
     """Start `nproc` workers on this machine with torch's elastic agent and wait for them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch  # noqa: F401 (its agent's loggers exist now)
 
     for name in list(logging.Logger.manager.loggerDict):  # each elastic module's logger sets its own level
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):

@@ -97,6 +97,7 @@ def launch_local(nproc: int, fn: Callable[..., Any], *args: Any, **launch: Any) 
 
     if launch.get("start_method", "forkserver") == "forkserver":
         _stop_forkserver_at_exit()
+    _start_workers_unsignalled()
     caller = (dict(os.environ) | {LAUNCHER_PID: str(os.getpid())}, list(sys.path), os.getcwd())
     return elastic_launch(local_launch_config(nproc, **launch), _as_launched)(caller, fn, args)
 
@@ -112,6 +113,40 @@ def _stop_forkserver_at_exit() -> None:
         atexit.register(stop)
 
 
+# Held while the launcher starts the workers, and by the forkserver (framework.preload); a worker lifts them
+HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@functools.cache
+def _start_workers_unsignalled() -> None:
+    """SIGINT and SIGTERM wait while torch's elastic launcher starts the workers. Its handler raises
+    wherever this process is; in the middle of starting them, torch has no process context yet to
+    stop, so the workers already started are orphaned, and this process's exit unlinks the
+    semaphores they are still unpickling (a FileNotFoundError traceback from multiprocessing's
+    synchronize.py). Held until all are started, the signal arrives where torch stops them all.
+    Held twice: by the signal mask, which the processes started meanwhile inherit (the forkserver,
+    until framework.preload holds it itself; a worker, until _as_launched), and by Python's
+    handler, since the mask is this thread's only and another thread may take the signal."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    start = MultiprocessContext._start
+
+    def start_unsignalled(self) -> None:
+        caught: list[int] = []
+        torch_handlers = {sig: signal.signal(sig, lambda signum, _: caught.append(signum)) for sig in HELD_SIGNALS}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+        try:
+            start(self)
+        finally:
+            for sig, handler in torch_handlers.items():
+                signal.signal(sig, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one sent to this thread arrives now, to torch's
+        if caught:
+            signal.raise_signal(caught[0])  # torch's handler: the context now stops every worker
+
+    MultiprocessContext._start = start_unsignalled
+
+
 def launcher_pid() -> int | None:
     """The process that started this worker (train.py, a test, a sweep), where one of this
     machine's launches did: a worker's parent may be the forkserver, not the launcher."""
@@ -121,7 +156,11 @@ def launcher_pid() -> int | None:
 
 def _as_launched(caller: tuple[dict, list, str], fn: Callable[..., Any], args: tuple) -> Any:
     env, path, cwd = caller
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it (framework.preload)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # start_method=fork: it had the launcher's
+    # held by the forkserver (framework.preload) or while the launcher started this worker: one sent
+    # meanwhile (the launcher stopping a start it was interrupted in) arrives now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
     # what the launcher set for this worker (RANK, MASTER_PORT, ...): what differs from the
     # environment this process started with
     worker = {k: v for k, v in os.environ.items() if _STARTED_ENV.get(k) != v}

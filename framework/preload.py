@@ -1,14 +1,16 @@
 """What a local worker imports before its first step, imported once by the forkserver the
 workers fork from (framework.machine.PRELOAD); nothing else imports this module.
 
-The forkserver ignores SIGTERM: a signal to the whole process group (SLURM's preemption) must
-reach the launcher and the workers, which save and exit, while the forkserver that reports their
-exit codes to the launcher stays until the launcher is gone. A worker restores the default first
-(framework.machine._as_launched)."""
+The forkserver holds (blocks) SIGTERM and SIGINT: a signal to the whole process group (SLURM's
+preemption, Ctrl-C while it still imports) must reach the launcher and the workers, which save and
+exit, while the forkserver that reports their exit codes to the launcher stays until the launcher
+is gone (and prints no KeyboardInterrupt from the middle of importing torch). A worker inherits
+the block and lifts it first (framework.machine._as_launched): one sent to it before then, held
+rather than ignored, still arrives."""
 
 import signal
 
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 import torch  # noqa: E402, F401
 import torch._dynamo  # noqa: E402, F401  (the optimizer's first step imports it)

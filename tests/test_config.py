@@ -15,7 +15,8 @@ from tests.helpers import CONF, compose_config, write_tiny_llama_config
 # a data choice each model trains on, and a model for each data choice
 MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors",
               "llama": "text", "gpt_smoke": "text"}  # fmt: skip
-DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp", "tokens": "llama"}
+DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp", "tokens": "llama",
+              "text_smoke": "gpt"}  # fmt: skip
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
 GROUPS = ["backend", "parallel", "precision", "memory", "data", "model", "optim", "logger"]
@@ -77,7 +78,7 @@ def test_every_group_choice_composes(group, name, tmp_path):
     if group == "parallel" and name == "auto":
         overrides += ["plan.latency_us=50", "plan.intra_node_gbps=1"]  # no link probe
     cfg = compose_config(overrides)
-    assert cfg[group].name == ("gpt" if name == "gpt_smoke" else name)  # smoke's gpt is a gpt
+    assert cfg[group].name == {"gpt_smoke": "gpt", "text_smoke": "text"}.get(name, name)  # smoke's gpt is a gpt
     if group == "parallel" and name == "auto":  # the planner puts a real layout in its place before validation
         from framework.plan import plan_auto
 

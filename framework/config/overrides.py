@@ -10,7 +10,9 @@ Hydra refuses; what it cannot name it leaves to Hydra.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
@@ -18,8 +20,10 @@ from dataclasses import fields
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from framework.config.errors import ConfigError
 
 # Hydra's flags that take a value, and those after which the overrides compose differently (or not
 # at all): the check then stays out of the way
@@ -99,14 +103,29 @@ def _compose_problem(overrides: list[str]) -> str | None:
     except MissingConfigException as err:
         return _missing_choice(err)
     except ConfigCompositionException as err:
-        cause = err.__cause__
+        cause = err.__cause__ or err.__context__  # a preset's own key: Hydra chains it implicitly
+        source = re.match(r"In '([^'/]+)/([^']+)'", str(err))
+        if isinstance(cause, ConfigAttributeError | ConfigKeyError) and source:
+            return _set_by_preset(cause.full_key or "", f"{source[1]}={source[2]}", overrides)
         if isinstance(cause, ConfigAttributeError | ConfigKeyError):
             return _unknown_key(cause.full_key or "", overrides)
+        if isinstance(cause, ValidationError) and source:
+            return f"{cause.full_key}: {source[1]}={source[2]} sets {cause.value!r}: {str(cause.msg).splitlines()[0]}"
         if isinstance(cause, ValidationError):
             return _bad_value(cause, overrides)
+        return f"{getattr(cause, 'full_key', '') or 'config'}: {str(err).splitlines()[0]}"
     except Exception:  # noqa: BLE001 - what it cannot name, Hydra reports
         return None
     return None
+
+
+def _set_by_preset(key: str, preset: str, overrides: list[str]) -> str:
+    """A preset (experiment=smoke) sets a key the group's choice on the command line lacks."""
+    group, _, leaf = key.partition(".")
+    choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), None)
+    owners = _choices_with(group, leaf.rsplit(".", 1)[-1])
+    have = f" ({', '.join(owners)} {'has' if len(owners) == 1 else 'have'} it)" if owners else ""
+    return f"{key}: {preset} sets it, but {group}={choice or '?'} has no such key{have}; choose another {group}"
 
 
 def _missing_choice(err: MissingConfigException) -> str | None:
@@ -152,11 +171,19 @@ def _nearest_key(key: str, cfg: DictConfig | None) -> str | None:
     leaf = key.rsplit(".", 1)[-1]
 
     def score(k: str) -> tuple[float, float]:
-        whole = difflib.SequenceMatcher(None, key, k).ratio()
-        return max(whole, difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio()), whole
+        whole, other = difflib.SequenceMatcher(None, key, k).ratio(), k.rsplit(".", 1)[-1]
+        near = 1.0 if _abbreviates(leaf, other) or _abbreviates(other, leaf) else 0.0
+        return max(whole, near, difflib.SequenceMatcher(None, leaf, other).ratio()), whole
 
     best = max(keys, key=score, default=None)
     return best if best is not None and score(best)[0] >= 0.6 else None
+
+
+def _abbreviates(short: str, name: str) -> bool:
+    """`short` is `name`'s abbreviation by the initials of its words: lr for learning_rate, bs for
+    batch_size (what spelling alone cannot see: the two share no letters in order)."""
+    words = [w for w in name.split("_") if w]
+    return len(words) > 1 and short == "".join(w[0] for w in words)
 
 
 def _dotted_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
@@ -189,3 +216,80 @@ def _compose_without(key: str, overrides: list[str]) -> DictConfig | None:
         return compose(rest)
     except Exception:  # noqa: BLE001 - another problem: no suggestion from it
         return None
+
+
+def compose_checked(overrides: list[str]) -> DictConfig:
+    """Compose as train.py does, for the other front doors (the planner): what train.py's check
+    names is raised as its ConfigError, and what Hydra still refuses is one line too."""
+    from framework.config import compose
+
+    problem = first_problem(overrides)
+    if problem is not None:
+        raise ConfigError(*problem.split(": ", 1))
+    try:
+        return compose(overrides)
+    except Exception as err:  # noqa: BLE001 - a syntax error: Hydra's first line points at it
+        raise ConfigError("overrides", str(err).splitlines()[0]) from None
+
+
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """`overrides` onto a saved run's config (python -m framework.evaluate): a group's choice
+    (parallel=ddp) replaces that group with what train.py composes for it, checked as train.py
+    checks it; a key (eval.steps=4) must be one of the config's, as under train.py's struct mode."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as err:  # noqa: BLE001 - Hydra's parse error: its first line points at the character
+        raise ConfigError("overrides", str(err).splitlines()[0]) from None
+    for override in parsed:
+        key = override.get_key_element().lstrip("+~")
+        if override.is_sweep_override():
+            raise ConfigError(key, f"got {override.input_line!r}; one value here (a sweep is train.py -m's)")
+        if key in _GROUPS and "." not in key:
+            _replace_group(cfg, key, override.input_line)
+        else:
+            _set_key(cfg, key, override)
+    return cfg
+
+
+_GROUPS = ("backend", "parallel", "precision", "memory", "data", "model", "optim", "logger")
+
+
+def _replace_group(cfg: DictConfig, group: str, line: str) -> None:
+    from framework.config import compose
+
+    problem = first_problem([line])
+    if problem is not None:
+        raise ConfigError(*problem.split(": ", 1))
+    node = OmegaConf.to_container(compose([line])[group], resolve=False)  # resolved later, in this config
+    with open_dict(cfg):
+        cfg[group] = node
+
+
+def _set_key(cfg: DictConfig, key: str, override: Override) -> None:
+    if override.is_delete():
+        with open_dict(cfg):
+            parent, _, leaf = key.rpartition(".")
+            (OmegaConf.select(cfg, parent) if parent else cfg).pop(leaf, None)
+        return
+    value = override.value()
+    if not override.is_add():  # +key=value adds a key: nothing saved to match
+        value = _as_saved(OmegaConf.select(cfg, key, throw_on_missing=False), value, key)
+    try:
+        with open_dict(cfg) if override.is_add() else contextlib.nullcontext():
+            OmegaConf.update(cfg, key, value, merge=True)
+    except (ConfigAttributeError, ConfigKeyError):
+        near = _nearest_key(key, cfg)
+        raise ConfigError(key, "no such key" + (f"; did you mean {near!r}?" if near else "")) from None
+    except ValidationError as err:
+        raise ConfigError(key, f"got {value!r}; {str(err.msg).splitlines()[0]}") from None
+
+
+def _as_saved(old: object, new: object, key: str) -> object:
+    """`new` in the type the run's saved value has: a saved config is a plain dict, without the
+    schema that types train.py's keys (a number stays a number; a path given as digits, a string)."""
+    number = (int, float)
+    if old is None or new is None or isinstance(old, dict | list):
+        return new
+    if isinstance(old, bool) != isinstance(new, bool) or (isinstance(old, number) and not isinstance(new, number)):
+        raise ConfigError(key, f"got {new!r}; the run's value is {type(old).__name__} {old!r}")
+    return str(new) if isinstance(old, str) and not isinstance(new, str) else new

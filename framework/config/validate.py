@@ -13,7 +13,7 @@ from typing import Any, get_args, get_type_hints
 from omegaconf import DictConfig
 
 from framework.config.choices import Choice
-from framework.config.errors import ConfigError
+from framework.config.errors import ConfigError, check_mandatory, resolution_named
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 
 
@@ -35,10 +35,13 @@ def _at_least(cfg: DictConfig, key: str, low: int) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first setting that cannot run. Called before any worker starts."""
-    for check in (_check_choices, _check_values, _check_loader, _check_device_and_backend, _check_world, _check_strategy, _check_memory,
-                  _check_model_and_data, _check_batching, _check_paths, _check_eval):  # fmt: skip
-        check(cfg)
+    """Raise ConfigError for the first setting that cannot run. Called before any worker starts.
+    The model is paired with its data before a strategy's check builds it (its keys may point into data)."""
+    check_mandatory(cfg)
+    for check in (_check_choices, _check_values, _check_loader, _check_device_and_backend, _check_world, _check_model_and_data,
+                  _check_strategy, _check_memory, _check_batching, _check_paths, _check_eval):  # fmt: skip
+        with resolution_named():
+            check(cfg)
 
 
 def _check_choices(cfg: DictConfig) -> None:
@@ -268,6 +271,10 @@ def _check_paths(cfg: DictConfig) -> None:
     if data == "text" and cfg.data.path is not None:
         _require(os.path.exists(cfg.data.path), "data.path", f"no file or folder at {cfg.data.path!r}")
     _check_tokenizer(cfg)
+    if cfg.data.get("_target_"):  # the user's dataset builds here, once, where its error is one line
+        from framework.data import user_data_problem
+
+        _require((problem := user_data_problem(cfg.data)) is None, "data._target_", problem or "")
     if cfg.checkpoint.resume not in (None, "auto", "best"):
         _require(
             os.path.isdir(cfg.checkpoint.resume),

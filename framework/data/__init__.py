@@ -90,6 +90,23 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
     return held_out(data, held, seed, split) if held else data
 
 
+def user_data_problem(cfg: DictConfig) -> str | None:
+    """Build the user's `data._target_` dataset once, before any worker starts: a constructor that
+    raises (a missing file) is one line naming the call and the cause, not Hydra's wrapped repr
+    in every worker. Its cost is one construction more (the workers build their own)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    kwargs = {k: v for k, v in cfg.items() if k not in USER_DATA_RESERVED}
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "_target_")
+    try:
+        instantiate(kwargs, _convert_="all")
+    except Exception as err:  # noqa: BLE001 - the dataset's own error, whatever it is: one line
+        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
+        return f"{cfg._target_}({args}) failed: {type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+    return None
+
+
 @dataclass
 class DataPipeline:
     dataset: Dataset

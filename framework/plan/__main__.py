@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from framework.config import ConfigError, compose, world_size_of
+from framework.config import ConfigError, world_size_of
+from framework.config.overrides import compose_checked
 from framework.plan.profile import Profile
 from framework.plan.search import Ranked, choose
 
@@ -77,9 +78,12 @@ def _latency(profile: Profile) -> str:
 
 
 def main(argv: list[str]) -> int:
-    cfg = compose(argv)
-    world = cfg.plan.world_size or world_size_of(cfg)
-    try:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    try:  # the overrides composed and checked as train.py does: a typo is one line naming the key
+        cfg = compose_checked(argv)
+        world = cfg.plan.world_size or world_size_of(cfg)
         best, ranked, budget, profile = choose(cfg, world, with_profile=True)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
