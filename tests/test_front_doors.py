@@ -158,6 +158,18 @@ def test_the_planner_checks_its_overrides_and_has_help(capsys):
     assert "python -m framework.plan" in capsys.readouterr().out
 
 
+def _loading(pid: int, library: str, deadline: float) -> None:
+    """Wait until process `pid` has mapped a shared library whose path holds `library`, or the deadline."""
+    maps = Path(f"/proc/{pid}/maps")
+    while time.monotonic() < deadline and maps.exists():
+        try:
+            if library in maps.read_text():
+                return
+        except OSError:  # gone meanwhile
+            return
+        time.sleep(0.02)
+
+
 def _forkserver_started(pid: int, deadline: float) -> None:
     """Wait until process `pid` has started the workers' forkserver (the launcher is starting the
     workers), or the deadline."""
@@ -183,8 +195,8 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:
-        if when == "importing":
-            time.sleep(1.5)
+        if when == "importing":  # torch's library is loading: train.py's own code runs (however loaded the machine)
+            _loading(proc.pid, "libtorch", time.monotonic() + 90)
         else:
             _forkserver_started(proc.pid, time.monotonic() + 90)
             time.sleep(1.0)  # the forkserver imports torch (seconds); the launcher waits on it to start a worker

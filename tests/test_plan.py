@@ -53,9 +53,9 @@ def test_auto_under_a_budget_below_ddp_picks_a_sharded_layout_that_fits(tmp_path
 
 
 def test_a_run_over_its_memory_budget_says_so_at_the_end_and_records_it(tmp_path, capsys):
-    from framework.run.trainer import run
     from omegaconf import OmegaConf
 
+    from framework.run.trainer import run
     from tests.helpers import world_config
 
     args = ["experiment=smoke", "logger=none", "parallel=none", "steps=2", "plan.memory_budget_mb=1"]

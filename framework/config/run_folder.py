@@ -12,7 +12,7 @@ import shutil
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from framework.runlock import LOCK_FILE, RunLock
+from framework.checkpoint.runlock import LOCK_FILE, RunLock
 
 _created: list[str] = []  # the run folder and its parents this invocation creates, deepest first
 _OURS = {".hydra", LOCK_FILE}  # what a refused run has written by then
