@@ -85,3 +85,63 @@ def test_a_save_agrees_on_its_folder_before_any_rank_writes(tmp_path, stale):
     assert aside == (["superseded-step-000015"] if stale else [])  # only a real earlier attempt is moved
     if stale:
         assert sorted(os.listdir(tmp_path / "superseded-step-000015")) == ["rng-rank0.pt"]
+
+
+# ----------------------------------------------------------------------------- generate follows the run's tokenizer
+
+
+class ScriptedLM(torch.nn.Module):
+    """A language model that says `script` after any prompt, one token per call, and records
+    the prompt it was given: what generate feeds it and what it makes of its ids are under test."""
+
+    def __init__(self, script: list[int], vocab: int):
+        super().__init__()
+        self.script, self.vocab, self.prompts = script, vocab, []
+
+    def forward(self, x):
+        if not self.prompts:
+            self.prompts.append(x[0].tolist())
+        said = x.size(1) - len(self.prompts[0])
+        logits = torch.zeros(1, x.size(1), self.vocab)
+        logits[0, -1, self.script[min(said, len(self.script) - 1)]] = 1.0
+        return logits
+
+
+def run_with_shards(tmp_path, monkeypatch, shards, script: list[int], vocab: int) -> ScriptedLM:
+    """A run folder trained on data=tokens from `shards` (its checkpoint holds `model`)."""
+    import framework.generate as gen
+
+    path = fake_checkpoint(tmp_path / "run" / "checkpoints", 4)
+    checkpoint.write_config(os.path.dirname(path), {"data": {"name": "tokens", "path": str(shards)}})
+    model = ScriptedLM(script, vocab)
+    monkeypatch.setattr(gen, "load_lm", lambda *_: model)
+    return model
+
+
+def test_generate_on_byte_token_shards_stops_at_the_end_of_document(tmp_path, monkeypatch, capsys):
+    from framework.generate import main
+    from tests.test_tokens import prepare
+
+    (tmp_path / "doc.txt").write_text("hello there")
+    assert prepare(tmp_path / "doc.txt", tmp_path / "shards") == 0
+    model = run_with_shards(tmp_path, monkeypatch, tmp_path / "shards", [*b"!!", 256, *b"never"], 257)
+    capsys.readouterr()
+    assert main([str(tmp_path / "run"), "--prompt", "hi", "--temperature", "0"]) == 0  # was a ValueError
+    assert capsys.readouterr().out == "hi!!\n" and model.prompts == [list(b"hi")]
+
+
+def test_generate_on_bpe_shards_speaks_bpe(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tokenizers")
+    from framework.data.tokenizer import tokenizer_of_shards
+    from framework.generate import main
+    from tests.test_tokens import prepare, text_folder
+
+    text_folder(tmp_path / "in", 20, 800, seed=3)
+    assert prepare(tmp_path / "in", tmp_path / "shards", "--tokenizer", "bpe", "--vocab-size", "300") == 0
+    tok = tokenizer_of_shards(str(tmp_path / "shards"))
+    capsys.readouterr()
+    said = tok.encode(" the lazy dog")
+    model = run_with_shards(tmp_path, monkeypatch, tmp_path / "shards", [*said, tok.eos_id, *said], tok.vocab_size)
+    assert main([str(tmp_path / "run"), "--prompt", "the quick brown fox", "--temperature", "0"]) == 0
+    assert model.prompts == [tok.encode("the quick brown fox")]  # BPE ids in, not the prompt's bytes
+    assert capsys.readouterr().out == "the quick brown fox the lazy dog\n"
