@@ -145,3 +145,30 @@ def test_generate_on_bpe_shards_speaks_bpe(tmp_path, monkeypatch, capsys):
     assert main([str(tmp_path / "run"), "--prompt", "the quick brown fox", "--temperature", "0"]) == 0
     assert model.prompts == [tok.encode("the quick brown fox")]  # BPE ids in, not the prompt's bytes
     assert capsys.readouterr().out == "the quick brown fox the lazy dog\n"
+
+
+# ----------------------------------------------------------------------------- export keeps an untied head
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("gpt2", True)])
+def test_exporting_model_hf_follows_transformers_default_for_ties(tmp_path, model_type, tied):
+    """config.json without tie_word_embeddings: LlamaConfig's default is untied (the trained head
+    is kept), GPT2Config's tied (the head is left out, as save_pretrained does)."""
+    import json
+
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from framework.export import write_transformers_hf
+    from tests.helpers import write_tiny_llama_config
+
+    folder = write_tiny_llama_config(tmp_path / "config")
+    settings = json.loads((folder / "config.json").read_text())
+    del settings["tie_word_embeddings"]
+    settings["model_type"] = model_type
+    (folder / "config.json").write_text(json.dumps(settings))
+    cfg = OmegaConf.create({"model": {"name": "hf", "config": str(folder)}, "data": {"name": "text"}})
+    state = {"model.embed_tokens.weight": torch.zeros(8, 4), "lm_head.weight": torch.ones(8, 4)}
+    write_transformers_hf(cfg, str(tmp_path / "out"), state)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert ("lm_head.weight" in written) == (not tied)
