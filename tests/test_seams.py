@@ -172,3 +172,35 @@ def test_exporting_model_hf_follows_transformers_default_for_ties(tmp_path, mode
     write_transformers_hf(cfg, str(tmp_path / "out"), state)
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert ("lm_head.weight" in written) == (not tied)
+
+
+# ----------------------------------------------------------------------------- prepare reruns with other settings
+
+RERUNS = {
+    "dtype": (["--dtype", "uint32"], ["--dtype", "uint16"], "--dtype uint32 (now uint16)"),
+    "shard-mb": (["--shard-mb", "0.002"], ["--shard-mb", "0.001"], "--shard-mb 0.002 (now 0.001)"),
+    "tokenizer": (["--shard-mb", "0.001"], ["--shard-mb", "0.001", "--tokenizer", "bpe", "--vocab-size", "300"],
+                  "--tokenizer bytes (now bpe)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", list(RERUNS))
+def test_prepare_rerun_with_other_settings_rebuilds_instead_of_reading_old_shards(tmp_path, capsys, change):
+    pytest.importorskip("tokenizers")
+    from tests.test_tokens import decoded_docs, prepare, text_folder
+
+    first, second, said = RERUNS[change]
+    docs = text_folder(tmp_path / "in", 12, 600, seed=5)
+    assert prepare(tmp_path / "in", tmp_path / "out", *first) == 0
+    (tmp_path / "out" / "shard-00000.bin.tmp").write_bytes(b"an interrupted write")
+    capsys.readouterr()
+    assert prepare(tmp_path / "in", tmp_path / "out", *second) == 0
+    assert decoded_docs(tmp_path / "out") == docs  # the old shards read as the new format are garbage
+    err = capsys.readouterr().err
+    assert f"holds shards made with {said}; rebuilding them" in err and len(err.strip().splitlines()) == 1
+    manifest = OmegaConf.to_container(OmegaConf.load(tmp_path / "out" / "index.json"))
+    shards = {p.name for p in (tmp_path / "out").glob("shard-*")}
+    assert shards == {s["file"] for s in manifest["shards"]} | {s["file"][:-4] + ".idx" for s in manifest["shards"]}
+    capsys.readouterr()
+    assert prepare(tmp_path / "in", tmp_path / "out", *second) == 0  # the same settings: nothing rebuilt
+    assert "rebuilding" not in capsys.readouterr().err
