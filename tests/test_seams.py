@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -204,3 +205,86 @@ def test_prepare_rerun_with_other_settings_rebuilds_instead_of_reading_old_shard
     capsys.readouterr()
     assert prepare(tmp_path / "in", tmp_path / "out", *second) == 0  # the same settings: nothing rebuilt
     assert "rebuilding" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def fill_the_disk_at(monkeypatch, step: int, error: BaseException) -> None:
+    """The save of `step` writes part of a shard, then fails with `error`, and from then on the
+    disk has 1 kB free (for the enforce-fail case, which carries no errno: only the space says it)."""
+    from framework.checkpoint import space
+    from framework.checkpoint.io import VerifiedWriter
+
+    original_write, original_free, full = VerifiedWriter.write_data, space.free_bytes, []
+
+    def write_data(self, plan, planner):
+        if str(self.path).endswith(f"step-{step:06d}"):
+            full.append(True)
+            (self.path / "__0_0.distcp").write_bytes(b"x" * 600)
+            raise error
+        return original_write(self, plan, planner)
+
+    monkeypatch.setattr(VerifiedWriter, "write_data", write_data)
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1000 if full else original_free(path))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(errno.ENOSPC, "No space left on device"),
+     RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")],
+    ids=["enospc", "enforce-fail"],
+)  # fmt: skip
+def test_a_save_into_a_full_disk_names_it_removes_its_partial_folder_and_resume_auto_works(
+    tmp_path, monkeypatch, error
+):
+    from framework.checkpoint import space
+    from framework.checkpoint.integrity import CheckpointError
+    from tests.helpers import train_in_process
+
+    run = ["experiment=smoke", "steps=4", "checkpoint.every=2", "checkpoint.async_save=false"]
+    fill_the_disk_at(monkeypatch, 4, error)
+    with pytest.raises(CheckpointError) as failed:
+        train_in_process(run, tmp_path)
+    root = tmp_path / "checkpoints"
+    took = space.folder_bytes(str(root / "step-000002")) / 1e6
+    assert str(failed.value) == (f"saving checkpoint {root / 'step-000004'} failed: no space left on {root}: "
+                                 f"the last checkpoint took {took:.1f} MB, 0.0 MB free (its partial folder is removed)")  # fmt: skip
+    assert sorted(os.listdir(root)) == [checkpoint.CONFIG_FILE, "step-000002"]  # no partial folder, no tmp file
+    monkeypatch.undo()  # space freed
+    summary = train_in_process([*run, "checkpoint.resume=auto"], tmp_path)
+    assert summary["status"] == "ok" and checkpoint.latest(str(root)).endswith("step-000004")
+
+
+def test_a_save_that_would_not_fit_is_refused_before_it_writes(tmp_path, monkeypatch, capsys):
+    from torch import nn
+
+    from framework.checkpoint import space
+    from framework.checkpoint.integrity import CheckpointError
+
+    model = nn.Linear(100, 100)  # 40 kB of weights; SGD with momentum: as much again after a step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 100)).sum().backward()
+    optimizer.step()
+    monkeypatch.setattr(space, "free_bytes", lambda path: 50_000)
+    state = checkpoint.TrainerState(1, {}, {}, {}, {"parallel": "none", "world_size": 1, "dp_size": 1})
+    options = {"keep_last": 0, "async_save": False, "verify": "full", "on_error": "stop"}
+    saver = checkpoint.Checkpointer(str(tmp_path), 0, OmegaConf.create(options))
+    with pytest.raises(CheckpointError, match=r"not saved: no space left on .*: a checkpoint takes about 0\.1 MB, "
+                                              r"0\.1 MB free"):  # fmt: skip
+        saver.save(1, model, optimizer, state, {})
+    assert os.listdir(tmp_path) == []  # nothing written
+    warn = checkpoint.Checkpointer(str(tmp_path), 0, OmegaConf.create({**options, "on_error": "warn"}))
+    assert warn.save(1, model, optimizer, state, {}) is None and warn.failed == 1
+    assert "warning: checkpoint" in capsys.readouterr().err
+
+
+def test_writing_the_run_config_into_a_full_disk_leaves_no_tmp_file(tmp_path, monkeypatch):
+    def dump(obj, f, **_):
+        f.write("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.json, "dump", dump)
+    with pytest.raises(OSError, match=f"writing {tmp_path / 'config.json'} failed: no space left on {tmp_path}$"):
+        checkpoint.write_config(str(tmp_path), {"seed": 0})
+    assert os.listdir(tmp_path) == []
