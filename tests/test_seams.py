@@ -288,3 +288,50 @@ def test_writing_the_run_config_into_a_full_disk_leaves_no_tmp_file(tmp_path, mo
     with pytest.raises(OSError, match=f"writing {tmp_path / 'config.json'} failed: no space left on {tmp_path}$"):
         checkpoint.write_config(str(tmp_path), {"seed": 0})
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- the run lock without locks, on another clock
+
+
+def test_a_run_folder_on_a_file_system_without_locks_is_kept_by_the_lease(tmp_path, monkeypatch):
+    import fcntl
+
+    from framework.checkpoint import runlock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    first = runlock.RunLock(str(tmp_path), "job-1")
+    line = first.acquire()  # was the OSError's traceback
+    assert line == runlock.no_locks_line(str(tmp_path / runlock.LOCK_FILE)) and "\n" not in line
+    assert "without locks" in line and str(tmp_path) in line
+    with pytest.raises(runlock.FolderInUse):  # this host, a running holder: live
+        runlock.RunLock(str(tmp_path), "job-2").acquire(wait_s=0)
+    with pytest.raises(runlock.FolderInUse):
+        runlock.RunLock(str(tmp_path), "job-2").share(wait_s=0)
+    first.release()
+    second = runlock.RunLock(str(tmp_path), "job-2")
+    assert second.acquire(wait_s=0) == line  # released: taken, with the same one warning line
+    second.release()
+    assert [p.name for p in tmp_path.iterdir()] == [runlock.LOCK_FILE]  # no probe file left
+
+
+def test_a_lease_is_aged_on_the_file_systems_clock_not_this_hosts(tmp_path, monkeypatch):
+    """Another host's run renewed its lease just now; this host's clock is an hour ahead of the
+    file server's. The lease is fresh: the folder is in use, not taken over."""
+    import json
+    import time
+
+    from framework.checkpoint import runlock
+
+    lock_file = tmp_path / runlock.LOCK_FILE
+    lock_file.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "theirs", "since": "now"}))
+    real = time.time
+    monkeypatch.setattr(runlock.time, "time", lambda: real() + 3600)
+    with pytest.raises(runlock.FolderInUse, match="host elsewhere"):
+        runlock.RunLock(str(tmp_path), "ours").acquire(wait_s=0)
+    os.utime(lock_file, (real() - 2 * runlock.LEASE_S,) * 2)  # renewed two leases ago: gone
+    ours = runlock.RunLock(str(tmp_path), "ours")
+    assert ours.acquire(wait_s=0).startswith(f"run folder lock: taking over {lock_file} from host elsewhere")
+    ours.release()
