@@ -33,6 +33,7 @@ from omegaconf import OmegaConf, open_dict
 
 from framework.checkpoint.store import full_model_state_dict
 from framework.contract import factory_kwargs
+from framework.hf import ties_embeddings
 from models.llama import Llama
 from models.llama_args import LlamaArgs
 from models.llama_hf import hf_config, hf_names, to_hf_name
@@ -145,9 +146,11 @@ def export_hf(checkpoint: str, out: str, config: str | None = None) -> LlamaArgs
 def write_transformers_hf(cfg, out: str, state: dict[str, torch.Tensor]) -> None:
     """model=hf: the state dict already has transformers' names and layout; its config.json is
     the run's `model.config` (training changes no shape). A tied head is left out, as
-    `save_pretrained` does (from_pretrained ties it again)."""
+    `save_pretrained` does (from_pretrained ties it again); whether it ties is transformers' reading
+    of the config (its model type's default when config.json does not say), so a trained untied
+    head is never dropped."""
     config_json = json.loads(Path(cfg.model.config, "config.json").read_text())
-    if config_json.get("tie_word_embeddings", True):
+    if ties_embeddings(cfg.model.config, bool(cfg.model.get("trust_remote_code", False))):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     os.makedirs(out, exist_ok=True)
     names = list(state)

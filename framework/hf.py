@@ -55,6 +55,16 @@ def from_config(config: str, trust_remote_code: bool = False, attn_implementatio
     return model
 
 
+def ties_embeddings(config: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model of `config` (a folder with config.json) ties its head to the embedding,
+    as transformers reads it: a config.json that does not say takes its model type's default
+    (LlamaConfig: untied; GPT2Config: tied), never one default for all."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code, local_files_only=True)
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
 # ----------------------------------------------------------------------------- weights in
 
 

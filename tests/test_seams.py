@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -104,3 +105,252 @@ def test_token_budget_resume_is_checked_on_what_decides_the_batches():
     assert first_global_batch(200, 2) != first_global_batch(100, 4)
     cfg = OmegaConf.create({"rank_batch_sizes": None, "sampler": "token_budget", "max_tokens": 200})
     assert global_batch(cfg, 2) != global_batch(OmegaConf.merge(cfg, {"max_tokens": 100}), 4)
+
+
+# ----------------------------------------------------------------------------- generate follows the run's tokenizer
+
+
+class ScriptedLM(torch.nn.Module):
+    """A language model that says `script` after any prompt, one token per call, and records
+    the prompt it was given: what generate feeds it and what it makes of its ids are under test."""
+
+    def __init__(self, script: list[int], vocab: int):
+        super().__init__()
+        self.script, self.vocab, self.prompts = script, vocab, []
+
+    def forward(self, x):
+        if not self.prompts:
+            self.prompts.append(x[0].tolist())
+        said = x.size(1) - len(self.prompts[0])
+        logits = torch.zeros(1, x.size(1), self.vocab)
+        logits[0, -1, self.script[min(said, len(self.script) - 1)]] = 1.0
+        return logits
+
+
+def run_with_shards(tmp_path, monkeypatch, shards, script: list[int], vocab: int) -> ScriptedLM:
+    """A run folder trained on data=tokens from `shards` (its checkpoint holds `model`)."""
+    import framework.generate as gen
+
+    path = fake_checkpoint(tmp_path / "run" / "checkpoints", 4)
+    checkpoint.write_config(os.path.dirname(path), {"data": {"name": "tokens", "path": str(shards)}})
+    model = ScriptedLM(script, vocab)
+    monkeypatch.setattr(gen, "load_lm", lambda *_: model)
+    return model
+
+
+def test_generate_on_byte_token_shards_stops_at_the_end_of_document(tmp_path, monkeypatch, capsys):
+    from framework.generate import main
+    from tests.test_tokens import prepare
+
+    (tmp_path / "doc.txt").write_text("hello there")
+    assert prepare(tmp_path / "doc.txt", tmp_path / "shards") == 0
+    model = run_with_shards(tmp_path, monkeypatch, tmp_path / "shards", [*b"!!", 256, *b"never"], 257)
+    capsys.readouterr()
+    assert main([str(tmp_path / "run"), "--prompt", "hi", "--temperature", "0"]) == 0  # was a ValueError
+    assert capsys.readouterr().out == "hi!!\n" and model.prompts == [list(b"hi")]
+
+
+def test_generate_on_bpe_shards_speaks_bpe(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tokenizers")
+    from framework.data.tokenizer import tokenizer_of_shards
+    from framework.generate import main
+    from tests.test_tokens import prepare, text_folder
+
+    text_folder(tmp_path / "in", 20, 800, seed=3)
+    assert prepare(tmp_path / "in", tmp_path / "shards", "--tokenizer", "bpe", "--vocab-size", "300") == 0
+    tok = tokenizer_of_shards(str(tmp_path / "shards"))
+    capsys.readouterr()
+    said = tok.encode(" the lazy dog")
+    model = run_with_shards(tmp_path, monkeypatch, tmp_path / "shards", [*said, tok.eos_id, *said], tok.vocab_size)
+    assert main([str(tmp_path / "run"), "--prompt", "the quick brown fox", "--temperature", "0"]) == 0
+    assert model.prompts == [tok.encode("the quick brown fox")]  # BPE ids in, not the prompt's bytes
+    assert capsys.readouterr().out == "the quick brown fox the lazy dog\n"
+
+
+# ----------------------------------------------------------------------------- export keeps an untied head
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("gpt2", True)])
+def test_exporting_model_hf_follows_transformers_default_for_ties(tmp_path, model_type, tied):
+    """config.json without tie_word_embeddings: LlamaConfig's default is untied (the trained head
+    is kept), GPT2Config's tied (the head is left out, as save_pretrained does)."""
+    import json
+
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from framework.export import write_transformers_hf
+    from tests.helpers import write_tiny_llama_config
+
+    folder = write_tiny_llama_config(tmp_path / "config")
+    settings = json.loads((folder / "config.json").read_text())
+    del settings["tie_word_embeddings"]
+    settings["model_type"] = model_type
+    (folder / "config.json").write_text(json.dumps(settings))
+    cfg = OmegaConf.create({"model": {"name": "hf", "config": str(folder)}, "data": {"name": "text"}})
+    state = {"model.embed_tokens.weight": torch.zeros(8, 4), "lm_head.weight": torch.ones(8, 4)}
+    write_transformers_hf(cfg, str(tmp_path / "out"), state)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert ("lm_head.weight" in written) == (not tied)
+
+
+# ----------------------------------------------------------------------------- prepare reruns with other settings
+
+RERUNS = {
+    "dtype": (["--dtype", "uint32"], ["--dtype", "uint16"], "--dtype uint32 (now uint16)"),
+    "shard-mb": (["--shard-mb", "0.002"], ["--shard-mb", "0.001"], "--shard-mb 0.002 (now 0.001)"),
+    "tokenizer": (["--shard-mb", "0.001"], ["--shard-mb", "0.001", "--tokenizer", "bpe", "--vocab-size", "300"],
+                  "--tokenizer bytes (now bpe)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", list(RERUNS))
+def test_prepare_rerun_with_other_settings_rebuilds_instead_of_reading_old_shards(tmp_path, capsys, change):
+    pytest.importorskip("tokenizers")
+    from tests.test_tokens import decoded_docs, prepare, text_folder
+
+    first, second, said = RERUNS[change]
+    docs = text_folder(tmp_path / "in", 12, 600, seed=5)
+    assert prepare(tmp_path / "in", tmp_path / "out", *first) == 0
+    (tmp_path / "out" / "shard-00000.bin.tmp").write_bytes(b"an interrupted write")
+    capsys.readouterr()
+    assert prepare(tmp_path / "in", tmp_path / "out", *second) == 0
+    assert decoded_docs(tmp_path / "out") == docs  # the old shards read as the new format are garbage
+    err = capsys.readouterr().err
+    assert f"holds shards made with {said}; rebuilding them" in err and len(err.strip().splitlines()) == 1
+    manifest = OmegaConf.to_container(OmegaConf.load(tmp_path / "out" / "index.json"))
+    shards = {p.name for p in (tmp_path / "out").glob("shard-*")}
+    assert shards == {s["file"] for s in manifest["shards"]} | {s["file"][:-4] + ".idx" for s in manifest["shards"]}
+    capsys.readouterr()
+    assert prepare(tmp_path / "in", tmp_path / "out", *second) == 0  # the same settings: nothing rebuilt
+    assert "rebuilding" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def fill_the_disk_at(monkeypatch, step: int, error: BaseException) -> None:
+    """The save of `step` writes part of a shard, then fails with `error`, and from then on the
+    disk has 1 kB free (for the enforce-fail case, which carries no errno: only the space says it)."""
+    from framework.checkpoint import space
+    from framework.checkpoint.io import VerifiedWriter
+
+    original_write, original_free, full = VerifiedWriter.write_data, space.free_bytes, []
+
+    def write_data(self, plan, planner):
+        if str(self.path).endswith(f"step-{step:06d}"):
+            full.append(True)
+            (self.path / "__0_0.distcp").write_bytes(b"x" * 600)
+            raise error
+        return original_write(self, plan, planner)
+
+    monkeypatch.setattr(VerifiedWriter, "write_data", write_data)
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1000 if full else original_free(path))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(errno.ENOSPC, "No space left on device"),
+     RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")],
+    ids=["enospc", "enforce-fail"],
+)  # fmt: skip
+def test_a_save_into_a_full_disk_names_it_removes_its_partial_folder_and_resume_auto_works(
+    tmp_path, monkeypatch, error
+):
+    from framework.checkpoint import space
+    from framework.checkpoint.integrity import CheckpointError
+    from tests.helpers import train_in_process
+
+    run = ["experiment=smoke", "steps=4", "checkpoint.every=2", "checkpoint.async_save=false"]
+    fill_the_disk_at(monkeypatch, 4, error)
+    with pytest.raises(CheckpointError) as failed:
+        train_in_process(run, tmp_path)
+    root = tmp_path / "checkpoints"
+    took = space.folder_bytes(str(root / "step-000002")) / 1e6
+    assert str(failed.value) == (f"saving checkpoint {root / 'step-000004'} failed: no space left on {root}: "
+                                 f"the last checkpoint took {took:.1f} MB, 0.0 MB free (its partial folder is removed)")  # fmt: skip
+    assert sorted(os.listdir(root)) == [checkpoint.CONFIG_FILE, "step-000002"]  # no partial folder, no tmp file
+    monkeypatch.undo()  # space freed
+    summary = train_in_process([*run, "checkpoint.resume=auto"], tmp_path)
+    assert summary["status"] == "ok" and checkpoint.latest(str(root)).endswith("step-000004")
+
+
+def test_a_save_that_would_not_fit_is_refused_before_it_writes(tmp_path, monkeypatch, capsys):
+    from torch import nn
+
+    from framework.checkpoint import space
+    from framework.checkpoint.integrity import CheckpointError
+
+    model = nn.Linear(100, 100)  # 40 kB of weights; SGD with momentum: as much again after a step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 100)).sum().backward()
+    optimizer.step()
+    monkeypatch.setattr(space, "free_bytes", lambda path: 50_000)
+    state = checkpoint.TrainerState(1, {}, {}, {}, {"parallel": "none", "world_size": 1, "dp_size": 1})
+    options = {"keep_last": 0, "async_save": False, "verify": "full", "on_error": "stop"}
+    saver = checkpoint.Checkpointer(str(tmp_path), 0, OmegaConf.create(options))
+    with pytest.raises(CheckpointError, match=r"not saved: no space left on .*: a checkpoint takes about 0\.1 MB, "
+                                              r"0\.1 MB free"):  # fmt: skip
+        saver.save(1, model, optimizer, state, {})
+    assert os.listdir(tmp_path) == []  # nothing written
+    warn = checkpoint.Checkpointer(str(tmp_path), 0, OmegaConf.create({**options, "on_error": "warn"}))
+    assert warn.save(1, model, optimizer, state, {}) is None and warn.failed == 1
+    assert "warning: checkpoint" in capsys.readouterr().err
+
+
+def test_writing_the_run_config_into_a_full_disk_leaves_no_tmp_file(tmp_path, monkeypatch):
+    def dump(obj, f, **_):
+        f.write("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.json, "dump", dump)
+    with pytest.raises(OSError, match=f"writing {tmp_path / 'config.json'} failed: no space left on {tmp_path}$"):
+        checkpoint.write_config(str(tmp_path), {"seed": 0})
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- the run lock without locks, on another clock
+
+
+def test_a_run_folder_on_a_file_system_without_locks_is_kept_by_the_lease(tmp_path, monkeypatch):
+    import fcntl
+
+    from framework.checkpoint import runlock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    first = runlock.RunLock(str(tmp_path), "job-1")
+    line = first.acquire()  # was the OSError's traceback
+    assert line == runlock.no_locks_line(str(tmp_path / runlock.LOCK_FILE)) and "\n" not in line
+    assert "without locks" in line and str(tmp_path) in line
+    with pytest.raises(runlock.FolderInUse):  # this host, a running holder: live
+        runlock.RunLock(str(tmp_path), "job-2").acquire(wait_s=0)
+    with pytest.raises(runlock.FolderInUse):
+        runlock.RunLock(str(tmp_path), "job-2").share(wait_s=0)
+    first.release()
+    second = runlock.RunLock(str(tmp_path), "job-2")
+    assert second.acquire(wait_s=0) == line  # released: taken, with the same one warning line
+    second.release()
+    assert [p.name for p in tmp_path.iterdir()] == [runlock.LOCK_FILE]  # no probe file left
+
+
+def test_a_lease_is_aged_on_the_file_systems_clock_not_this_hosts(tmp_path, monkeypatch):
+    """Another host's run renewed its lease just now; this host's clock is an hour ahead of the
+    file server's. The lease is fresh: the folder is in use, not taken over."""
+    import json
+    import time
+
+    from framework.checkpoint import runlock
+
+    lock_file = tmp_path / runlock.LOCK_FILE
+    lock_file.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "theirs", "since": "now"}))
+    real = time.time
+    monkeypatch.setattr(runlock.time, "time", lambda: real() + 3600)
+    with pytest.raises(runlock.FolderInUse, match="host elsewhere"):
+        runlock.RunLock(str(tmp_path), "ours").acquire(wait_s=0)
+    os.utime(lock_file, (real() - 2 * runlock.LEASE_S,) * 2)  # renewed two leases ago: gone
+    ours = runlock.RunLock(str(tmp_path), "ours")
+    assert ours.acquire(wait_s=0).startswith(f"run folder lock: taking over {lock_file} from host elsewhere")
+    ours.release()

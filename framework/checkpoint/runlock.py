@@ -2,7 +2,11 @@
 
 The lock is `flock` on `<run dir>/run.lock`, which holds the holder's host, pid, job and start
 time, and whose modification time is a lease renewed every LEASE_S / 4 seconds (flock may not
-reach across hosts on a network file system; the lease does).
+reach across hosts on a network file system; the lease does). The lease's age is read on the file
+system's own clock (the mtime of a probe file touched beside it), not this host's: a file server's
+clock and ours may disagree by more than a lease. A file system without locks (flock fails with
+ENOSYS/EOPNOTSUPP, as on some NFS mounts) gets one warning line and the lease file alone: a live
+holder is then one on this host whose process runs, or anywhere with a fresh lease.
 
 - The process that writes the run folder takes it: the local launcher (`python train.py`, held
   through every elastic restart of its workers), or rank 0 of a job an outside launcher started
@@ -17,6 +21,7 @@ reach across hosts on a network file system; the lease does).
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import json
 import os
@@ -29,6 +34,7 @@ from typing import Any
 
 LOCK_FILE = "run.lock"
 LEASE_S = 60.0
+NO_LOCKS = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)  # flock on a file system without locks
 
 
 class FolderInUse(RuntimeError):
@@ -61,28 +67,74 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _flock_free(path: str) -> bool:
-    """Nobody holds the flock now (probed with a shared lock, released at once)."""
+def _flock(fd: int, operation: int) -> bool | None:
+    """flock(fd, operation | LOCK_NB): True when taken, False when another holds it, None when the
+    file system has no locks."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if err.errno in NO_LOCKS:
+            return None
+        raise
+
+
+def _flock_free(path: str) -> bool | None:
+    """Nobody holds the flock now (probed with a shared lock, released at once); None: no locks here."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return True
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+        return _flock(fd, fcntl.LOCK_SH)
     finally:
         os.close(fd)  # closing releases a probe's lock
 
 
-def _live_elsewhere(path: str, holder: dict[str, Any]) -> bool:
-    """Held from another host with a lease renewed within LEASE_S."""
+def _fs_now(folder: str) -> float:
+    """The time now on the clock of the file system holding `folder`: the mtime of a probe file
+    written there (a file server stamps it), falling back to this host's clock."""
+    probe = os.path.join(folder, f".{LOCK_FILE}.clock-{socket.gethostname()}-{os.getpid()}")
     try:
-        age = time.time() - os.path.getmtime(path)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"t")
+            os.utime(probe)  # no times given: the file system's own now (NFS: the server's)
+            return os.stat(probe).st_mtime
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError:
+        return time.time()
+
+
+def _lease_fresh(path: str) -> bool:
+    """The lease was renewed within LEASE_S, on the file system's clock."""
+    try:
+        mtime = os.path.getmtime(path)
     except OSError:
         return False
-    return holder.get("host") != socket.gethostname() and age < LEASE_S
+    return _fs_now(os.path.dirname(path) or ".") - mtime < LEASE_S
+
+
+def _live_elsewhere(path: str, holder: dict[str, Any]) -> bool:
+    """Held from another host with a lease renewed within LEASE_S."""
+    return holder.get("host") != socket.gethostname() and _lease_fresh(path)
+
+
+def _live_without_locks(path: str, holder: dict[str, Any]) -> bool:
+    """No flock to ask: the holder lives when it is on this host and its process runs, or on
+    another host with a fresh lease."""
+    if holder.get("host") == socket.gethostname():
+        return _alive(holder.get("pid", 0))
+    return _lease_fresh(path)
+
+
+def no_locks_line(path: str) -> str:
+    return (f"warning: run folder lock: {os.path.dirname(path)} is on a file system without locks (flock "
+            f"unsupported); one writer per folder is kept by the lease in {path} alone")  # fmt: skip
 
 
 def refuse_early(argv: list[str]) -> None:
@@ -97,7 +149,10 @@ def refuse_early(argv: list[str]) -> None:
         return
     path = os.path.join(os.path.expanduser(dirs[-1]), LOCK_FILE)
     holder = _read(path)
-    if holder and holder.get("host") == socket.gethostname() and not _flock_free(path):
+    if not holder or holder.get("host") != socket.gethostname():
+        return
+    free = _flock_free(path)
+    if free is False or (free is None and _alive(holder.get("pid", 0))):
         print(f"error: {FolderInUse(path, holder)}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
@@ -111,30 +166,27 @@ class RunLock:
         self._stop = threading.Event()
 
     def acquire(self, wait_s: float = 1.0) -> str | None:
-        """Take the lock. Returns a line to print when a gone holder's lock was taken over;
-        raises FolderInUse when a live run holds it."""
+        """Take the lock. Returns the lines to print: a warning when the file system has no locks
+        (the lease alone then keeps one writer), and a line when a gone holder's lock was taken
+        over; raises FolderInUse when a live run holds it."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + wait_s  # another rank of this job may be probing it
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    raise FolderInUse(self.path, _read(self.path)) from None
-                time.sleep(0.05)
+        while (taken := _flock(fd, fcntl.LOCK_EX)) is False:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise FolderInUse(self.path, _read(self.path))
+            time.sleep(0.05)
         holder = _read(self.path)
-        line = None
+        lines = [] if taken else [no_locks_line(self.path)]  # taken None: no locks, the lease alone
         if holder and holder.get("job") != self.job:
-            if _live_elsewhere(self.path, holder):
+            if (_live_elsewhere if taken else _live_without_locks)(self.path, holder):
                 os.close(fd)
                 raise FolderInUse(self.path, holder)
             gone = "not running" if holder.get("host") != socket.gethostname() or not _alive(holder.get("pid", 0)) \
                 else "no longer holding it"  # fmt: skip
-            line = (f"run folder lock: taking over {self.path} from host {holder.get('host')} pid {holder.get('pid')} "
-                    f"(job {holder.get('job')}, {gone}: its run ended without releasing it)")  # fmt: skip
+            lines.append(f"run folder lock: taking over {self.path} from host {holder.get('host')} pid "
+                         f"{holder.get('pid')} (job {holder.get('job')}, {gone}: its run ended without releasing it)")  # fmt: skip
         me = {"host": socket.gethostname(), "pid": os.getpid(), "job": self.job,
               "since": datetime.now().isoformat(timespec="seconds")}  # fmt: skip
         os.ftruncate(fd, 0)
@@ -143,7 +195,7 @@ class RunLock:
         self.fd = fd
         threading.Thread(target=self._renew, name="hydradist-run-lock", daemon=True).start()
         atexit.register(self.release)  # also when the process exits early (sys.exit)
-        return line
+        return "\n".join(lines) or None
 
     def share(self, wait_s: float = 10.0) -> None:
         """Ranks > 0 of a job an outside launcher started: go on when this job (its rank 0)
@@ -153,7 +205,13 @@ class RunLock:
             holder = _read(self.path)
             if not holder or holder.get("job") == self.job:
                 return  # ours, or free (rank 0 takes it); no file at all: a folder this node does not share
-            if _flock_free(self.path) and not _live_elsewhere(self.path, holder):
+            free = _flock_free(self.path)
+            gone = (
+                not _live_without_locks(self.path, holder)
+                if free is None
+                else free and not _live_elsewhere(self.path, holder)
+            )
+            if gone:
                 return  # a gone holder's: rank 0 takes it over
             if time.monotonic() > deadline:  # held, and not (yet) by our rank 0
                 raise FolderInUse(self.path, holder)
@@ -171,6 +229,6 @@ class RunLock:
             return
         self._stop.set()
         os.ftruncate(self.fd, 0)  # empty: free, and no one will take it for a dead run's
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        _flock(self.fd, fcntl.LOCK_UN)  # None on a file system without locks: nothing to release
         os.close(self.fd)
         self.fd = None

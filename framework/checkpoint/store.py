@@ -12,7 +12,9 @@ A checkpoint is one folder `step-NNNNNN` holding
 Every rank writes its small files and its shards, then digests them (framework/checkpoint/integrity.py);
 the coordinator writes `manifest.json` with every rank's entries, and DCP writes `.metadata` last:
 a folder with `.metadata` is complete, and it verifies when its files match the manifest. A save
-that fails (a full disk) leaves a folder without `.metadata`, never taken for a checkpoint.
+that fails (a full disk) removes its partial folder (it holds the space the next attempt needs;
+without `.metadata` it is never taken for a checkpoint, should the process die before) and names a
+full disk as one; a save that would not fit is refused before it writes (framework/checkpoint/space.py).
 Loading reads tensors, JSON and plain numbers only (`weights_only`, and `.metadata` through an
 unpickler that knows DCP's metadata classes only); nothing arbitrary is unpickled.
 """
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from framework.checkpoint import space
 from framework.checkpoint.integrity import CheckpointError
 
 TRAINER_FILE = "trainer.json"
@@ -127,15 +130,6 @@ class TrainerState:
     counters: dict[str, Any] = field(default_factory=dict)  # e.g. nonfinite steps skipped so far
 
 
-def save_error(path: str, err: BaseException) -> CheckpointError:
-    """One line naming the folder and the OS error underneath DCP's per-rank wrapping."""
-    causes = [err]
-    if hasattr(err, "failures"):  # DCP's CheckpointException: {rank: (exception, traceback)}
-        causes = [exc for exc, _ in err.failures.values()]
-    cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
-    return CheckpointError(f"saving checkpoint {path} failed: {type(cause).__name__}: {cause}")
-
-
 def move_aside(path: str) -> str:
     """Rename an earlier attempt's folder at `path` (a checkpoint that did not verify, a failed
     save) to `superseded-<name>[-k]`, kept for inspection: a new save never overwrites it."""
@@ -162,6 +156,7 @@ class Checkpointer:
         self.pending: Future | None = None
         self.pending_path = ""
         self.failed = 0  # saves that failed (on_error=warn)
+        self.need, self.measured = 0, False  # what a checkpoint takes; measured: the last complete one's size
         self._group = None
         if self.async_save and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # collective: every rank builds it
@@ -190,6 +185,9 @@ class Checkpointer:
         from framework.checkpoint.io import VerifiedWriter
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        if not self.fits(model_sd, optim_sd):  # refused before it writes: nothing to clean up
+            full = space.no_space(self.root, self.need, self.measured)
+            return self._failed(path, CheckpointError(f"checkpoint {path} not saved: {full}"))
         writer = VerifiedWriter(path, small, self.digests)
         tensors = {"model": model_sd, "optim": optim_sd}
         try:
@@ -219,8 +217,29 @@ class Checkpointer:
         self._prune()
         return True
 
+    def fits(self, model_sd: dict, optim_sd: dict) -> bool:
+        """Whether one more checkpoint fits the free space (the newest complete one's size, else the
+        state's bytes): rank 0's verdict, every rank's (collective), so they skip a save together."""
+        last = latest(self.root)
+        self.need, self.measured = (
+            (space.folder_bytes(last), True) if last else (space.state_bytes([model_sd, optim_sd]), False)
+        )
+        verdict = [space.free_bytes(self.root) >= self.need]
+        if dist.is_initialized():
+            dist.broadcast_object_list(verdict, src=0)
+        return bool(verdict[0])
+
     def _failed(self, path: str, err: BaseException) -> None:
-        error = save_error(path, err)
+        """Stop (on_error=stop) or warn about a failed save; what it wrote is removed first (rank 0:
+        every rank's write is over once DCP reports the failure), the space it held given back."""
+        error = err
+        if not isinstance(err, CheckpointError):
+            full = space.is_full(space.causes_of(err), path, self.need)
+            if self.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            error = CheckpointError(
+                space.failure(path, err, full and space.no_space(self.root, self.need, self.measured))
+            )
         if self.on_error == "stop":
             raise error from None
         self.failed += 1
@@ -304,9 +323,15 @@ def write_config(root: str, config: dict[str, Any]) -> None:
     build its model: `framework.evaluate` and `framework.generate` read it back."""
     os.makedirs(root, exist_ok=True)
     tmp = os.path.join(root, f"{CONFIG_FILE}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(tmp, os.path.join(root, CONFIG_FILE))
+    try:
+        with open(tmp, "w") as f:
+            json.dump(config, f, indent=2)
+        os.replace(tmp, os.path.join(root, CONFIG_FILE))
+    except OSError as err:  # a full disk: no half-written tmp left holding space
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        reason = f"no space left on {root}" if err.errno in space.FULL else err.strerror or str(err)
+        raise OSError(err.errno, f"writing {os.path.join(root, CONFIG_FILE)} failed: {reason}") from None
 
 
 def find_config(path: str) -> dict[str, Any] | None:

@@ -7,17 +7,23 @@ file or folder of them (one document per line, its `--field`, default `text`). O
 - `shard-NNNNN.idx`: uint64 end offsets of the shard's documents (its document boundaries);
 - `index.json`: the manifest (tokenizer, its digest, vocabulary, dtype, per-shard counts and
   split), written last: a folder with index.json is complete;
-- `tokenizer.json` (bpe or a given tokenizer.json).
+- `tokenizer.json` (bpe or a given tokenizer.json);
+- `settings.json`: what the shards are made with (the input's files, tokenizer, --vocab-size,
+  --field, --shard-mb, --dtype), written before the first shard.
 
 The input is cut into work units of about `--shard-mb` of input each (whole files, or line-aligned
 byte ranges of a large JSONL file), one shard per unit, tokenized by `--workers` processes. A
 shard is written under a temporary name and renamed when whole, so an interrupted run, rerun,
-skips the finished shards and gives the same shards as an uninterrupted one.
+skips the finished shards and gives the same shards as an uninterrupted one. A rerun with other
+settings (another --dtype, tokenizer or shard size, changed input) would read the old shards as
+the new format, so it says what differs in one line and rebuilds: the folder's shards, manifest
+and tokenizer are removed first, never mixed with new ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -31,6 +37,9 @@ import numpy as np
 from framework.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 MANIFEST = "index.json"
+SETTINGS = "settings.json"
+FLAGS = {"input": "INPUT", "input_files": "INPUT's files", "tokenizer": "--tokenizer", "vocab_size": "--vocab-size",
+         "field": "--field", "shard_mb": "--shard-mb", "dtype": "--dtype"}  # fmt: skip
 
 
 class PrepareError(ValueError):
@@ -184,9 +193,50 @@ def choose_dtype(vocab_size: int, requested: str) -> str:
     return requested
 
 
+def settings_of(args: argparse.Namespace, units: list[Unit]) -> dict:
+    """What the shards depend on: a rerun with the same settings may reuse finished shards."""
+    files = hashlib.sha256()
+    for u in units:
+        for f in u.files:
+            st = os.stat(f)
+            files.update(f"{os.path.abspath(f)}:{u.start}:{u.end}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    tokenizer = args.tokenizer
+    if tokenizer not in ("bytes", "bpe") and os.path.isfile(tokenizer):  # a tokenizer.json: its content
+        tokenizer = "sha256:" + hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+    return {"input": os.path.abspath(args.input), "input_files": files.hexdigest()[:16], "tokenizer": tokenizer,
+            "vocab_size": args.vocab_size if args.tokenizer == "bpe" else None, "field": args.field,
+            "shard_mb": args.shard_mb, "dtype": args.dtype}  # fmt: skip
+
+
+def owned_files(out: str) -> list[Path]:
+    """What prepare writes into OUT (and a rebuild removes): shards, manifest, tokenizer, settings."""
+    names = (MANIFEST, MANIFEST + ".tmp", "tokenizer.json", SETTINGS)
+    return [p for p in Path(out).iterdir() if p.name in names or p.name.startswith("shard-")]
+
+
+def start_or_rebuild(out: str, settings: dict) -> None:
+    """Record `settings` in OUT before any shard; a folder made with other settings is cleared first
+    (one line says what differs), so old shards are never read as the new format."""
+    path = Path(out, SETTINGS)
+    old = json.loads(path.read_text()) if path.is_file() else None
+    stale = owned_files(out)
+    if old != settings and stale:
+        differ = [k for k in settings if old and old.get(k) != settings[k]]
+        differ = [k for k in differ if None not in (old[k], settings[k])] or differ  # bpe's vocab: with the tokenizer
+        why = ", ".join(f"{FLAGS[k]} {old[k]} (now {settings[k]})" if k != "input_files" else f"{FLAGS[k]} changed"
+                        for k in differ) or "settings it did not record"  # fmt: skip
+        print(f"prepare: {out} holds shards made with {why}; rebuilding them", file=sys.stderr, flush=True)
+        for p in stale:
+            p.unlink()
+    tmp = path.with_name(SETTINGS + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=1))
+    os.replace(tmp, path)
+
+
 def prepare(args: argparse.Namespace) -> dict:
     os.makedirs(args.out, exist_ok=True)
     units = work_units(args.input, int(args.shard_mb * 2**20))
+    start_or_rebuild(args.out, settings_of(args, units))
     tok = tokenizer_for(args.tokenizer, units, args.out, args.field, args.vocab_size)
     dtype = choose_dtype(tok.vocab_size, args.dtype)
     spec = "bytes" if args.tokenizer == "bytes" else "json"
