@@ -22,3 +22,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """HYDRADIST_DURATIONS=FILE: each test's seconds (setup + call + teardown) appended as it
+    finishes, so a long run's times can be read while it runs (benchmarks/suite.py reads them)."""
+    path = os.environ.get("HYDRADIST_DURATIONS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\t{report.outcome}\n")

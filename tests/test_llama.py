@@ -219,9 +219,20 @@ TINY_LLAMA = ["model=llama", "model.dim=32", "model.n_layers=2", "model.n_heads=
 @pytest.fixture(scope="module")
 def llama_reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("llama_ref") / "none"
-    proc = train_cli([*TINY_LLAMA, "parallel=none", "data.batch_size=4"], run)
+    proc = train_cli([*TINY_LLAMA, "parallel=none", "data.batch_size=4", "checkpoint.every=2"], run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_metrics(run)
+
+
+def test_a_tied_llama_saved_by_one_process_resumes_under_pp(tmp_path, llama_reference, tmp_path_factory):
+    """One process keeps one optimizer state for the tied embedding and head; the pipeline, which
+    holds them on two ranks, loads the head's from the embedding's and goes on as one process did."""
+    saved = next(tmp_path_factory.getbasetemp().glob("llama_ref*/none/checkpoints/step-000002"))
+    proc = train_cli([*TINY_LLAMA, "parallel=pp", "launch.nproc_per_node=2", "data.batch_size=4",
+                      f"checkpoint.resume={saved}"], tmp_path / "run")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [got] = read_metrics(tmp_path / "run")
+    assert got["step"] == 3 and abs(got["loss"] - llama_reference[2]["loss"]) <= 1e-5 * llama_reference[2]["loss"]
 
 
 # (layout, ranks, micro-batch per data-parallel rank): a global batch of 4 in every case

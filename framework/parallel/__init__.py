@@ -59,6 +59,7 @@ class Parallelized:
     cp_size: int = 1  # ranks that split each sequence: gradients are averaged over dp x cp
     counts_loss: bool = True  # this rank's loss is a part of the step's (tp peers hold the same one)
     ties: SplitTies = field(default_factory=SplitTies)  # copies of tied parameters on other pipeline ranks
+    tie_names: dict[str, str] = field(default_factory=dict)  # the model's ties (ModelSpec.ties), for loading
     decay: set[str] = field(default_factory=set)  # parameters with weight decay: the plain model's matrices
 
     def __post_init__(self):
@@ -108,7 +109,7 @@ def parallelize(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInf
     par = _wrap(model, spec, cfg, info, strategy)
     if late:
         materialize_model(par.module, spec, cfg, info.device)
-    par.decay = decay
+    par.decay, par.tie_names = decay, spec.ties
     return par
 
 

@@ -90,7 +90,7 @@ def layout(cfg: DictConfig, info: DistInfo, par: Parallelized) -> dict:
 def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
     """Continue from checkpoint `path`: model and optimizer (resharded to this layout), the LR
     schedule, the loss scaler, the data position and, on the same layout, every rank's RNG."""
-    state, rng = checkpoint.load(path, parts.par.module, parts.optimizer, info.rank)
+    state, rng = checkpoint.load(path, parts.par.module, parts.optimizer, info.rank, parts.par.tie_names)
     data = parts.data
     if state.data["global_batch"] != data.global_batch:
         raise ValueError(
