@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -190,8 +191,8 @@ def run_cells(cells: list[Cell], out: Path) -> dict[str, tuple[str, str]]:
     saves: dict[int, dict[str, list[str]]] = {}
     for cell in cells:
         overrides = cell_overrides(cell, folders)
-        try:
-            compose_cell(overrides, cell.strategy.world, accumulation_of(cell))
+        try:  # composed once: the refusal check, and the config the cell runs
+            config = compose_cell(overrides, cell.strategy.world, accumulation_of(cell))
         except Exception as err:
             results[cell.id] = refusal(err)
             continue
@@ -199,7 +200,7 @@ def run_cells(cells: list[Cell], out: Path) -> dict[str, tuple[str, str]]:
         if resumes(cell):
             save, world = save_plan(cell, folders)
             saves.setdefault(world, {})[key_of(save)] = save
-        planned.setdefault(cell.strategy.world, {})[key_of([cell.id])] = (cell, overrides)
+        planned.setdefault(cell.strategy.world, {})[key_of([cell.id])] = (cell, config)
     _run_phases(planned, refs, saves, out, results, folders)
     return results
 
@@ -211,9 +212,11 @@ def _run_phases(planned, refs, saves, out: Path, results: dict, folders: dict[st
 
     errors: dict[str, str] = {}
 
-    def resumed(cell: Cell, overrides: list[str]) -> list[str]:
-        save, _ = save_plan(cell, folders)
-        return [*overrides, f"checkpoint.resume={step_dir(str(out / key_of(save) / 'checkpoints'), SAVED_AT)}"]
+    def resumed(cell: Cell, config: dict) -> dict:  # validation checked the rest; the folder exists now
+        root = out / key_of(save_plan(cell, folders)[0]) / "checkpoints"
+        if not os.path.isdir(step_dir(str(root), SAVED_AT)):
+            raise FileNotFoundError(f"the save at another world size left no {step_dir(str(root), SAVED_AT)}")
+        return config | {"checkpoint": config["checkpoint"] | {"resume": step_dir(str(root), SAVED_AT)}}
 
     worlds = sorted(set(planned) | set(saves) | {1})
     phases = [(w, w == 1, False) for w in worlds] + [(1, False, True)]  # (world, references, late)
@@ -223,11 +226,10 @@ def _run_phases(planned, refs, saves, out: Path, results: dict, folders: dict[st
             configs |= {k: compose_cell(o, 1) for k, o in refs.items()}
         if not late:
             configs |= {k: compose_cell(o, world) for k, o in saves.get(world, {}).items()}
-        for key, (cell, overrides) in planned.get(world, {}).items():
+        for key, (cell, config) in planned.get(world, {}).items():
             if resumes(cell) == late or (world > 1 and resumes(cell)):
                 try:
-                    args = resumed(cell, overrides) if resumes(cell) else overrides
-                    configs[key] = compose_cell(args, world, accumulation_of(cell))
+                    configs[key] = resumed(cell, config) if resumes(cell) else config
                 except Exception as err:  # a save that failed leaves no folder to resume
                     errors[key] = f"{type(err).__name__}: {err}"
         if configs:
