@@ -6,7 +6,7 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all sabotage lint bench clean
+.PHONY: train test test-all matrix sabotage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,11 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(ARGS)
 
 test-all: $(STAMP)
-	$(VENV)/bin/python -m pytest -m "slow or not slow" $(ARGS)
+	$(VENV)/bin/python -m pytest -m "not matrix" $(ARGS)
+
+# every model and feature under every strategy: parity or a one-line refusal; writes docs/results/matrix.md
+matrix: $(STAMP)
+	HYDRADIST_RESULTS_DIR=docs/results $(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix $(ARGS)
 
 # each one-line sabotage of tests/sabotage.py in a temporary copy, and the test that catches it
 sabotage: $(STAMP)

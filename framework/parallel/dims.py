@@ -174,12 +174,12 @@ class ParallelDims:
                 "parallel.n_microbatches",
                 f"the {schedule} schedule needs at least as many micro-batches as stages ({stages})",
             )
-        if self.tp > 1 and p.get("sequence_parallel", True):
+        seq_len = cfg.data.get("seq_len")  # data of no sequences (vectors, images): the model's checks refuse tp
+        if self.tp > 1 and p.get("sequence_parallel", True) and seq_len is not None:
             _require(
-                cfg.data.seq_len % (self.tp * self.cp) == 0,
+                seq_len % (self.tp * self.cp) == 0,
                 "data.seq_len",
-                f"sequence parallel splits sequences over tp={self.tp} x cp={self.cp} ranks; "
-                f"{cfg.data.seq_len} does not divide",
+                f"sequence parallel splits sequences over tp={self.tp} x cp={self.cp} ranks; {seq_len} does not divide",
             )
         if self.cp > 1:
             from framework.parallel.context import cp_config_problem

@@ -1,0 +1,253 @@
+"""The compatibility matrix's axes, generated from the config schema and conf/ (tests/test_matrix.py).
+
+- strategies: every conf/parallel/*.yaml but `auto` (the planner picks one of the others); each
+  strategy's own knobs among KNOBS (its schema's own fields: a bool both ways, a Choice every
+  member, `version` 1 and 2) in every combination; a schema made of several strategies (hybrid)
+  instead takes every pair of the mesh's degree axes at 2 (world 4). A strategy without a schema
+  of its own (none, dp) runs one process, the others two.
+- models: every conf/model/*.yaml but a preset of another (gpt_smoke extends gpt), each MODEL_KNOBS
+  field of its schema both ways (llama's tie_embeddings), at its smallest shape (SHAPES; a new
+  model without an entry runs its defaults) on the first data its class declares (`trains_on`;
+  none declared: the contract's language-model data).
+- features: every non-default choice of FEATURE_GROUPS (precision, memory) and the top-level
+  features of TOP_FEATURES, beside the plain run.
+
+A cell is (model, strategy, feature); `all_pairs` is the default suite's covering subset.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from tests.helpers import CONF
+
+STEPS, GLOBAL_BATCH = 4, 8
+BASE = ["logger=none", "progress=false", f"steps={STEPS}", "backend.timeout_s=120"]
+SKIP_STRATEGIES = {"auto": "the planner: it runs one of the other strategies"}
+KNOBS = ("version", "reshard_after_forward", "sequence_parallel", "loss_parallel", "schedule")
+INT_KNOBS = {"version": (2, 1)}  # validate.py's allowed FSDP versions (the default first)
+MODEL_KNOBS = ("tie_embeddings",)
+FEATURE_GROUPS = ("precision", "memory")
+# {model choice: overrides for its smallest shape}; {hf} and {user} are the test's folders
+SHAPES = {
+    "gpt": ["model.n_layer=4", "model.n_head=2", "model.n_embd=32"],
+    "llama": ["model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64"],
+    "hf": ["model.config={hf}"],
+    "custom": ["model._target_=matrix_user.TinyLM", "+model.dim=32", "+model.n_layers=4", "+model.n_heads=2"],
+    "mlp": ["model.hidden=32"],
+    "resnet": [],
+    "lstm": ["model.embed_dim=16", "model.hidden=16"],
+}
+DATA_SHAPES = {
+    "text": ["data.seq_len=16", "data.max_bytes=20000"],
+    "images": ["data.image_size=8"],
+    "varlen": ["data.max_len=16"],
+}
+# tolerances of parity by precision (relative, every step): bf16 rounds each matmul to 8 bits of
+# mantissa, so a reordered sum moves the loss by up to a few 1e-3; fp16 (amp) by less
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "amp": 1e-2}
+
+
+@dataclass(frozen=True)
+class Value:
+    """One value of an axis: its name in the table, its overrides, and (strategies) its world
+    size; (features) the overrides its single-process reference shares (precision, the split)."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+    world: int = 1
+    reference: tuple[str, ...] = field(default=(), compare=False)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: Value
+    strategy: Value
+    feature: Value
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}|{self.strategy}|{self.feature}"
+
+    @property
+    def precision(self) -> str:
+        found = [o.split("=", 1)[1] for o in self.feature.overrides if o.startswith("precision=")]
+        return found[0] if found else "fp32"
+
+
+def conf_choices(group: str) -> list[str]:
+    """The choices of a conf/ group that are not a preset of another (a preset names a sibling in
+    its defaults, as gpt_smoke names gpt)."""
+    names = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return [n for n in names if not set(_defaults(CONF / group / f"{n}.yaml")) & set(names)]
+
+
+def _defaults(path: Path) -> list[str]:
+    entries = (yaml.safe_load(path.read_text()) or {}).get("defaults", [])
+    return [e for e in entries if isinstance(e, str)]
+
+
+def default_choice(group: str) -> str:
+    for entry in (yaml.safe_load((CONF / "config.yaml").read_text()) or {})["defaults"]:
+        if isinstance(entry, dict) and group in entry:
+            return entry[group]
+    raise KeyError(group)
+
+
+def _knob_values(schema: type, name: str) -> list:
+    """A knob's values from its schema field: a bool both ways, a Choice every member, an int
+    knob its allowed values; the default first."""
+    from framework.config.choices import Choice
+
+    f = next(f for f in fields(schema) if f.name == name)
+    if name in INT_KNOBS:
+        return list(INT_KNOBS[name])
+    if isinstance(f.default, Choice):
+        return [f.default.value, *(m.value for m in type(f.default) if m != f.default)]
+    if f.type in ("bool", "bool | None", bool) or isinstance(f.default, bool):
+        first = bool(f.default)
+        return [first, not first]
+    raise TypeError(f"{schema.__name__}.{name}: no values for a {f.type} knob")
+
+
+def _own_fields(schema: type, names: tuple[str, ...]) -> list[str]:
+    own = schema.__dict__.get("__annotations__", {})
+    return [n for n in names if n in own]
+
+
+def _variants(prefix: str, schema: type | None, knobs: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, overrides) of every combination of the schema's own knobs; the default unnamed."""
+    own = _own_fields(schema, knobs) if schema is not None else []
+    values = [_knob_values(schema, k) for k in own]
+    out = []
+    for combo in itertools.product(*values):
+        settings = [f"{k}={_yaml(v)}" for k, v in zip(own, combo, strict=True)]
+        named = [s for s, v, vs in zip(settings, combo, values, strict=True) if v != vs[0]]
+        name = f"{prefix.split('.')[0]}({','.join(named)})" if named else prefix.split(".")[0]
+        out.append((name, tuple(f"{prefix}.{s}" for s in settings)))
+    return out
+
+
+def _yaml(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def strategies() -> list[Value]:
+    from framework.config.parallel_schema import MeshConfig
+    from framework.config.schema import GROUP_SCHEMAS
+
+    schemas = GROUP_SCHEMAS["parallel"]
+    degrees = _own_fields(MeshConfig, tuple(f.name for f in fields(MeshConfig)))
+    out = []
+    for choice in conf_choices("parallel"):
+        if choice in SKIP_STRATEGIES:
+            continue
+        schema, picked = schemas.get(choice), (f"parallel={choice}",)
+        if schema is not None and len(schema.__bases__) > 1:  # a combination: each pair of axes at 2
+            for pair in itertools.combinations(degrees, 2):
+                settings = tuple(f"parallel.{d}={2 if d in pair else 1}" for d in degrees)
+                out.append(Value(f"{choice}({'x'.join(pair)})", picked + settings, world=4))
+            continue
+        world = 1 if schema is None else 2
+        for name, settings in _variants("parallel", schema, KNOBS):
+            out.append(Value(name.replace("parallel", choice, 1), picked + settings, world=world))
+    return out
+
+
+def models() -> list[Value]:
+    from framework.config.schema import GROUP_SCHEMAS
+
+    out = []
+    for choice in conf_choices("model"):
+        shape = [f"model={choice}", *SHAPES.get(choice, [])]
+        data = data_of(choice, shape)
+        shape += [f"data={data}", *DATA_SHAPES.get(data, [])]
+        for name, settings in _variants("model", GROUP_SCHEMAS["model"].get(choice), MODEL_KNOBS):
+            out.append(Value(name.replace("model", choice, 1), (*shape, *settings)))
+    return out
+
+
+def data_of(choice: str, shape: list[str]) -> str:
+    """The first data choice the model's class declares it trains on (else language-model data)."""
+    import importlib
+
+    from framework.config.schema import GROUP_SCHEMAS
+    from framework.contract import LM_DATA
+
+    target = next((o.split("=", 1)[1] for o in shape if o.startswith("model._target_=")), None)
+    if target is None:
+        target = GROUP_SCHEMAS["model"][choice]._target_
+    module, _, name = target.rpartition(".")
+    try:
+        declared = getattr(importlib.import_module(module), name, None)
+    except ImportError:  # the user's module: written by the test later
+        declared = None
+    return (getattr(declared, "trains_on", None) or LM_DATA)[0]
+
+
+TOP_FEATURES = [
+    Value("accumulation_steps=2", ("accumulation_steps=2",)),
+    Value("compile=true", ("compile=true",)),
+    Value(
+        "eval.every=2", ("eval.every=2", "eval.steps=2", "data.val_fraction=0.1"), reference=("data.val_fraction=0.1",)
+    ),
+    Value("resume at another world size", ("resume",)),
+    Value("checkpoint.export=true", ("checkpoint.export=true",)),
+]
+
+
+def features() -> list[Value]:
+    out = [Value("plain (fp32)")]
+    for group in FEATURE_GROUPS:
+        for choice in conf_choices(group):
+            if choice != default_choice(group):
+                setting = (f"{group}={choice}",)
+                out.append(Value(f"{group}={choice}", setting, reference=setting if group == "precision" else ()))
+    return out + TOP_FEATURES
+
+
+def full_cells() -> list[Cell]:
+    """Every model under every strategy (plain), and every feature under every strategy on gpt
+    and the tied Llama."""
+    ms, ss, fs = models(), strategies(), features()
+    table1 = [Cell(m, s, fs[0]) for m in ms for s in ss]
+    picked = [m for m in ms if m.name in ("gpt", "llama(tie_embeddings=true)")]
+    table2 = [Cell(m, s, f) for m in picked for s in ss for f in fs[1:]]
+    return table1 + table2
+
+
+def all_pairs(axes: list[list]) -> list[tuple]:
+    """A covering array of strength 2, greedily: every pair of values of any two axes in some
+    row. Each row starts from the first pair still uncovered and fills the other axes with the
+    value that covers most uncovered pairs (the first such, so the result is deterministic)."""
+    n = len(axes)
+    uncovered = {(i, a, j, b) for i, j in itertools.combinations(range(n), 2)
+                 for a in range(len(axes[i])) for b in range(len(axes[j]))}  # fmt: skip
+    rows = []
+    while uncovered:
+        i, a, j, b = min(uncovered)
+        row: list[int | None] = [None] * n
+        row[i], row[j] = a, b
+        for k in range(n):
+            if row[k] is None:
+                row[k] = max(range(len(axes[k])), key=lambda v, k=k: _gain(row, k, v, uncovered))
+        for p, q in itertools.combinations(range(n), 2):
+            uncovered.discard((p, row[p], q, row[q]))
+        rows.append(tuple(axes[k][row[k]] for k in range(n)))
+    return rows
+
+
+def _gain(row: list, k: int, v: int, uncovered: set) -> int:
+    return sum(((min(k, m), v if k < m else row[m], max(k, m), row[m] if k < m else v) in uncovered)
+               for m in range(len(row)) if m != k and row[m] is not None)  # fmt: skip
+
+
+def subset_cells() -> list[Cell]:
+    return [Cell(*row) for row in all_pairs([models(), strategies(), features()])]

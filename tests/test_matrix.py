@@ -1,0 +1,66 @@
+"""The compatibility matrix: every model under every strategy, every feature under every strategy
+(on gpt and the tied Llama), with axes generated from the config schema (tests/matrix.py). Each
+cell either trains with the single-process losses at the same global batch (parity) or is refused
+by validation, before any worker starts, with one line naming the key; nothing else passes.
+
+The default suite runs an all-pairs subset (every pair of values of two axes meets in some cell);
+`make matrix` (`-m matrix`) runs the full tables and writes docs/results/matrix.md. The cells of a
+session run together (tests/matrix_run.py): one group of workers per world size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.matrix import Cell, full_cells, subset_cells
+from tests.matrix_run import run_cells
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SUBSET, FULL = subset_cells(), full_cells()
+
+
+@pytest.fixture(scope="session")
+def matrix(request, tmp_path_factory):
+    """The outcome of every matrix cell this session collected, run in one go."""
+    from tests.matrix_table import write_table
+
+    cells = {}
+    for item in request.session.items:
+        cell = getattr(item, "callspec", None) and item.callspec.params.get("cell")
+        if isinstance(cell, Cell):
+            cells[cell.id] = cell
+    started = time.perf_counter()
+    results = run_cells(list(cells.values()), tmp_path_factory.mktemp("matrix"))
+    write_table(list(cells.values()), results, time.perf_counter() - started)
+    return results
+
+
+def check(matrix: dict, cell: Cell) -> None:
+    kind, detail = matrix[cell.id]
+    assert kind in ("parity", "refused"), f"{cell.id}: {kind}: {detail}"
+
+
+@pytest.mark.parametrize("cell", SUBSET, ids=[c.id for c in SUBSET])
+def test_covering_subset(matrix, cell):
+    """The all-pairs subset: parity with one process, or a one-line refusal."""
+    check(matrix, cell)
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("cell", FULL, ids=[c.id for c in FULL])
+def test_full_matrix(matrix, cell):
+    """Every cell of both tables: parity with one process, or a one-line refusal."""
+    check(matrix, cell)
+
+
+def test_the_subset_covers_every_pair():
+    from tests.matrix import features, models, strategies
+
+    axes = [models(), strategies(), features()]
+    seen = set()
+    for c in SUBSET:
+        seen |= {("ms", c.model, c.strategy), ("mf", c.model, c.feature), ("sf", c.strategy, c.feature)}
+    assert len(seen) == sum(len(a) * len(b) for a, b in ((axes[0], axes[1]), (axes[0], axes[2]), (axes[1], axes[2])))
