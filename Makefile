@@ -6,7 +6,7 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all matrix sabotage lint bench clean
+.PHONY: train test test-all matrix matrix-subset sabotage lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ test-all: $(STAMP)
 # every model and feature under every strategy: parity or a one-line refusal; writes docs/results/matrix.md
 matrix: $(STAMP)
 	HYDRADIST_RESULTS_DIR=docs/results $(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix $(ARGS)
+
+# the all-pairs subset of the matrix (every pair of a model, a strategy and a feature meets once)
+matrix-subset: $(STAMP)
+	$(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix -k covering_subset $(ARGS)
 
 # each one-line sabotage of tests/sabotage.py in a temporary copy, and the test that catches it
 sabotage: $(STAMP)

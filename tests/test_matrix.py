@@ -43,6 +43,7 @@ def check(matrix: dict, cell: Cell) -> None:
     assert kind in ("parity", "refused"), f"{cell.id}: {kind}: {detail}"
 
 
+@pytest.mark.matrix  # 270 cells: over the default suite's budget on 2 cores (make matrix-subset)
 @pytest.mark.parametrize("cell", SUBSET, ids=[c.id for c in SUBSET])
 def test_covering_subset(matrix, cell):
     """The all-pairs subset: parity with one process, or a one-line refusal."""
