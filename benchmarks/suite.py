@@ -1,0 +1,89 @@
+"""The test suite's time, per file and in all, as `make test` runs it: docs/results/suite.md.
+
+    python benchmarks/suite.py                   # runs the default suite (pytest), then writes the table
+    python benchmarks/suite.py --read FILE --wall S   # the table from a run's recorded times (no run)
+
+Each test's seconds (setup + call + teardown) come from tests/conftest.py's HYDRADIST_DURATIONS
+record, written as each test finishes. A test over 60 s must say why it cannot share a run or be
+smaller: LONG holds the reasons, and a long test without one is listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from common import ROOT, table, write_result
+
+BUDGET_S = 20 * 60  # make test on a clean clone, 2 cores
+LONG_S = 60
+# a test over LONG_S: why it cannot share a run or be smaller
+LONG: dict[str, str] = {}
+
+
+def run_suite(record: Path, args: list[str]) -> tuple[float, int]:
+    """(wall seconds, pytest's exit code) of the default suite, each test's time into `record`."""
+    env = {**os.environ, "HYDRADIST_DURATIONS": str(record), "WANDB_MODE": "offline"}
+    started = time.perf_counter()
+    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env)
+    return time.perf_counter() - started, code
+
+
+def read_record(record: Path) -> dict[str, float]:
+    """{test id: seconds}, its setup, call and teardown summed."""
+    tests: dict[str, float] = defaultdict(float)
+    for line in record.read_text().splitlines():
+        nodeid, _, seconds, _ = line.split("\t")
+        tests[nodeid] += float(seconds)
+    return tests
+
+
+def report(tests: dict[str, float], wall: float, command: str) -> str:
+    files: dict[str, list[float]] = defaultdict(list)
+    for nodeid, seconds in tests.items():
+        files[nodeid.split("::")[0]].append(seconds)
+    rows = sorted(([f, len(t), sum(t), max(t)] for f, t in files.items()), key=lambda r: -r[2])
+    long = sorted(((s, n) for n, s in tests.items() if s > LONG_S), reverse=True)
+    verdict = "within" if wall <= BUDGET_S else "OVER"
+    lines = [
+        f"Whole suite: {wall / 60:.1f} min wall ({verdict} the {BUDGET_S // 60}-minute budget), "
+        f"{len(tests)} tests, {sum(tests.values()) / 60:.1f} min in tests.",
+        "",
+        table(
+            ["file", "tests", "seconds", "longest test s"], [[f, n, round(s, 1), round(m, 1)] for f, n, s, m in rows]
+        ),
+        "",
+        f"Tests over {LONG_S} s, and why each cannot share a run or be smaller:",
+        "",
+        table(["test", "seconds", "why"], [[n, round(s, 1), LONG.get(n, "(no reason recorded)")] for s, n in long]),
+    ]
+    print("\n".join(lines))
+    write_result("suite", command, "", "\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--read", type=Path, help="a HYDRADIST_DURATIONS record of a run made elsewhere")
+    p.add_argument("--wall", type=float, help="that run's wall seconds (with --read)")
+    p.add_argument("--command", default="make test (clean clone)", help="what made the record, for the table")
+    p.add_argument("pytest_args", nargs="*")
+    a = p.parse_args()
+    if a.read:
+        report(read_record(a.read), a.wall or 0.0, a.command)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "durations.tsv"
+        wall, code = run_suite(record, a.pytest_args)
+        report(read_record(record), wall, "python benchmarks/suite.py")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
