@@ -98,8 +98,10 @@ def test_the_enums_match_what_the_parts_accept():
     from framework.measure.memory import HOST_ALLOCATORS
     from framework.parallel.context import CP_IMPLS
     from framework.parallel.pipeline import SCHEDULES
+    from framework.plan.profile import MEASURES
 
     assert tuple(choices.Schedule) == SCHEDULES
+    assert tuple(choices.PlanProfile) == MEASURES
     assert set(choices.HostAllocator) == set(HOST_ALLOCATORS)
     assert set(choices.CpImpl) == set(CP_IMPLS)
     assert {p.stem for p in (CONF / "parallel").glob("*.yaml")} == set(choices.ParallelName)

@@ -116,6 +116,7 @@ WORLD2 = {
 WORLD4 = {
     "hybrid_auto_dp2_tp2": ["parallel=hybrid", "data.batch_size=4", "parallel.n_microbatches=2"],
     "hybrid_dp2_pp2": ["parallel=hybrid", "parallel.tp=1", "parallel.pp=2", "data.batch_size=4"],
+    "hybrid_pp2_tp2": ["parallel=hybrid", "parallel.pp=2", "parallel.tp=2", "data.batch_size=8"],
     "hsdp_2x2": ["parallel=fsdp", "parallel.dp_replicate=2", "data.batch_size=2"],
     "fsdp1_hybrid_shard_2x2": ["parallel=fsdp", "parallel.version=1", "parallel.dp_replicate=2",
                                "parallel.sharding_strategy=HYBRID_SHARD", "data.batch_size=2"],

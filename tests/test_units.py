@@ -112,6 +112,22 @@ def test_saved_activation_meter_counts_saved_inputs_not_parameters():
     y.sum().backward()
 
 
+def test_a_forward_never_backwarded_leaves_nothing_saved_and_the_meter_changes_no_gradient():
+    """An op that saves its own output (SDPA, exp) must not hold its graph through the meter: a
+    pipeline's first stage runs one forward to infer shapes and never backwards it (issue 35)."""
+    torch.manual_seed(0)
+    model = GPT(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    meter, x = SavedActivationMeter(model), torch.randint(256, (4, 16))
+    with meter.measure():
+        model(x).exp().sum()  # dropped, as the shape inference drops it
+        assert meter.live == 0
+        model(x).exp().mean().backward()
+    metered = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).exp().mean().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(metered, model.parameters(), strict=True))
+
+
 def test_activation_checkpointing_saves_less_and_keeps_gradients_identical():
     def grads_and_saved(checkpointed: bool):
         torch.manual_seed(0)

@@ -34,6 +34,7 @@ CpImpl = _choice("CpImpl", "ring torch")
 PrecisionName = _choice("PrecisionName", "fp32 amp bf16")
 MemoryName = _choice("MemoryName", "none checkpoint offload")
 HostAllocator = _choice("HostAllocator", "auto lean steady glibc")  # framework.measure.memory's policies
+PlanProfile = _choice("PlanProfile", "probe cache config")  # framework.plan.profile's MEASURES
 Sampler = _choice("Sampler", "distributed length_grouped token_budget")
 ImageSource = _choice("ImageSource", "synthetic folder cifar10")
 VarlenSource = _choice("VarlenSource", "synthetic text")

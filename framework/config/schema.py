@@ -27,6 +27,7 @@ from framework.config.choices import (
     OnError,
     Optimize,
     OptimName,
+    PlanProfile,
     PrecisionName,
     StartMethod,
     Verify,
@@ -231,6 +232,10 @@ class PlanConfig:
     overlap: float | None = None  # share of compute that hides data-parallel traffic; null: 0 CPU, 0.8 CUDA
     op_overhead_us: float | None = None  # dispatch cost per operator; null: probed (CPU) or nominal
     nodes: int = 1  # nodes the world spans (groups wider than a node use inter_node_gbps)
+    # the figures not given above: probe (the cache, else measured once and cached), cache (the
+    # cache, else nominal), config (nominal: no probe, no cache, as ranks a launcher started use;
+    # a plan, and so parallel=auto's pick, that no machine's speed or load can change)
+    profile: PlanProfile = PlanProfile.probe
 
 
 @dataclass

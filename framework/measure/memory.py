@@ -142,7 +142,12 @@ class SavedActivationMeter:
                 if ptr not in self._param_ptrs and storage.device.type != "meta" and storage.nbytes() > 0:
                     hold(ptr, storage.nbytes())
                     ptrs.append(ptr)
-            return _Saved(t, ptrs, release) if ptrs else t
+            # detached: a tensor that is its own op's output (SDPA's, a tanh's) would otherwise hold
+            # that op's node, which holds this packed object: a cycle through autograd's C++ that
+            # no collector breaks. Backward breaks it; a forward never backwarded (a pipeline's
+            # first stage runs one to infer its shapes) would keep its graph, and these bytes
+            # counted, for the rest of the run. Autograd restores the grad_fn as it unpacks.
+            return _Saved(t.detach(), ptrs, release) if ptrs else t
 
         def checkpointed_input(module, args):
             for t in args:

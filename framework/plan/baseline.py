@@ -56,7 +56,7 @@ def ensure_measured(cfg: DictConfig, world: int) -> None:
     from framework.config import resolve_device
 
     device = resolve_device(cfg)
-    if device != "cuda":
+    if device != "cuda" and cfg.plan.get("profile", "probe") != "config":  # config: the nominal figure
         baseline_bytes(device, "probe", forks_workers(cfg, world))
 
 

@@ -78,15 +78,20 @@ def _link_key(device: str, backend: str, world: int) -> str:
     return f"{name}|{device}|{backend}|world={world}|torch={torch.__version__}|paths=small-layers|bandwidth-by-op"
 
 
+MEASURES = ("probe", "cache", "config")  # ever fewer figures from this machine (plan.profile's choices)
+
+
 def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Profile:
     """The profile for `world` ranks. `plan.*` figures always come first; for the rest:
     - measure="probe": the cache, else a fresh measurement (cached);
     - measure="cache": the cache, else nominal figures (a run checking its own prediction);
     - measure="config": nominal figures only, so that every rank a launcher started (on any
       node, whatever its cache holds) ranks the layouts alike.
+    `plan.profile` can only narrow `measure` (config: nominal wherever the profile is asked for).
     `source` says which was used, `sources` figure by figure."""
     from framework.config import resolve_device
 
+    measure = max(measure, str(cfg.plan.get("profile", "probe")), key=MEASURES.index)
     device = resolve_device(cfg)
     local = local_ranks(world, cfg.plan.nodes, cfg.launch.nproc_per_node, device)
     plan, sources, where = cfg.plan, [], {}
