@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from framework.checkpoint.store import full_model_state_dict
+from framework.checkpoint.full import full_model_state_dict
 from framework.contract import factory_kwargs
 from framework.hf import ties_embeddings
 from models.llama import Llama

@@ -18,7 +18,7 @@ BASE = ["experiment=smoke", "logger=none", "model.n_layer=4", "model.n_head=4", 
 
 
 def _built_equals_single_process(rank: int, world: int, overrides: list[str]) -> list[str]:
-    from framework.checkpoint.store import full_model_state_dict
+    from framework.checkpoint.full import full_model_state_dict
     from framework.contract import build_model
     from framework.dist import DistInfo
     from framework.run.trainer import build
