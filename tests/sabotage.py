@@ -141,6 +141,18 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("the op trace splits norms and residual adds under tensor parallel", "framework/plan/ops.py",
      "sharded = style is not None or any(n in planned_parents for n in inside)", "sharded = True",
      "tests/test_plan.py::test_the_trace_places_each_operator_where_tensor_parallel_splits_it"),
+    ("tied copies' gradients not summed", "framework/parallel/__init__.py",
+     "    if ties is not None and ties.holders:", "    if False:",
+     "tests/test_llama.py::test_tied_llama_parity_across_strategies[pp]"),
+    ("save folder not agreed before writing", "framework/checkpoint/store.py",
+     "        agree()  # no rank has begun this save's folder yet", "        pass  # no rank has begun this save's folder yet",
+     "tests/test_seams.py::test_a_save_agrees_on_its_folder_before_any_rank_writes[fresh]"),
+    ("step folders ordered as strings", "framework/checkpoint/store.py",
+     "sorted(names, key=step_of)", "sorted(names)",
+     "tests/test_seams.py::test_checkpoints_are_ordered_by_step_past_a_million_and_pruning_keeps_the_newest"),
+    ("evaluation under cp not split", "framework/run/evaluation.py",
+     "    inputs, kwargs, target = par.split_batch(inputs, target)", "    kwargs = {}",
+     "tests/test_context.py::test_evaluation_under_cp_runs_each_ranks_part_of_the_sequence_through_the_ring"),
 ]  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache",
