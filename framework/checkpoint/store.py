@@ -169,11 +169,10 @@ class Checkpointer:
         folder, or None when the save failed under on_error=warn (async: when the previous did)."""
         ok = self.wait()  # one save in flight at a time; the previous one is complete after this
         path = step_dir(self.root, step)
-        agree = dist.barrier if dist.is_initialized() else (lambda: None)
-        agree()  # no rank has begun this save's folder yet: what rank 0 finds there is an earlier attempt's
         if self.rank == 0 and os.path.exists(path):
             print(f"checkpoint: {path} is left from an earlier attempt; kept as {move_aside(path)}", flush=True)
-        agree()  # ... and it is moved aside before any rank writes
+        if dist.is_initialized():  # no rank begins the folder before rank 0 has looked (and moved aside)
+            dist.barrier()
         buffer = io.BytesIO()
         torch.save(rng_state(generators), buffer)
         small = {rng_file(self.rank): buffer.getvalue()}
