@@ -119,6 +119,9 @@ def run_tool(argv: list[str], first_run) -> None:
     proc = subprocess.run([sys.executable, *args[1:], "device=cpu"] if args[2] == "framework.evaluate" else
                           [sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+    noise = [line for line in (proc.stdout + proc.stderr).splitlines()  # a warning, a library's progress bar
+             if "Warning" in line or "WARNING" in line or "Writing model shards" in line]  # fmt: skip
+    assert not noise, (argv, noise[:5])
     if args[2] == "framework.report":
         assert (sweep / "report.md").exists()
     if args[2] == "framework.evaluate":
