@@ -3,6 +3,9 @@
 PY ?= python3
 # torch and torchvision must be a matching pair (a mismatched torchvision fails to import)
 TORCH ?= torch==2.14.1 torchvision==0.29.1
+# pip options for torch and torchvision alone, e.g. TORCH_PIP="--index-url https://download.pytorch.org/whl/cpu"
+# (PyTorch's CPU builds: no CUDA libraries in .venv); empty: the registry's default build
+TORCH_PIP ?=
 VENV := .venv
 STAMP := $(VENV)/.installed
 
@@ -10,7 +13,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q $(TORCH)
+	$(VENV)/bin/pip install -q $(TORCH_PIP) $(TORCH)
 	$(VENV)/bin/pip install -q -e ".[dev,hf]"
 	touch $(STAMP)
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -161,3 +164,13 @@ def all_gather_object(obj, info: DistInfo) -> list:
     out = [None] * info.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+@contextmanager
+def one_process_checkpoint_io() -> Iterator[None]:
+    """DCP's load in a process without a process group (evaluate, generate and export read a
+    checkpoint in one process) warns on every call that it assumes one process. That is the
+    intent there, so only that warning, only within the call, is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+        yield

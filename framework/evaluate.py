@@ -59,8 +59,11 @@ def load_model(path: str, module) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from framework.dist import one_process_checkpoint_io
+
     state = get_model_state_dict(module)
-    dcp.load({"model": state}, checkpoint_id=path)
+    with one_process_checkpoint_io():
+        dcp.load({"model": state}, checkpoint_id=path)
     set_model_state_dict(module, state)
 
 

@@ -92,8 +92,11 @@ def read_tensor(checkpoint: str, name: str, shape: torch.Size, dtype: torch.dtyp
     """One whole model tensor from a DCP checkpoint (its shards gathered), on the CPU."""
     import torch.distributed.checkpoint as dcp
 
+    from framework.dist import one_process_checkpoint_io
+
     out = torch.empty(shape, dtype=dtype)
-    dcp.load({"model": {name: out}}, checkpoint_id=checkpoint)
+    with one_process_checkpoint_io():
+        dcp.load({"model": {name: out}}, checkpoint_id=checkpoint)
     return out
 
 

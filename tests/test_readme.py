@@ -7,6 +7,7 @@ written. A command this file does not know how to run is a failure, not a skip."
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import shlex
 import subprocess
@@ -118,6 +119,9 @@ def run_tool(argv: list[str], first_run) -> None:
     proc = subprocess.run([sys.executable, *args[1:], "device=cpu"] if args[2] == "framework.evaluate" else
                           [sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+    noise = [line for line in (proc.stdout + proc.stderr).splitlines()  # a warning, a library's progress bar
+             if "Warning" in line or "WARNING" in line or "Writing model shards" in line]  # fmt: skip
+    assert not noise, (argv, noise[:5])
     if args[2] == "framework.report":
         assert (sweep / "report.md").exists()
     if args[2] == "framework.evaluate":
@@ -150,6 +154,52 @@ def test_every_readme_command_runs(first_run, user_files):
             compose_run(on_cpu([a for a in job if not a.startswith(("hydra.run.", "hydra.sweep."))]))
             composed += 1
     assert composed >= 15 and {"framework.plan", "framework.evaluate", "framework.generate"} <= set(ran)
+
+
+def own_model_commands(user_files) -> dict[str, list[str]]:
+    """Section 6's train.py lines of the README's TinyLM by their strategy, with the user's paths in."""
+    section = README.split("## 6. Your own model and data", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for argv in bash_commands():
+        args = train_args(argv)
+        if " ".join(argv) in section and args is not None and "model=hf" not in args:
+            out |= {a: [_substitute(b, user_files) for b in args] for a in args if a.startswith("parallel=")}
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["parallel=fsdp", "parallel=tp"])
+def test_the_own_model_examples_train_and_warn_of_nothing(user_files, tmp_path, strategy):
+    """The README's TinyLM trains, as written, under fsdp (its Linear head returns a view, which
+    FSDP2 would warn may give wrong gradients) and tp (its plan has no sequence-parallel entries:
+    auto turns it off, in one line, rather than refusing the run)."""
+    args = own_model_commands(user_files)[strategy]
+    env = {"PYTHONPATH": os.pathsep.join([user_files["$PWD"], *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
+    proc = train_cli([*args, "steps=2", "logger=none", "progress=false"], tmp_path / "run", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert not [line for line in out.splitlines() if "Warning" in line or "WARNING" in line], out[-3000:]
+    note = "parallel.sequence_parallel: off (TinyLM's plan has no sequence-parallel entries)"
+    assert (note in proc.stdout.splitlines()) == (strategy == "parallel=tp") and note in README, proc.stdout
+
+
+def test_tp_runs_sequence_parallel_where_the_plan_has_it(user_files, capsys):
+    """parallel.sequence_parallel is auto: on for gpt and llama, off for plans without its entries
+    (TinyLM's, a Hugging Face Llama's), resolved to a bool before any worker; an explicit true is refused."""
+    from framework.compose import compose_run
+    from framework.config import ConfigError
+
+    resolved = {}
+    for name, model in {"gpt": [], "llama": ["model=llama"], "TinyLM": ["model=custom", "model._target_=tiny.TinyLM"],
+                        "hf": ["model=hf", f"model.config={user_files['path/to/llama']}"]}.items():  # fmt: skip
+        resolved[name] = compose_run(on_cpu(["parallel=tp", *model]))["parallel"]["sequence_parallel"]
+    assert resolved == {"gpt": True, "llama": True, "TinyLM": False, "hf": False}
+    said = capsys.readouterr().out.splitlines()
+    assert "parallel.sequence_parallel: off (TinyLM's plan has no sequence-parallel entries)" in said
+    assert len([line for line in said if line.startswith("parallel.sequence_parallel: off")]) == 2, said
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: TinyLM's plan has no sequence-parallel"):
+        compose_run(
+            on_cpu(["parallel=tp", "parallel.sequence_parallel=true", "model=custom", "model._target_=tiny.TinyLM"])
+        )
 
 
 def _substitute(arg: str, paths: dict[str, str]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from framework.config.errors import ConfigError
@@ -141,15 +141,37 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
         check_plan(model, spec)
     except ContractError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
-    styles = set(spec.tp_plan.values())
-    if cfg.parallel.get("sequence_parallel", True) and not (
-        {"embedding", "vocab_embedding"} & styles and "sequence_parallel" in styles
-    ):
+    if cfg.parallel.get("sequence_parallel", None) and not _plans_sequence_parallel(spec):
         raise ConfigError(
             "parallel.sequence_parallel",
             f"{type(model).__name__}'s plan has no sequence-parallel entries (embedding, sequence_parallel "
             "norms); set parallel.sequence_parallel=false or declare them",
         )
+
+
+def _plans_sequence_parallel(spec: ModelSpec) -> bool:
+    """A plan runs sequence parallel when it splits the embeddings' output along the sequence and
+    runs its norms on sequence shards; without both the residual stream has no sequence layout."""
+    styles = set(spec.tp_plan.values())
+    return bool({"embedding", "vocab_embedding"} & styles) and "sequence_parallel" in styles
+
+
+def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
+    """`parallel.sequence_parallel` null (auto, the default) becomes a bool in `cfg`, the one place
+    it is decided: on where the model's plan has sequence-parallel entries, else off, said in one
+    line (a plan without them, like the README's TinyLM or a Hugging Face model's, trains without
+    a flag). Workers and the planner read the bool. A widened tp axis (parallel=fsdp
+    parallel.tp=2) gets the key too. An explicit value stays; check_tensor_parallel refuses a true
+    that the plan cannot run. Returns the line to print when auto turned it off under tp."""
+    p = cfg.parallel
+    if p.get("sequence_parallel", None) is not None or (tp <= 1 and "sequence_parallel" not in p):
+        return None
+    model, spec = _meta(cfg)
+    with open_dict(p):
+        p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec)
+    if tp > 1 and not p.sequence_parallel:
+        return f"parallel.sequence_parallel: off ({type(model).__name__}'s plan has no sequence-parallel entries)"
+    return None
 
 
 def check_pipeline(cfg: DictConfig) -> None:

@@ -71,7 +71,7 @@ class TPConfig(MeshConfig):
     name: ParallelName = ParallelName.tp
     tp: int = -1
     dp_shard: int = 1
-    sequence_parallel: bool = True
+    sequence_parallel: bool | None = None  # None: auto, on where the model's plan declares it (validation decides)
     loss_parallel: bool = False
 
 

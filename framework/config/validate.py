@@ -297,11 +297,14 @@ def _check_strategy(cfg: DictConfig) -> None:
         )
     if p.name not in ("fsdp", "tp", "pp", "hybrid", "cp"):
         return
-    from framework.config.model import model_dims_of
+    from framework.config.model import model_dims_of, resolve_sequence_parallel
 
     n_layer, n_head = model_dims_of(cfg)
     try:
         dims = ParallelDims.from_config(p, world_size_of(cfg), n_layer, n_head)
+        note = resolve_sequence_parallel(cfg, dims.tp)  # auto -> a bool in cfg; said where it is off
+        if note and int(os.environ.get("RANK", 0)) == 0:
+            print(note, flush=True)
         dims.check_run(cfg)
     except DimsError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None

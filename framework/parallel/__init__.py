@@ -244,8 +244,9 @@ def _sync_and_clip(par: Parallelized, root: nn.Module, parallel_cfg: DictConfig,
 
 
 def _tp_knobs(parallel_cfg: DictConfig) -> tuple[bool, bool]:
-    """(sequence_parallel, loss_parallel): tp's knobs, their defaults where another choice widens tp."""
-    return parallel_cfg.get("sequence_parallel", True), parallel_cfg.get("loss_parallel", False)
+    """(sequence_parallel, loss_parallel): tp's knobs, their defaults where another choice widens tp.
+    sequence_parallel is a bool here: validation resolved its auto (framework/config/model.py)."""
+    return bool(parallel_cfg.get("sequence_parallel", None)), parallel_cfg.get("loss_parallel", False)
 
 
 def _stacked(*contexts: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:

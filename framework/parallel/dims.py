@@ -175,7 +175,7 @@ class ParallelDims:
                 f"the {schedule} schedule needs at least as many micro-batches as stages ({stages})",
             )
         seq_len = cfg.data.get("seq_len")  # data of no sequences (vectors, images): the model's checks refuse tp
-        if self.tp > 1 and p.get("sequence_parallel", True) and seq_len is not None:
+        if self.tp > 1 and p.get("sequence_parallel", None) and seq_len is not None:  # resolved by now
             _require(
                 seq_len % (self.tp * self.cp) == 0,
                 "data.seq_len",

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from framework.parallel.tensor import own_storage
 from framework.precision import DTYPES
 
 
@@ -41,10 +42,16 @@ def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictCon
         # offload: shards (and so the optimizer step) live in CPU memory, copied in unit by unit
         "offload_policy": CPUOffloadPolicy() if cfg.memory.name == "offload" else OffloadPolicy(),
     }
+    # A unit whose output is a view (a Linear head on (B, T, dim) returns one: the README's
+    # TinyLM) would make FSDP warn of wrong gradients: an in-place op on a view drops the hook
+    # FSDP puts on it for its pre-backward all-gather. Each unit's output gets a storage of its
+    # own first (a hook registered now runs before FSDP's); outputs that are no views pass as they are.
     for block in blocks:
+        block.register_forward_hook(own_storage)
         fully_shard(block, reshard_after_forward=cfg.parallel.get("reshard_after_forward", True), **kwargs)
     # The root unit holds what is left (embeddings, head); it is needed again at once by the
     # backward, so it is never resharded after forward.
+    model.register_forward_hook(own_storage)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 

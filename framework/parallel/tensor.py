@@ -81,11 +81,12 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh, sequence_parallel: bool
     # from. FSDP, applied next, hooks its pre-backward all-gather on the output, and an in-place
     # op on a view would drop that hook: give the output a storage of its own (a hook registered
     # now runs before FSDP's).
-    model.register_forward_hook(_own_storage)
+    model.register_forward_hook(own_storage)
     return model
 
 
-def _own_storage(module: nn.Module, args: tuple, output):
+def own_storage(module: nn.Module, args: tuple, output):
+    """A forward hook: a plain tensor output that is a view comes back with a storage of its own."""
     if isinstance(output, torch.Tensor) and not hasattr(output, "to_local") and output._base is not None:
         return output.clone()
     return output

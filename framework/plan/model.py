@@ -83,7 +83,7 @@ def layout_of(parallel: DictConfig, world: int, n_layer: int | None = None, n_he
             return Layout("ddp", dp_replicate=world, bucket_cap_mb=p.get("bucket_cap_mb", 25.0))
     return Layout(
         p.name, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, fsdp, reshard,
-        sequence_parallel=dims.tp > 1 and p.get("sequence_parallel", True),
+        sequence_parallel=dims.tp > 1 and bool(p.get("sequence_parallel", None)),  # resolved in validation
         loss_parallel=dims.tp > 1 and p.get("loss_parallel", False),
         schedule=p.get("schedule", "1F1B"), n_microbatches=p.get("n_microbatches", 4) if dims.pp > 1 else 1,
         stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,

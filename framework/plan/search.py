@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import CONF_DIR, ConfigError, resolve_device
-from framework.config.model import meta_model, model_dims_of, model_spec
+from framework.config.model import meta_model, model_dims_of, model_spec, resolve_sequence_parallel
 from framework.config.schema import group_schema
 from framework.machine import local_ranks
 from framework.parallel.dims import ParallelDims
@@ -49,7 +49,7 @@ def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
     ddp reads), so a layout with fewer data-parallel ranks takes a larger batch per rank."""
     options: list[tuple[str, dict[str, Any]]] = [("ddp", {}), ("fsdp", {}), ("fsdp", {"reshard_after_forward": False})]
     if model_spec(cfg).tp_plan and not cfg.data.rank_batch_sizes:
-        options += [("tp", {"sequence_parallel": cfg.data.seq_len % world == 0})]
+        options += [("tp", {} if cfg.data.seq_len % world == 0 else {"sequence_parallel": False})]  # {}: auto
         options += [
             ("pp", {"schedule": s})
             for s in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -88,6 +88,7 @@ def _candidate(cfg: DictConfig, world: int, name: str, settings: dict[str, Any])
         parallel.pp = dims.pp  # parallel=pp's -1 (all ranks) as a degree: the knob search's bound reads it
     trial.parallel = parallel
     try:
+        resolve_sequence_parallel(trial, dims.tp)  # auto -> what the model's plan runs (the note is validation's)
         if name != "ddp":
             dims.check_run(trial)
     except ValueError:
