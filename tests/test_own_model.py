@@ -127,6 +127,7 @@ def user_folder(tmp_path_factory):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), old) if p)
     yield folder
     sys.path.remove(str(folder))
+    sys.modules.pop("tiny", None)  # this folder's tiny.py: not another test's (tests/test_readme.py)
     os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
 
 

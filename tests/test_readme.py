@@ -61,8 +61,10 @@ def user_files(tmp_path_factory):
     (home / "README.md").write_text(README)
     write_tiny_llama_config(home / "llama")
     sys.path.insert(0, str(home))
+    sys.modules.pop("tiny", None)  # another test's tiny.py (tests/test_own_model.py) is not the README's
     yield {"$PWD": str(home), "path/to/llama": str(home / "llama"), "=README.md": f"={home / 'README.md'}"}
     sys.path.remove(str(home))
+    sys.modules.pop("tiny", None)
 
 
 @pytest.fixture(scope="module")
