@@ -171,8 +171,8 @@ class Checkpointer:
         path = step_dir(self.root, step)
         if self.rank == 0 and os.path.exists(path):
             print(f"checkpoint: {path} is left from an earlier attempt; kept as {move_aside(path)}", flush=True)
-        if dist.is_initialized():  # no rank begins the folder before rank 0 has looked (and moved aside)
-            dist.barrier()
+        if dist.is_initialized():  # no rank begins the folder before rank 0 has looked (and moved aside);
+            dist.barrier()  # fits() below is a collective too, but that is a check of its own, not this order
         buffer = io.BytesIO()
         torch.save(rng_state(generators), buffer)
         small = {rng_file(self.rank): buffer.getvalue()}
