@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/python train.py $(ARGS)
 
+# the default suite on one pytest worker per two cores (tests/conftest.py), a test file per worker
+# at a time, the longest files first; `make test TEST_WORKERS=0` runs it in this one process
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "not matrix" $(ARGS)

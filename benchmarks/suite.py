@@ -23,6 +23,7 @@ from common import ROOT, table, write_result
 
 BUDGET_S = 20 * 60  # make test on a clean clone, 2 cores
 LONG_S = 60
+MAKE_TEST = ["-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder"]  # the Makefile's `make test`
 # a test over LONG_S: why it cannot share a run or be smaller
 LONG: dict[str, str] = {}
 
@@ -31,7 +32,7 @@ def run_suite(record: Path, args: list[str]) -> tuple[float, int]:
     """(wall seconds, pytest's exit code) of the default suite, each test's time into `record`."""
     env = {**os.environ, "HYDRADIST_DURATIONS": str(record), "WANDB_MODE": "offline"}
     started = time.perf_counter()
-    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env)
+    code = subprocess.call([sys.executable, "-m", "pytest", *MAKE_TEST, "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env)
     return time.perf_counter() - started, code
 
 
