@@ -32,7 +32,9 @@ def run_suite(record: Path, args: list[str]) -> tuple[float, int]:
     """(wall seconds, pytest's exit code) of the default suite, each test's time into `record`."""
     env = {**os.environ, "HYDRADIST_DURATIONS": str(record), "WANDB_MODE": "offline"}
     started = time.perf_counter()
-    code = subprocess.call([sys.executable, "-m", "pytest", *MAKE_TEST, "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env)
+    code = subprocess.call(
+        [sys.executable, "-m", "pytest", *MAKE_TEST, "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env
+    )
     return time.perf_counter() - started, code
 
 

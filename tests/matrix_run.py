@@ -38,7 +38,7 @@ def _fill(overrides, folders: dict[str, str]) -> list[str]:
     return [o.format(**folders) for o in overrides]
 
 
-def compose_cell(overrides: list[str], world: int, accumulation: int = 1) -> dict[str, Any]:
+def compose_cell(overrides: list[str], world: int) -> dict[str, Any]:
     """Composed and validated for `world` workers, each data-parallel rank's micro-batch set so the
     global batch is GLOBAL_BATCH (as train.py would; raises ConfigError for a refusal)."""
     from omegaconf import OmegaConf
@@ -52,7 +52,7 @@ def compose_cell(overrides: list[str], world: int, accumulation: int = 1) -> dic
         dp = ParallelDims.from_config(cfg.parallel, world, *model_dims_of(cfg)).dp
     except DimsError:
         dp = 1  # validation names the problem
-    cfg.data.batch_size = max(1, GLOBAL_BATCH // (dp * accumulation))
+    cfg.data.batch_size = max(1, GLOBAL_BATCH // (dp * cfg.accumulation_steps))
     validate(cfg)
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -68,11 +68,6 @@ def reference_overrides(cell: Cell, folders: dict[str, str]) -> list[str]:
 
 def key_of(overrides: list[str]) -> str:
     return hashlib.sha1("\n".join(overrides).encode()).hexdigest()[:12]
-
-
-def accumulation_of(cell: Cell) -> int:
-    found = [int(o.split("=")[1]) for o in cell.feature.overrides if o.startswith("accumulation_steps=")]
-    return found[0] if found else 1
 
 
 def resumes(cell: Cell) -> bool:
@@ -192,7 +187,7 @@ def run_cells(cells: list[Cell], out: Path) -> dict[str, tuple[str, str]]:
     for cell in cells:
         overrides = cell_overrides(cell, folders)
         try:  # composed once: the refusal check, and the config the cell runs
-            config = compose_cell(overrides, cell.strategy.world, accumulation_of(cell))
+            config = compose_cell(overrides, cell.strategy.world)
         except Exception as err:
             results[cell.id] = refusal(err)
             continue

@@ -354,3 +354,41 @@ def test_a_lease_is_aged_on_the_file_systems_clock_not_this_hosts(tmp_path, monk
     ours = runlock.RunLock(str(tmp_path), "ours")
     assert ours.acquire(wait_s=0).startswith(f"run folder lock: taking over {lock_file} from host elsewhere")
     ours.release()
+
+
+def _batchnorm_on_half(rank: int, world: int, momentum):
+    """One step of a BatchNorm2d made global over the group, on this rank's half of the batch."""
+    import torch.distributed as dist
+
+    from framework.parallel.batchnorm import sync_batchnorm
+
+    torch.manual_seed(0)
+    x = torch.randn(4 * world, 3, 5, 5) * 3 + 1
+    bn = torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=momentum))
+    torch.nn.init.uniform_(bn[0].weight)
+    bn = sync_batchnorm(bn, dist.group.WORLD, torch.device("cpu"))
+    mine = x.chunk(world)[rank].clone().requires_grad_()
+    (bn(mine) * torch.arange(75.0).view(3, 5, 5)).sum().backward()
+    dist.all_reduce(bn[0].weight.grad)
+    return {"grad_x": mine.grad, "grad_w": bn[0].weight.grad, **dict(bn[0].named_buffers()), "type": type(bn[0])}
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_under_data_parallel_normalises_by_the_global_batch(momentum):
+    """parallel.sync_batchnorm: two ranks with half a batch each get one process's input and
+    weight gradients (summed over ranks, as DDP does) and running statistics; plain BatchNorm's
+    per-rank statistics do not (the resnet x ddp cell of the matrix)."""
+    from tests.helpers import run_workers
+
+    torch.manual_seed(0)
+    x = (torch.randn(8, 3, 5, 5) * 3 + 1).requires_grad_()
+    bn = torch.nn.BatchNorm2d(3, momentum=momentum)
+    torch.nn.init.uniform_(bn.weight)
+    (bn(x) * torch.arange(75.0).view(3, 5, 5)).sum().backward()
+    ranks = run_workers(_batchnorm_on_half, 2, momentum)
+    assert ranks[0]["type"].__name__ == "GlobalBatchNorm"
+    torch.testing.assert_close(torch.cat([ranks[0]["grad_x"], ranks[1]["grad_x"]]), x.grad, rtol=1e-5, atol=1e-5)
+    for r in ranks.values():
+        torch.testing.assert_close(r["grad_w"], bn.weight.grad, rtol=1e-5, atol=1e-4)
+        for name, value in bn.named_buffers():
+            torch.testing.assert_close(r[name], value, rtol=1e-5, atol=1e-6)

@@ -26,6 +26,9 @@ class ParallelConfig:
     """What every `parallel` choice has; none, dp and auto have nothing more."""
 
     name: ParallelName = MISSING
+    # BatchNorm over every data-parallel rank's micro-batch (one process's statistics); false:
+    # each rank's own (torch's default, one all-reduce fewer per layer and direction)
+    sync_batchnorm: bool = True
 
 
 @dataclass

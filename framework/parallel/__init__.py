@@ -116,6 +116,8 @@ def parallelize(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInf
 def _wrap(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, strategy: Strategy) -> Parallelized:
     if strategy.on_mesh:
         return _parallelize_on_mesh(model, spec, cfg, info, strategy)
+    if strategy.name == "ddp":
+        model = _global_batchnorm(model, cfg, dist.group.WORLD, info)
     _checkpoint_and_compile(model, spec, cfg)
     if strategy.name == "dp":
         from framework.parallel.dp import apply_dp
@@ -211,6 +213,8 @@ def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, 
     ties = SplitTies()
     if spec.ties and dims.pp > 1:
         ties = split_ties(split, mesh.device_mesh, holder_ranks(parallel_cfg, dims.pp))
+    if dims.dp > 1:  # BatchNorm over the data-parallel ranks together
+        stages = [_global_batchnorm(stage, cfg, mesh.dp_group, info) for stage in stages]
     for stage in stages:
         # 3. context parallel (it shards the batch and swaps attention: nothing to wrap)
         # 4. activation checkpointing, 5. compile
@@ -222,6 +226,16 @@ def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, 
         for stage in stages:
             apply_fsdp2(stage, blocks_of(stage, spec), mesh.dp_mesh, cfg)
     return stages, stage_ids, n_stages, ties
+
+
+def _global_batchnorm(model: nn.Module, cfg: DictConfig, group, info: DistInfo) -> nn.Module:
+    """parallel.sync_batchnorm: the model's BatchNorms over `group`'s micro-batches together
+    (framework/parallel/batchnorm.py); models without BatchNorm are returned as they are."""
+    from framework.parallel.batchnorm import has_batchnorm, sync_batchnorm
+
+    if not cfg.parallel.get("sync_batchnorm", True) or not has_batchnorm(model):
+        return model
+    return sync_batchnorm(model, group, info.device)
 
 
 def _sync_and_clip(par: Parallelized, root: nn.Module, parallel_cfg: DictConfig, strategy: Strategy) -> None:

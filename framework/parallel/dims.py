@@ -236,6 +236,14 @@ class Mesh:
                 return flat
         return self.device_mesh["dp_replicate", shard] if self.dims.dp_replicate > 1 else self.device_mesh[shard]
 
+    @cached_property
+    def dp_group(self):
+        """The process group of every data-parallel rank (replicate x shard; cp ranks excluded:
+        they hold parts of the same samples)."""
+        if self.dims.dp_replicate > 1 and self.dims.dp_shard > 1:
+            return self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        return self.device_mesh["dp_replicate" if self.dims.dp_replicate > 1 else "dp_shard"].get_group()
+
     @property
     def cp_rank(self) -> int:
         return self.device_mesh["cp"].get_local_rank()

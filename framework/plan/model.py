@@ -128,6 +128,7 @@ class Shapes:
     buffers: dict[str, int] = field(default_factory=dict)  # bytes of the model's buffers, by dtype
     hidden: int | None = None  # the residual stream's width (what a pipeline stage sends)
     tp: TPShape | None = None
+    batchnorm: list[int] = field(default_factory=list)  # channels of each BatchNorm layer
 
 
 def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
@@ -159,7 +160,8 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
         buffers[str(b.dtype)] += b.numel() * b.element_size()
     hidden = residual_width(model, spec)
     tp = tp_shape(model, spec, plan, hidden) if plan else None
-    return Shapes(params, spec.planner_shape, *(counted or (None, None)), layers, dict(buffers), hidden, tp)
+    norms = [m.num_features for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return Shapes(params, spec.planner_shape, *(counted or (None, None)), layers, dict(buffers), hidden, tp, norms)
 
 
 _TRACED: dict[int, tuple[nn.Module, set[str]]] = {}  # held: an id is only unique while its object lives

@@ -86,9 +86,11 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
             # coalesced into one broadcast per dtype
             n = cfg.accumulation_steps
             ranks[0].add("broadcast", n * sum(shapes.buffers.values()), layout.world, n * len(shapes.buffers), "dp")
+        _sync_batchnorm(ranks[0], shapes, cfg, layout.world)
         return ranks
     if layout.fsdp:
         _fsdp(ranks, shapes, cfg, layout)
+        _sync_batchnorm(ranks[0], shapes, cfg, layout.dp)
     if layout.tp > 1:
         _tensor_parallel(ranks, shapes, cfg, layout)
     if layout.pp > 1:
@@ -100,6 +102,17 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
     for t in ranks:  # clipping's global norm
         t.add("all_reduce", 4, layout.world)
     return ranks
+
+
+def _sync_batchnorm(t: Traffic, shapes: Shapes, cfg: DictConfig, dp: int) -> None:
+    """parallel.sync_batchnorm (framework/parallel/batchnorm.py), per BatchNorm layer and micro-batch:
+    the count and per-channel sums all-reduced forward, and their gradients backward (fp32): the
+    CPU implementation's; torch's SyncBatchNorm on accelerators all-gathers the per-rank statistics
+    forward instead, dp times the bytes of that one call."""
+    if dp > 1 and shapes.batchnorm and cfg.parallel.get("sync_batchnorm", True):
+        n = cfg.accumulation_steps
+        payload = sum(4 * (2 * c + 1) for c in shapes.batchnorm)
+        t.add("all_reduce", 2 * n * payload, dp, 2 * n * len(shapes.batchnorm), "dp")
 
 
 def _ddp(t: Traffic, shapes: Shapes, layout: Layout) -> None:
