@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (sabotage, file, exact old text, new text, catching test): one row per feature; add yours.
 SABOTAGES: list[tuple[str, str, str, str, str]] = [
+    ("process groups left to interpreter shutdown", "framework/dist.py",
+     "        dist.destroy_process_group()\n    gc.collect()", "        dist.destroy_process_group()",
+     "tests/test_structure.py::test_a_run_frees_its_process_groups_while_the_interpreter_is_whole"),
     ("resume=auto ignored", "framework/checkpoint/resume.py",
      'if resume != "auto" and restart_count() == 0:', "if restart_count() == 0:",
      "tests/test_reliability.py::test_resume_auto_continues_from_the_newest_checkpoint_and_says_so"),

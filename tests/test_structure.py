@@ -168,3 +168,30 @@ def test_the_peak_read_from_outside_includes_the_forked_workers(tmp_path):
     script.write_text(code)
     peak = peak_rss_of([sys.executable, str(script)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert peak > 1536 * 2**20, peak / 2**20
+
+
+def _wrappers_alive_after_a_run(config: dict, run_dir: str) -> list[str]:
+    import gc
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from framework.run.trainer import run
+
+    run(OmegaConf.create(config), run_dir, {"parallel": config["parallel"]["name"]})
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.distributed.fsdp.FSDPModule)
+    return sorted({type(o).__name__ for o in gc.get_objects() if isinstance(o, wrappers)})
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_frees_its_process_groups_while_the_interpreter_is_whole(tmp_path, strategy):
+    """A wrapper sits in a reference cycle and holds its process group: left to the interpreter's
+    shutdown, Gloo's threads are torn down there and a torchrun worker (which, unlike a forked
+    one, runs that shutdown) aborted now and then with SIGABRT after training correctly. When a
+    run returns, no wrapper is left."""
+    from framework.machine import launch_local
+    from tests.helpers import world_config
+
+    config = world_config(["experiment=smoke", "logger=none", "steps=2", f"parallel={strategy}"], 2)
+    left = launch_local(2, _wrappers_alive_after_a_run, config, str(tmp_path))
+    assert left == {0: [], 1: []}
