@@ -34,17 +34,41 @@ class Precision:
 
 
 def build_precision(cfg: DictConfig, device: torch.device, sharded: bool = False) -> Precision:
-    """`sharded`: FSDP1, whose ranks hold different gradient shards: its scaler agrees across
-    ranks on whether any shard overflowed, so every rank skips the same steps."""
-    if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
-    else:
-        Scaler = torch.amp.GradScaler
+    """`sharded`: the ranks hold different gradient shards (FSDP1, tensor parallel): the scaler
+    agrees across ranks on whether any shard overflowed, so every rank skips the same steps."""
+    Scaler = _shard_scaler() if sharded else torch.amp.GradScaler
     # the scaler's knobs are amp's (precision=amp); the other choices' disabled scaler takes torch's defaults
     knobs = {k: cfg[k] for k in ("init_scale", "growth_interval") if k in cfg}
     scaler = Scaler(device.type, enabled=cfg.name == "amp", **knobs)
     tf32 = apply_tf32(cfg.tf32, device)
     return Precision(cfg.name, DTYPES[cfg.name], device.type, scaler, tf32)
+
+
+def _shard_scaler() -> type:
+    """torch's ShardedGradScaler (found_inf all-reduced over the ranks), unscaling each DTensor
+    gradient through its local shard: under tensor parallel some gradients are DTensors and
+    others plain tensors, which torch's one foreach unscale refuses to mix."""
+    from collections import defaultdict
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import DTensor
+
+    class LocalShardScaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            grads, found = defaultdict(list), {}
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for grad in (p.grad for p in group["params"] if p.grad is not None):
+                        local = grad.to_local() if isinstance(grad, DTensor) else grad
+                        if not allow_fp16 and local.dtype == torch.float16:
+                            raise ValueError("Attempting to unscale FP16 gradients.")
+                        grads[(local.device, local.dtype)].append(local)
+                for (place, _), tensors in grads.items():
+                    found.setdefault(place, found_inf.to(place))
+                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[place], inv_scale.to(place))
+            return found or {found_inf.device: found_inf}
+
+    return LocalShardScaler
 
 
 def apply_tf32(enabled: bool, device: torch.device) -> bool:

@@ -39,7 +39,7 @@ SHAPES = {
     "hf": ["model.config={hf}"],
     "custom": ["model._target_=matrix_user.TinyLM", "+model.dim=32", "+model.n_layers=4", "+model.n_heads=2"],
     "mlp": ["model.hidden=32"],
-    "resnet": [],
+    "resnet": ["optim=sgd"],  # Adam turns the reordered sums of near-zero gradients into whole steps
     "lstm": ["model.embed_dim=16", "model.hidden=16"],
 }
 DATA_SHAPES = {

@@ -12,7 +12,7 @@ from tests.matrix import GLOBAL_BATCH, STEPS, TOLERANCE, Cell
 MARKS = {"parity": "✓", "refused": "✗", "FAILED": "FAILED"}
 
 
-def write_table(cells: list[Cell], results: dict[str, tuple[str, str]], seconds: float) -> Path:
+def write_table(cells: list[Cell], results: dict[str, tuple[str, str]], seconds: float, name: str = "matrix") -> Path:
     notes: dict[str, int] = {}
     plain = [c for c in cells if c.feature.name.startswith("plain")]
     lines = [
@@ -33,14 +33,18 @@ def write_table(cells: list[Cell], results: dict[str, tuple[str, str]], seconds:
         lines += ["", f"## Every feature under every strategy: {model}", ""]
         lines += _grid(mine, results, notes, row=lambda c: c.strategy.name, col=lambda c: c.feature.name)
     lines += ["", "## Reasons", ""] + [f"{n}. {text}" for text, n in notes.items()]
-    out = Path(os.environ.get("HYDRADIST_RESULTS_DIR", ROOT / "docs" / "results")) / "matrix.md"
+    out = Path(os.environ.get("HYDRADIST_RESULTS_DIR", ROOT / "docs" / "results")) / f"{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return out
 
 
 def _grid(cells: list[Cell], results: dict, notes: dict[str, int], row, col) -> list[str]:
-    rows, cols = list(dict.fromkeys(map(row, cells))), list(dict.fromkeys(map(col, cells)))
+    from tests.matrix import features, models, strategies
+
+    order = {v.name: i for axis in (models(), strategies(), features()) for i, v in enumerate(axis)}
+    rows = sorted(dict.fromkeys(map(row, cells)), key=order.get)
+    cols = sorted(dict.fromkeys(map(col, cells)), key=order.get)
     at = {(row(c), col(c)): c for c in cells}
     lines = ["| strategy | " + " | ".join(f"`{c}`" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for r in rows:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
@@ -129,7 +130,14 @@ def _check_sequence(cfg: DictConfig, model: nn.Module) -> None:
 
 
 def check_tensor_parallel(cfg: DictConfig) -> None:
-    """parallel with tp > 1: the model declares a plan whose submodules exist."""
+    """parallel with tp > 1: the model declares a plan whose submodules exist; not compiled."""
+    if cfg.compile:  # torch 2.14: compiled DTensor redistributes lose their backward (matrix)
+        raise ConfigError(
+            "compile",
+            f"torch {torch.__version__.split('+')[0]} does not compile tensor-parallel blocks reliably (the "
+            "compiled backward of a DTensor redistribute fails or trains off the eager run for llama, hf and "
+            "user models); set compile=false with tensor parallel",
+        )
     model, spec = _meta(cfg)
     if not spec.tp_plan:
         raise ConfigError(
