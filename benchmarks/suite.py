@@ -24,8 +24,19 @@ from common import ROOT, table, write_result
 BUDGET_S = 20 * 60  # make test on a clean clone, 2 cores
 LONG_S = 60
 MAKE_TEST = ["-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder"]  # the Makefile's `make test`
-# a test over LONG_S: why it cannot share a run or be smaller
-LONG: dict[str, str] = {}
+# a test over LONG_S (its node id, or the start of it): why it cannot share a run or be smaller
+SHARED_MATRIX = (
+    "the first test of the file runs the module's matrix cells in one go (one group of workers per world "
+    "size, tests/matrix_run.py), the shared run every other cell's test reads"
+)
+LONG: dict[str, str] = {
+    "tests/test_matrix.py::test_covering_subset": SHARED_MATRIX,
+    "tests/test_matrix_wide.py::test_covering_subset": SHARED_MATRIX,
+}
+
+
+def why_long(name: str) -> str:
+    return next((why for start, why in LONG.items() if name.startswith(start)), "(no reason recorded)")
 
 
 def run_suite(record: Path, args: list[str]) -> tuple[float, int]:
@@ -64,7 +75,7 @@ def report(tests: dict[str, float], wall: float, command: str) -> str:
         "",
         f"Tests over {LONG_S} s, and why each cannot share a run or be smaller:",
         "",
-        table(["test", "seconds", "why"], [[n, round(s, 1), LONG.get(n, "(no reason recorded)")] for s, n in long]),
+        table(["test", "seconds", "why"], [[n, round(s, 1), why_long(n)] for s, n in long]),
     ]
     print("\n".join(lines))
     write_result("suite", command, "", "\n".join(lines))
