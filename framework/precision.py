@@ -34,8 +34,9 @@ class Precision:
 
 
 def build_precision(cfg: DictConfig, device: torch.device, sharded: bool = False) -> Precision:
-    """`sharded`: the ranks hold different gradient shards (FSDP1, tensor parallel): the scaler
-    agrees across ranks on whether any shard overflowed, so every rank skips the same steps."""
+    """`sharded`: the ranks hold different gradient shards (fsdp, tp, hybrid): the scaler agrees
+    across ranks on whether any shard overflowed, so every rank skips the same steps (each rank
+    alone would skip on its own shards, and the replicas drift apart)."""
     Scaler = _shard_scaler() if sharded else torch.amp.GradScaler
     # the scaler's knobs are amp's (precision=amp); the other choices' disabled scaler takes torch's defaults
     knobs = {k: cfg[k] for k in ("init_scale", "growth_interval") if k in cfg}

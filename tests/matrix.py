@@ -50,6 +50,11 @@ DATA_SHAPES = {
 # tolerances of parity by precision (relative, every step): bf16 rounds each matmul to 8 bits of
 # mantissa, so a reordered sum moves the loss by up to a few 1e-3; fp16 (amp) by less
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "amp": 1e-2}
+# a choice's settings in every cell and its reference: amp's first scale low enough that no step
+# overflows. Strategies that compute in float16 parameters (FSDP's mixed precision) overflow at
+# 2^16 where the one-process reference (float32 parameters under autocast) does not, and rightly
+# skip that step: a difference of the scaler's warm-up, not of the strategy
+CHOICE_SETTINGS = {"precision=amp": ("precision.init_scale=1024",)}
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,7 @@ def features() -> list[Value]:
     for group in FEATURE_GROUPS:
         for choice in conf_choices(group):
             if choice != default_choice(group):
-                setting = (f"{group}={choice}",)
+                setting = (f"{group}={choice}", *CHOICE_SETTINGS.get(f"{group}={choice}", ()))
                 out.append(Value(f"{group}={choice}", setting, reference=setting if group == "precision" else ()))
     return out + TOP_FEATURES
 

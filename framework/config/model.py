@@ -183,9 +183,16 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
 
 
 def check_pipeline(cfg: DictConfig) -> None:
-    """parallel with pp > 1: the model has blocks and splits cleanly around them."""
+    """parallel with pp > 1: the model has blocks and splits cleanly around them; a zero-bubble
+    schedule (its backward split into input and weight gradients) runs uncompiled blocks."""
     from framework.parallel.pipeline import trace_split
 
+    if cfg.compile and "ZeroBubble" in str(cfg.parallel.get("schedule", "")):
+        raise ConfigError(
+            "compile",
+            f"parallel.schedule={cfg.parallel.schedule} splits each backward into input and weight gradients, "
+            "which compiled blocks do not; set compile=false or parallel.schedule=1F1B|Interleaved1F1B|GPipe",
+        )
     model, spec = _meta(cfg)
     if spec.task != "lm" or not blocks_of(model, spec):
         raise ConfigError(

@@ -101,8 +101,8 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
         _ring_attention(ranks[0], shapes, cfg, layout)
     for t in ranks:  # clipping's global norm
         t.add("all_reduce", 4, layout.world)
-        if cfg.precision.name == "amp" and (layout.tp > 1 or layout.fsdp == 1):
-            t.add("all_reduce", 4, layout.world)  # the sharded loss scaler's found_inf (framework/precision.py)
+        if cfg.precision.name == "amp":  # the sharded loss scaler's found_inf (framework/precision.py)
+            t.add("all_reduce", 4, layout.world)
     return ranks
 
 

@@ -53,8 +53,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, spec.task)
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
-    tensor_parallel = par.mesh is not None and par.mesh.dims.tp > 1
-    precision = build_precision(cfg.precision, info.device, Strategy.of(cfg.parallel).fsdp1 or tensor_parallel)
+    precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
     return Parts(flops, par, optimizer, scheduler, data, precision, spec.task)
 
 
