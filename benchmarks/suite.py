@@ -32,6 +32,11 @@ SHARED_MATRIX = (
 LONG: dict[str, str] = {
     "tests/test_matrix.py::test_covering_subset": SHARED_MATRIX,
     "tests/test_matrix_wide.py::test_covering_subset": SHARED_MATRIX,
+    "tests/test_measure.py::test_the_peak_of_a_100m_gpt": "the peak's parts must stand out of the ~0.5 GB that "
+    "importing torch holds: 100M parameters (1.6 GB of state under ddp) is the smallest model that shows the "
+    "breakdown; ddp and fsdp are its two runs",
+    "tests/test_reliability.py::test_sigterm_to_every_slurm_task": "three launches of train.py as srun tasks (an "
+    "uninterrupted run, one stopped by SIGTERM mid-run, its requeue resumed): each a fresh interpreter, as on SLURM",
 }
 
 
