@@ -187,7 +187,7 @@ def check_pipeline(cfg: DictConfig) -> None:
     schedule (its backward split into input and weight gradients) runs uncompiled blocks."""
     from framework.parallel.pipeline import trace_split
 
-    if cfg.compile and "ZeroBubble" in str(cfg.parallel.get("schedule", "")):
+    if cfg.compile and "ZeroBubble" in str(cfg.parallel.get("schedule", "1F1B")):
         raise ConfigError(
             "compile",
             f"parallel.schedule={cfg.parallel.schedule} splits each backward into input and weight gradients, "
