@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ def _train_batch(configs: dict[str, dict], out_dir: str, place: tuple[str, str])
     info = init_distributed(*place, timeout_s=120)
     try:
         for name, config in configs.items():
-            cfg, run_dir = OmegaConf.create(config), Path(out_dir) / name
+            cfg, run_dir, started = OmegaConf.create(config), Path(out_dir) / name, time.perf_counter()
             torch.manual_seed(cfg.seed)
             try:
                 with Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
@@ -138,7 +139,7 @@ def _train_batch(configs: dict[str, dict], out_dir: str, place: tuple[str, str])
                 (run_dir / f"error-rank{info.rank}.txt").write_text(trace)
                 raise
             if info.is_main:
-                (run_dir / "done").write_text("ok")
+                (run_dir / "done").write_text(f"{time.perf_counter() - started:.2f}")
     finally:
         destroy_distributed()
 

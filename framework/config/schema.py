@@ -328,8 +328,10 @@ def group_schema(group: str, choice: str) -> type:
 
 
 def register_configs() -> None:
-    """Put every schema into Hydra's ConfigStore (idempotent)."""
+    """Put every schema into Hydra's ConfigStore, once per process (each compose asks)."""
     cs = ConfigStore.instance()
+    if cs.repo.get("base_config.yaml") is not None:
+        return
     cs.store(name="base_config", node=Config)
     for group, schemas in GROUP_SCHEMAS.items():
         for name, node in schemas.items():
