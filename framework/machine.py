@@ -98,6 +98,7 @@ def launch_local(nproc: int, fn: Callable[..., Any], *args: Any, **launch: Any) 
     if launch.get("start_method", "forkserver") == "forkserver":
         _stop_forkserver_at_exit()
     _start_workers_unsignalled()
+    _name_rendezvous_records_cheaply()
     caller = (dict(os.environ) | {LAUNCHER_PID: str(os.getpid())}, list(sys.path), os.getcwd())
     return elastic_launch(local_launch_config(nproc, **launch), _as_launched)(caller, fn, args)
 
@@ -111,6 +112,24 @@ def _stop_forkserver_at_exit() -> None:
     stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own, for its tests
     if stop is not None:
         atexit.register(stop)
+
+
+@functools.cache
+def _name_rendezvous_records_cheaply() -> None:
+    """torch's c10d rendezvous names the caller of each of its event records with two calls of
+    `inspect.stack()`, which reads the source of every frame on the stack and searches
+    sys.modules for each: a tenth of a second per record under pytest's deep stacks, a dozen
+    records per launch, on the launcher's critical path. The same name, from the frame itself."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:  # a stack shallower than depth
+            return "no_method_name"
+
+    if hasattr(dynamic_rendezvous, "get_method_name"):
+        dynamic_rendezvous.get_method_name = get_method_name
 
 
 # Held while the launcher starts the workers, and by the forkserver (framework.preload); a worker lifts them
