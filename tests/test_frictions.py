@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
 
 def test_fresh_auto_resume_says_it_starts_fresh(runs):
     _, first, _ = runs
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, first.stderr[-3000:]  # (tests/test_reliability.py resumes from a checkpoint)
     lines = [line for line in first.stdout.splitlines() if line.startswith("checkpoint.resume=auto:")]
     assert len(lines) == 1 and "starting fresh" in lines[0] and "hydra.run.dir=" in lines[0], first.stdout
 

@@ -169,12 +169,6 @@ def read_metrics_lines(run: Path) -> list[str]:
     return (run / "metrics.jsonl").read_text().splitlines()
 
 
-def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
-    proc = train_cli([*SMOKE, "parallel=none", "steps=2", "checkpoint.resume=auto"], tmp_path / "run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_summary(tmp_path / "run")["status"] == "ok"
-
-
 # ----------------------------------------------------------------------------- complete state
 
 TINY_GPT = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "progress=false", "logger=none"]
