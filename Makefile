@@ -22,8 +22,11 @@ train: $(STAMP)
 
 # the default suite on one pytest worker per two cores (tests/conftest.py), a test file per worker
 # at a time, the longest files first; `make test TEST_WORKERS=0` runs it in this one process
+# Our own modules are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (CI images), every
+# train.py, launcher and forkserver the tests start would compile them again from source
 TEST_WORKERS ?= auto
 test: $(STAMP)
+	$(VENV)/bin/python -m compileall -q framework models train.py > /dev/null
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
@@ -31,6 +34,7 @@ test-all: $(STAMP)
 
 # every model and feature under every strategy: parity or a one-line refusal; writes docs/results/matrix.md
 matrix: $(STAMP)
+	$(VENV)/bin/python -m compileall -q framework models train.py > /dev/null
 	HYDRADIST_RESULTS_DIR=docs/results $(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix $(ARGS)
 
 # the all-pairs subset of the matrix (every pair of a model, a strategy and a feature meets once;

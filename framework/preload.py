@@ -17,3 +17,10 @@ import torch._dynamo  # noqa: E402, F401  (the optimizer's first step imports it
 import torch.distributed  # noqa: E402, F401
 
 import framework.run.trainer  # noqa: E402, F401
+
+# What is imported lives as long as the process: out of the collector's reach, so that the
+# collection a worker makes as it leaves its process group (framework.dist.destroy_distributed)
+# scans only what the run made, and forked workers share these pages instead of copying them
+import gc  # noqa: E402
+
+gc.freeze()
