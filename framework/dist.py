@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 # re-exported: launch and the sweeps start workers through it
-from framework.machine import local_launch_config  # noqa: F401
+from framework.machine import local_launch_config, usable_cores  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init
     else:
         device = torch.device("cpu")
         # Local workers share the cores: without this each one would start a thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        torch.set_num_threads(max(1, usable_cores() // local_world_size))
 
     if backend is not None:
         timeout = timedelta(seconds=timeout_s)

@@ -25,13 +25,22 @@ def cpu_name() -> str:
         return platform.processor() or "cpu"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a SLURM or container cpuset),
+    not the machine's count, which on a shared node oversubscribes the cores it was given."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def device_slots(device: str) -> int:
     """Ranks this machine can host at once: its GPUs on CUDA, else its cores."""
     if device == "cuda":
         import torch
 
         return max(1, torch.cuda.device_count())
-    return os.cpu_count() or 1
+    return usable_cores()
 
 
 def local_ranks(world: int, nodes: int, nproc_per_node: int | None, device: str) -> int:

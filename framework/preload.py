@@ -8,6 +8,7 @@ is gone (and prints no KeyboardInterrupt from the middle of importing torch). A 
 the block and lifts it first (framework.machine._as_launched): one sent to it before then, held
 rather than ignored, still arrives."""
 
+import gc
 import signal
 
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -21,6 +22,4 @@ import framework.run.trainer  # noqa: E402, F401
 # What is imported lives as long as the process: out of the collector's reach, so that the
 # collection a worker makes as it leaves its process group (framework.dist.destroy_distributed)
 # scans only what the run made, and forked workers share these pages instead of copying them
-import gc  # noqa: E402
-
 gc.freeze()

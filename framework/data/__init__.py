@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from framework.data.samplers import (
 )
 from framework.data.split import document_split, held_out, text_region
 from framework.data.tokens import TokenShards, register_data_vocab, vocab_size_of  # noqa: F401 (re-exported)
+from framework.machine import usable_cores
 
 USER_DATA_RESERVED = (
     "name",
@@ -189,7 +189,7 @@ def build_data(
         batching = {"batch_sampler": sampler}
     else:
         batching = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": cfg.drop_last}
-    workers, pin = loader_settings(cfg.num_workers, cfg.pin_memory, device.type, os.cpu_count() or 1,
+    workers, pin = loader_settings(cfg.num_workers, cfg.pin_memory, device.type, usable_cores(),
                                    torch.cuda.device_count() if device.type == "cuda" else 0)  # fmt: skip
     loader = DataLoader(
         dataset,

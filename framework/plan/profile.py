@@ -18,14 +18,13 @@ nominal) is in `Profile.sources`.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 
-from framework.machine import cpu_name, local_ranks
+from framework.machine import cpu_name, local_ranks, usable_cores
 from framework.plan.baseline import baseline_bytes, forks_workers
 from framework.plan.cache import read_cache, write_cache
 from framework.plan.kernels import Kernels, probe_kernels
@@ -116,7 +115,7 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     baseline, where["baseline_bytes"] = baseline_bytes(device, measure, forks_workers(cfg, world))
     overhead, where["op_overhead_s"] = op_overhead(cfg, device, local, measure)
     kernels, where["kernels"] = kernel_costs(cfg, device, local, measure, overhead)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     share = 1.0 if device == "cuda" else min(1.0, cores / (max(1, cores // local) * local))
     return Profile(
         peak, intra, inter, latency, overlap, "; ".join(sources), baseline, NOMINAL_SLACK[device],
@@ -135,7 +134,7 @@ def kernel_costs(
 
     if device == "cuda" or measure == "config":
         return None, "none"
-    threads = max(1, (os.cpu_count() or 1) // local)
+    threads = max(1, usable_cores() // local)
     dtype = DTYPES[cfg.precision.name]
     key = f"kernels|{cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}|orientations|byte-kinds|in-situ"
     cached = read_cache().get(key)
@@ -163,7 +162,7 @@ def op_overhead(cfg: DictConfig, device: str, local: int, measure: str) -> tuple
         return cfg.plan.op_overhead_us * 1e-6, "config"
     if measure == "config" or device == "cuda":
         return NOMINAL["op_overhead_us"][device] * 1e-6, "nominal"
-    threads = max(1, (os.cpu_count() or 1) // local)
+    threads = max(1, usable_cores() // local)
     key = f"op_overhead|{cpu_name()}|threads={threads}|torch={torch.__version__}|traced"
     cached = read_cache().get(key)
     if cached is not None:
@@ -237,7 +236,7 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
         sources.append("peak: nominal")
         return NOMINAL["cpu_tflops"] * 1e12
     # CPU ranks share the cores as training does: threads = cores // local ranks each
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     threads, before = max(1, cores // local), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
