@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -285,3 +288,18 @@ def test_amp_loss_scale_halves_on_overflow_and_grows_after_the_interval(tmp_path
     metrics = read_metrics(tmp_path)
     assert [m["loss_scale"] for m in metrics] == [65536.0, 131072.0, 65536.0, 65536.0, 131072.0, 131072.0]
     assert [m["skipped"] for m in metrics] == [False, False, True, False, False, False]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_a_rank_threads_over_the_cores_it_may_use_not_the_machines():
+    """Under taskset or a SLURM/container cpuset, a one-process CPU run takes one thread per core
+    it was given (not one per core of the machine, which would oversubscribe the ones it has)."""
+    code = (
+        "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "import torch; from framework.dist import init_distributed\n"
+        "torch.set_num_threads(4); init_distributed('cpu', None, 60); print(torch.get_num_threads())"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1"]
