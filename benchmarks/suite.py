@@ -39,7 +39,8 @@ LONG: dict[str, str] = {
     "uninterrupted run, one stopped by SIGTERM mid-run, its requeue resumed): each a fresh interpreter, as on SLURM",
     "tests/test_sweeps.py::test_every_preset_trains_two_steps[resnet_ddp_amp]": "the preset as a user gets it "
     "(resnet18, 16 images per rank, float16 autocast, BatchNorm synchronised over 2 ranks): float16 convolutions "
-    "take CPU's slow path (a step of 8 images of 8x8: 1.9 s, against 0.14 s in fp32); shrinking it would test another preset",
+    "take CPU's slow path (a step of 8 images of 8x8: 1.9 s, against 0.14 s in fp32); shrinking it would "
+    "test another preset",
     "tests/test_reliability.py::test_resume_across_an_epoch_boundary_is_bitwise[amp_device_augment]": "two runs "
     "of resnet18 under ddp and amp (10 steps, and 4 resumed past an epoch boundary) with the loss scale and the "
     "device augmentation's generators in play: the smallest model the device-augmentation path serves",
