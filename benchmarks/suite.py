@@ -44,6 +44,12 @@ LONG: dict[str, str] = {
     "tests/test_reliability.py::test_resume_across_an_epoch_boundary_is_bitwise[amp_device_augment]": "two runs "
     "of resnet18 under ddp and amp (10 steps, and 4 resumed past an epoch boundary) with the loss scale and the "
     "device augmentation's generators in play: the smallest model the device-augmentation path serves",
+    "tests/test_scale.py::test_fsdp_at_4_ranks_peaks": "peak RSS read from outside (/usr/bin/time) of two fresh "
+    "launches of a 100M gpt, one process and fsdp over 4 ranks: the state must stand out of the ~0.5 GB each "
+    "process holds for importing torch, and a peak from outside cannot be shared with another run",
+    "tests/test_readme.py::test_every_readme_command_runs": "every command of the README's bash blocks: the tools "
+    "that read the first run (evaluate, generate, report, the planner) run for real, each a fresh interpreter as "
+    "a user types it; the train.py lines are composed and validated in this process",
     "tests/test_sweeps.py::test_two_processes_started_as_slurm_tasks": "two fresh interpreters started as srun "
     "tasks (no launcher between), each importing torch and joining through SLURM's variables: under 20 s alone, "
     "longer when it overlaps another worker's multi-process test",
