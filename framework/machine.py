@@ -40,7 +40,7 @@ def device_slots(device: str) -> int:
         import torch
 
         return max(1, torch.cuda.device_count())
-    return usable_cores()
+    return os.cpu_count() or 1  # the machine's: a probe may share the cores this process was given
 
 
 def local_ranks(world: int, nodes: int, nproc_per_node: int | None, device: str) -> int:
