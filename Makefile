@@ -24,9 +24,10 @@ train: $(STAMP)
 # at a time, the longest files first; `make test TEST_WORKERS=0` runs it in this one process
 # Our own modules are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (CI images), every
 # train.py, launcher and forkserver the tests start would compile them again from source
+COMPILE := $(VENV)/bin/python -m compileall -q framework models train.py > /dev/null
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(VENV)/bin/python -m compileall -q framework models train.py > /dev/null
+	$(COMPILE)
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
@@ -34,7 +35,7 @@ test-all: $(STAMP)
 
 # every model and feature under every strategy: parity or a one-line refusal; writes docs/results/matrix.md
 matrix: $(STAMP)
-	$(VENV)/bin/python -m compileall -q framework models train.py > /dev/null
+	$(COMPILE)
 	HYDRADIST_RESULTS_DIR=docs/results $(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix $(ARGS)
 
 # the all-pairs subset of the matrix (every pair of a model, a strategy and a feature meets once;

@@ -18,8 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# re-exported: launch and the sweeps start workers through it
-from framework.machine import local_launch_config, usable_cores  # noqa: F401
+from framework.machine import (
+    local_launch_config,  # noqa: F401  (re-exported: launch and the sweeps start workers through it)
+    usable_cores,
+)
 
 
 @dataclass(frozen=True)
