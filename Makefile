@@ -9,7 +9,7 @@ TORCH_PIP ?=
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all matrix matrix-subset sabotage lint bench clean
+.PHONY: train test test-all matrix matrix-subset sabotage lint bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,19 @@ sabotage: $(STAMP)
 
 bench: $(STAMP)
 	cd benchmarks && for b in memory comm data checkpoint plan; do ../$(VENV)/bin/python $$b.py; done
+
+# what the lent GPU machine's python lacks (docs/gpu.md), as wheels for its Python 3.12, into .whl/
+# (ignored; carried with the tree): the versions this .venv runs. antlr4's 4.9.3 is published as a
+# source archive only: built here into a wheel of pure Python.
+GPU_WHEELS := hydra-core omegaconf
+GPU_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(VENV)/bin/pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORM) -d .whl \
+		$(foreach p,$(GPU_WHEELS),$(p)==$$($(VENV)/bin/python -c "import importlib.metadata as m; print(m.version('$(p)'))"))
+	$(VENV)/bin/pip wheel -q --no-deps -w .whl \
+		antlr4-python3-runtime==$$($(VENV)/bin/python -c "import importlib.metadata as m; print(m.version('antlr4-python3-runtime'))")
+	@ls -l .whl && du -sh .whl
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

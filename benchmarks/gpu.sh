@@ -1,60 +1,53 @@
 #!/usr/bin/env bash
-# The checks only a CUDA GPU can run, in one go, printing one table and writing docs/results/gpu.md
-# (see benchmarks/gpu.py):
-#   bash benchmarks/gpu.sh             # on a machine with a CUDA GPU (under 10 minutes)
-#   bash benchmarks/gpu.sh --dry-run   # anywhere: checks the machine, says what would run and what
-#                                      # would be skipped and why, composes every check, one CPU job
-# GPU time is short: everything that can fail before the first GPU job is checked first.
+# The GPU rows (benchmarks/gpu.py) on the machine that is lent, with the software it has (docs/gpu.md):
+#   bash benchmarks/gpu.sh                     # on a CUDA GPU: rows into $OUT (rows.jsonl, gpu.md, runs.tar.gz)
+#   bash benchmarks/gpu.sh --rows probe,parity # some rows (a second call: the ones the first had no time for)
+#   bash benchmarks/gpu.sh --stand-in          # no GPU: every row's CPU stand-in (the rehearsal runs this)
+# It never calls pip against an index: what the python lacks comes as wheels in .whl/ (make gpu-wheels),
+# installed with --no-index into a folder on PYTHONPATH (the workers inherit it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=0
-for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY=1; done
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT"
 
-# 1. The README's set-up (make's .venv), never a bare system python3 without the project's packages.
-if [ ! -x .venv/bin/python ]; then
-  echo "no .venv: running the README's set-up (make .venv/.installed)"
-  if command -v make >/dev/null; then
-    make .venv/.installed || { echo "error: the set-up failed (make .venv/.installed)"; exit 1; }
-  else  # the Makefile's recipe, for a machine without make
-    python3 -m venv .venv && .venv/bin/pip install -q torch==2.14.1 torchvision==0.29.1 \
-      && .venv/bin/pip install -q -e ".[dev]" || { echo "error: the set-up failed (venv + pip)"; exit 1; }
-  fi
+# 1. The python: the project's .venv where there is one, else the machine's python3 (the one holding torch).
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+echo "python: $(command -v $PY) ($($PY --version 2>&1))"
+
+# 2. The carried wheels (hydra-core, omegaconf, antlr4), never an index.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  SITE=${TMPDIR:-/tmp}/hydradist-site
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    || { echo "error: installing the carried wheels (.whl/) failed; nothing ran" | tee "$OUT/gpu.log"; exit 1; }
+  export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
-PY=.venv/bin/python
 
-# 2. Driver and torch: the CUDA build of torch needs a driver at least as new as its CUDA.
-DRIVER=$(nvidia-smi --query-gpu=driver_version,name --format=csv,noheader 2>/dev/null | head -1)
-CUDA_OK=$($PY - <<'EOF'
-import torch
-print("yes" if torch.cuda.is_available() else "no", torch.__version__, torch.version.cuda or "none")
+# 3. What the rows import, checked before any row: one line naming what is missing and where it comes from.
+MISSING=$($PY - <<'EOF'
+import importlib.util
+need = ["torch", "hydra", "omegaconf", "antlr4", "yaml", "tqdm", "xxhash"]
+print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 EOF
 )
-echo "driver: ${DRIVER:-none (nvidia-smi not found or no GPU)}; torch: ${CUDA_OK#* }"
-REASONS=()
-if [ "${CUDA_OK%% *}" != "yes" ]; then
-  if [ -z "$DRIVER" ]; then
-    REASONS+=("no NVIDIA driver or GPU visible (nvidia-smi)")
-  elif [ "$(echo "$CUDA_OK" | awk '{print $3}')" = "none" ]; then
-    REASONS+=("torch is a CPU-only build: reinstall the CUDA wheel (pip install torch==2.14.1)")
-  else
-    REASONS+=("torch built for CUDA $(echo "$CUDA_OK" | awk '{print $3}') cannot use driver ${DRIVER%%,*}: update the driver, or install a torch wheel for an older CUDA")
-  fi
+if [ -n "$MISSING" ]; then
+  echo "error: $PY lacks: $MISSING; build their wheels where pip reaches an index (make gpu-wheels) and carry .whl" \
+    | tee "$OUT/gpu.log"
+  exit 1
 fi
 
-# 3. torch.compile's Triton launcher is built with a C compiler against Python.h.
+# 4. torch.compile's Triton launcher is built with a C compiler against Python.h: without them the
+#    compiled rows run eager, saying so.
 CC_FOUND=$(command -v cc || command -v gcc || command -v clang || true)
 HEADER=$($PY -c 'import os, sysconfig; p = os.path.join(sysconfig.get_paths()["include"], "Python.h"); print(p if os.path.exists(p) else "")')
 NO_COMPILE=""
-[ -z "$CC_FOUND" ] && NO_COMPILE="no C compiler (cc/gcc/clang): Triton cannot build its launcher; apt-get install gcc"
-[ -z "$HEADER" ] && NO_COMPILE="${NO_COMPILE:+$NO_COMPILE; }no Python.h: apt-get install python3-dev (or python3.X-dev)"
+[ -z "$CC_FOUND" ] && NO_COMPILE="no C compiler (cc/gcc/clang) for Triton's launcher"
+[ -z "$HEADER" ] && NO_COMPILE="${NO_COMPILE:+$NO_COMPILE; }no Python.h for Triton's launcher"
 echo "compiler: ${CC_FOUND:-none}; Python.h: ${HEADER:-missing}"
 
-if [ $DRY = 1 ] && [ ${#REASONS[@]} -gt 0 ]; then
-  printf 'here the GPU rows would not run: %s\n' "${REASONS[@]}"
-fi
-if [ $DRY = 0 ] && [ ${#REASONS[@]} -gt 0 ]; then
-  printf 'error: %s\n' "${REASONS[@]}"
-  echo "nothing ran; bash benchmarks/gpu.sh --dry-run checks everything else on a machine without a GPU"
-  exit 1
-fi
-exec "$PY" benchmarks/gpu.py "$@" ${NO_COMPILE:+--no-compile "$NO_COMPILE"}
+export WANDB_MODE=offline PYTHONUNBUFFERED=1
+$PY benchmarks/gpu.py --out "$OUT" ${NO_COMPILE:+--no-compile "$NO_COMPILE"} "$@" 2>&1 | tee "$OUT/gpu.log"
+exit "${PIPESTATUS[0]}"

@@ -85,15 +85,28 @@ def adopt_slurm_env(master_port: int | None = None) -> None:
     env.setdefault("MASTER_PORT", str(master_port or 20000 + int(env["SLURM_JOB_ID"]) % 20000))
 
 
-def cuda_device_index(local_rank: int, visible: int) -> int:
-    """The CUDA ordinal local rank `local_rank` trains on, among the `visible` devices it sees.
-    torchrun (or srun with the node's GPUs visible to every task): one device per local rank, the
-    local rank's own. Under SLURM's per-task binding (`--gpus-per-task=1`, `--gpu-bind`) each task
-    sees only its own device(s), renumbered from 0, so SLURM_LOCALID > 0 is no valid ordinal: the
-    task takes its devices in turn (one visible: device 0)."""
+def cuda_device_index(local_rank: int, local_world_size: int, visible: int, bound: bool = False) -> int:
+    """The CUDA ordinal local rank `local_rank` of `local_world_size` trains on, among the `visible`
+    devices it sees. torchrun (or srun with the node's GPUs visible to every task): one device per
+    local rank, the local rank's own; more local ranks than devices would put two ranks on one GPU
+    (each holding a copy of the model and fighting for its memory), and is refused. Under SLURM's
+    per-task binding (`bound`: `--gpus-per-task`, `--gpu-bind`) each task sees only its own
+    device(s), renumbered from 0: it trains on its first."""
     if visible < 1:
         raise RuntimeError("device=cuda but this process sees no CUDA device (check CUDA_VISIBLE_DEVICES)")
-    return local_rank if local_rank < visible else local_rank % visible
+    if bound:
+        return 0
+    if local_world_size > visible:
+        raise RuntimeError(
+            f"launch: {local_world_size} ranks on this node but {visible} CUDA device(s) visible: two ranks "
+            f"would share one GPU; start at most {visible} (launch.nproc_per_node, torchrun --nproc-per-node)"
+        )
+    return local_rank
+
+
+def slurm_binds_gpus(env=os.environ) -> bool:
+    """Whether SLURM bound each task to its own GPUs (it then sets these for the task)."""
+    return "SLURM_GPUS_PER_TASK" in env or "SLURM_GPU_BIND" in env
 
 
 def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init_method: str = "env") -> DistInfo:
@@ -107,7 +120,8 @@ def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
     if device_kind == "cuda":
-        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
+        index = cuda_device_index(local_rank, local_world_size, torch.cuda.device_count(), slurm_binds_gpus())
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -128,16 +142,26 @@ def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init
             )
             prefix = f"hydradist/restart{restart_count()}"
             dist.init_process_group(
+                backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout,
+                **bound_device(device, backend),
+            )  # fmt: skip
+        else:
+            url = "env://" if init_method == "env" else init_method
+            dist.init_process_group(
                 backend,
-                store=dist.PrefixStore(prefix, store),
+                init_method=url,
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,
+                **bound_device(device, backend),
             )
-        else:
-            url = "env://" if init_method == "env" else init_method
-            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def bound_device(device: torch.device, backend: str) -> dict:
+    """`device_id` for init_process_group under NCCL: the group's communicator is bound to this
+    rank's GPU at once (no guess from the current device, no lazy set-up at the first collective)."""
+    return {"device_id": device} if device.type == "cuda" and "nccl" in backend else {}
 
 
 def destroy_distributed() -> None:

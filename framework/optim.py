@@ -25,11 +25,24 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, decay: set[str] | None = 
         {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    fused = fuses([p for _, p in named])
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
     raise ValueError(f"optim: unknown optimizer {cfg.name!r}")
+
+
+def fuses(params: list[torch.Tensor]) -> bool | None:
+    """The fused (one-kernel) update where every parameter is on a CUDA device: fewer launches, and
+    amp's GradScaler hands it `found_inf` on the device, so a step with the scaler waits for no
+    host read. Elsewhere (a CPU, FSDP's CPU offload) None: torch's default (for-each) update."""
+    return True if params and all(_device_of(p).type == "cuda" for p in params) else None
+
+
+def _device_of(param: torch.Tensor) -> torch.device:
+    local = getattr(param, "_local_tensor", None)  # a DTensor (FSDP2, tp): its shard's device
+    return (local if local is not None else param).device
 
 
 def lr_factor(step: int, cfg: DictConfig, total_steps: int) -> float:

@@ -38,7 +38,13 @@ class NullTracker:
 
 class WandbTracker:
     def __init__(self, cfg: DictConfig, config: dict[str, Any], run_dir: str, choices: dict[str, str]):
-        import wandb
+        try:
+            import wandb
+        except ImportError:
+            from framework.config import ConfigError
+
+            raise ConfigError("logger=wandb needs the wandb package here (pip install wandb); "
+                              "or logger=tensorboard|none (metrics.jsonl and summary.json are written either way)") from None  # fmt: skip
 
         self._wandb = wandb
         # a sweep job is named by its overrides (train.py sets run_name); a single run by its choices

@@ -3,6 +3,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -10,6 +12,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HYDRADIST_RESULTS_DIR", tempfile.mkdtemp(prefix="hydradist-results-"))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite also runs where xdist is not installed
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (make test): one pytest worker per two cores, at least two, and no more than the
     memory holds. Most tests start two to four ranks of their own, which keep a core each busy

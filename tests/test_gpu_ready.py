@@ -18,16 +18,6 @@ from tests.helpers import compose_config, count_syncs, world_config
 # --------------------------------------------------------------------------- devices
 
 
-def test_the_device_index_comes_from_the_visible_devices():
-    from framework.dist import cuda_device_index
-
-    assert [cuda_device_index(r, 8) for r in range(8)] == list(range(8))  # torchrun: every GPU visible
-    assert [cuda_device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1
-    assert [cuda_device_index(r, 2) for r in range(4)] == [0, 1, 0, 1]  # --gpus-per-task=2
-    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
-        cuda_device_index(0, 0)
-
-
 @pytest.mark.parametrize("gpus", [1, 8])
 def test_the_suites_configs_compose_on_a_machine_with_gpus(gpus, tmp_path):
     """The suite's own composition (tests.helpers pins device=cpu) as on a machine with `gpus`

@@ -201,6 +201,9 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; null: known GPUs only
+    # the dense-matmul rate this device was measured to reach (benchmarks/gpu.sh's probe row): an
+    # MFU above it cannot be true (a step timed before the device finished) and is flagged, not reported
+    ceiling_tflops: float | None = None
     log_every: int = 1
     sample_every: int = 50  # measure memory and communication on the 3rd step and every N (0: off)
 

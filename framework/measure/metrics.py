@@ -146,6 +146,20 @@ def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | N
     return flops_per_tok * tokens_per_s / (peak * devices)
 
 
+def above_ceiling(hfu: float | None, peak: float | None, ceiling_tflops: float | None) -> str | None:
+    """Why a run's MFU is not reported (None: it is): its hardware FLOP rate (HFU, at least the
+    MFU) above the rate this device's own dense matmul was measured to reach. No step of a model
+    does better than a large matmul, so the step time is not the device's (a step timed before
+    the device finished) or the FLOP count is wrong."""
+    if hfu is None or not peak or not ceiling_tflops:
+        return None
+    ceiling = ceiling_tflops * 1e12 / peak
+    if hfu <= ceiling:
+        return None
+    return (f"MFU/HFU {hfu:.1%} of the peak is above the measured matmul ceiling ({ceiling:.1%}: "
+            f"metrics.ceiling_tflops={ceiling_tflops:g}): not reported, the step time is not the device's")  # fmt: skip
+
+
 class Throughput:
     """Per-step time, samples and tokens. Rates leave out the first step (warm-up) and the
     sampled steps (slowed by measuring), when other steps remain."""

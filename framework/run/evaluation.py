@@ -200,11 +200,15 @@ class Evaluator:
         if self.val is not None and self.cfg.eval.at_start and self.resumed.step == 0:
             tracker.log(tracker_names(self.run(0)), step=0)
 
-    def after_step(self, done: int) -> dict[str, float] | None:
-        """Evaluate when due (every eval.every steps, and after the last step); track the best and
-        save it; decide early stopping. None when no evaluation was due."""
+    def due(self, done: int) -> bool:
+        """Whether an evaluation follows step `done` (every eval.every steps, and after the last)."""
         every = self.cfg.eval.every
-        if every <= 0 or not (done % every == 0 or done == self.cfg.steps):
+        return every > 0 and (done % every == 0 or done == self.cfg.steps)
+
+    def after_step(self, done: int) -> dict[str, float] | None:
+        """Evaluate when due; track the best and save it; decide early stopping. None when no
+        evaluation was due."""
+        if not self.due(done):
             return None
         record = self.run(done)
         loss = record["val_loss"]

@@ -9,14 +9,20 @@ on CUDA the host runs ahead and the GPU never idles waiting for it.
 
 Synced (`syncs_after`): the logged steps (metrics.log_every; the default, 1, syncs every step),
 the first step (warm-up, measured apart), the sampled steps and the steps before them (so a
-sampled step's time is its own), checkpoint steps and the last step. A signal or a non-finite
-step is acted on at the next synced step. The steps settled together share their window's time
-evenly: only the window's end is a true time on CUDA.
+sampled step's time is its own), checkpoint steps, evaluation steps and the last step. A signal or
+a non-finite step is acted on at the next synced step.
+
+Time is the window's, not the host's: from the start of the window's first step to the end of the
+sync that settles it, read on the host clock after the device has finished (a host's own time of a
+step on CUDA is only how long it took to queue the kernels, and read high tokens/s and MFU on a
+GPU-bound step). The steps settled together share the window evenly. Work between windows
+(an evaluation, a checkpoint save) happens after a sync and before the next window starts.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +74,9 @@ class Entry:
 class Ledger:
     """The steps run since the last sync, in order."""
 
-    def __init__(self, sequence_data: bool):
+    def __init__(self, sequence_data: bool, clock: Callable[[], float] = time.perf_counter):
         self.sequence_data = sequence_data  # report tokens (text, varlen)
+        self.clock = clock  # the steps' `started` are read on it too (tests: a clock they control)
         self.entries: list[Entry] = []
 
     def add(self, pending: PendingStep, step: int, step_batches: list, data: DataPipeline) -> None:
@@ -81,8 +88,8 @@ class Ledger:
     def settle(self) -> list[Entry]:
         """Read every waiting step's figures in one host sync; the entries, oldest first."""
         entries, self.entries = self.entries, []
-        values = torch.stack([e.pending.values for e in entries]).tolist()  # the sync
-        seconds = sum(e.pending.seconds for e in entries) / len(entries)  # the window, shared evenly
+        values = torch.stack([e.pending.values for e in entries]).tolist()  # the sync: the device has finished
+        seconds = (self.clock() - entries[0].pending.started) / len(entries)  # the window, shared evenly
         for entry, row in zip(entries, values, strict=True):
             entry.figures = StepFigures.settled(entry.pending, row, seconds, self.sequence_data)
         return entries

@@ -61,8 +61,7 @@ class PendingStep:
 
     values: torch.Tensor  # loss sum, loss terms, tokens, samples, signalled, grad norm, applied, loss scale
     sampled: bool
-    seconds: float  # the host's time: on CUDA the GPU may still run it
-    val: dict | None = None  # an evaluation after this step: val_loss, ... (framework.run.evaluation)
+    started: float  # the host clock when the step began (its batches' reading included)
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class StepFigures:
     sampled: bool  # memory and communication were measured
     applied: bool  # the update was applied (not skipped for non-finite gradients)
     loss_scale: float | None  # amp: the scaler's scale after this step's update
-    val: dict | None  # an evaluation after this step
+    val: dict | None = None  # an evaluation after this step (run after its window's sync: not in its time)
 
     @classmethod
     def settled(cls, pending: PendingStep, values: list[float], seconds: float, sequence_data: bool) -> StepFigures:
@@ -94,7 +93,6 @@ class StepFigures:
             sampled=pending.sampled,
             applied=applied > 0,
             loss_scale=scale if math.isfinite(scale) else None,
-            val=pending.val,
         )
 
 

@@ -15,7 +15,7 @@ from framework.config import backend_env
 from framework.dist import DistInfo, all_gather_object
 from framework.measure.comm import mean_totals
 from framework.measure.memory import device_peak_bytes, device_reserved_bytes, peak_rss_bytes
-from framework.measure.metrics import Throughput, load_balance, mfu
+from framework.measure.metrics import Throughput, above_ceiling, load_balance, mfu
 from framework.measure.peak import PARTS
 from framework.run.measurements import Measurements
 from framework.run.step import Parts
@@ -74,6 +74,8 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
     par, flops, peak = parts.par, parts.flops, measure.peak_flops
     tokens_per_s = rates["tokens_per_s"]
     achieved = flops.model * tokens_per_s / flops.devices / 1e12 if flops.model and tokens_per_s else None
+    hfu = mfu(flops.hardware, tokens_per_s, peak, flops.devices)
+    impossible = above_ceiling(hfu, peak, cfg.metrics.ceiling_tflops)
     summary = {
         "world_size": info.world_size,
         "parallel_dims": par.mesh.dims.degrees if par.mesh else {"dp": par.dp_size},
@@ -91,8 +93,9 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "train_time_s": stats.throughput.total_time(),
         "startup_s": max(r["startup_s"] for r in everyone if r["startup_s"] is not None),
         "compile_s": stats.first_step_s if cfg.compile else None,
-        "mfu": mfu(flops.model, tokens_per_s, peak, flops.devices),
-        "hfu": mfu(flops.hardware, tokens_per_s, peak, flops.devices),
+        "mfu": None if impossible else mfu(flops.model, tokens_per_s, peak, flops.devices),
+        "hfu": None if impossible else hfu,
+        "mfu_flag": impossible,  # why MFU and HFU are not reported
         "flops_per_token": flops.model,
         "peak_tflops_per_device": peak / 1e12 if peak else None,
         # fp32 matmuls on TF32 tensor cores (precision.tf32 on CUDA): the peak above is TF32's
@@ -232,6 +235,8 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tra
         peak, limit = budget["peak_bytes"], budget["budget_bytes"]
         print(f"warning: the measured peak, {peak / 2**20:.0f} MB per rank, is {peak / limit - 1:.0%} over the "
               f"memory budget of {limit / 2**20:g} MB (plan.memory_budget_mb; summary.json plan.budget)", flush=True)  # fmt: skip
+    if summary.get("mfu_flag"):
+        print(f"warning: {summary['mfu_flag']} (summary.json mfu_flag)", flush=True)
     if tracker.offline_dir:
         print(
             f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",

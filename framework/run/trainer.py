@@ -7,7 +7,7 @@ import math
 import signal
 import time
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -173,7 +173,7 @@ class Trainer:
         """Run step `step` (0-based); settle, log and save when due. True: stop (eval.patience)."""
         cfg, info, start = self.cfg, self.info, self.resumed.step
         poison = inject_fault(step, info)
-        t0 = time.perf_counter()
+        started = ledger.clock()  # the window's time is taken at its sync (framework.run.ledger)
         sampled = is_sampled(step, start, cfg.steps, cfg.metrics.sample_every)
         work = StepInput([next(batches) for _ in range(cfg.accumulation_steps)], sampled, poison)
         try:
@@ -182,17 +182,18 @@ class Trainer:
             if info.distributed and is_collective_failure(err):
                 raise diagnose(err, self.guard, step + 1) from None
             raise
-        seconds = time.perf_counter() - t0  # the host's time: on CUDA the GPU may still run it
         self.measure.forward_timer.end_step()
         if step == start:
             self.guard.shorten_timeout(cfg.backend.step_timeout_s)
         progress.update(1)
         self.measure.profiler.step()
-        val = self.evaluator.after_step(step + 1)  # after the step's time is taken: not in throughput
-        ledger.add(PendingStep(values, sampled, seconds, val), step, work.batches, self.parts.data)
-        if not (syncs_after(cfg, step, start) or val):
+        ledger.add(PendingStep(values, sampled, started), step, work.batches, self.parts.data)
+        evaluates = self.evaluator.due(step + 1)
+        if not (syncs_after(cfg, step, start) or evaluates):
             return False  # its figures wait on the device (framework.run.ledger): no host sync
-        settled = ledger.settle()  # the one host sync of these steps
+        settled = ledger.settle()  # the one host sync of these steps: their window ends here
+        val = self.evaluator.after_step(step + 1) if evaluates else None  # after the window: not in throughput
+        settled[-1].figures = replace(settled[-1].figures, val=val)
         record_steps(self.stats, settled, self.parts.par.counts_data, self.measure.forward_timer)
         if is_logged(cfg, step) or val:
             log_step(settled[-1], self.stats, self.parts, self.measure.peak_flops, self.files, self.tracker)
