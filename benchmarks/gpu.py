@@ -91,13 +91,18 @@ def run_rows(ctx: Context, names: list[str], sink: Sink, fail_row: str | None) -
         sink.add({**row, "wall_s": time.time() - t0}, ctx.runs)
 
 
-def render(rows_path: Path) -> Path:
-    """docs/results/gpu.md from the rows.jsonl that came back from the lent machine."""
-    rows = [json.loads(x) for x in rows_path.read_text().splitlines() if x.strip()]
-    probe = next((r for r in rows if r["row"] == "probe"), {"data": {}})
+def render(paths: list[Path]) -> Path:
+    """docs/results/gpu.md from the rows.jsonl files that came back from the lent machine, in
+    order: a row of a later call (its second try) replaces the same row of an earlier one."""
+    rows: dict[str, dict] = {}
+    for path in paths:
+        for row in [json.loads(line) for line in path.read_text().splitlines() if line.strip()]:
+            if row["status"] != "skipped" or row["row"] not in rows:
+                rows[row["row"]] = row
+    probe = rows.get("probe", {"data": {}})
     where = f"`bash benchmarks/gpu.sh` (docs/gpu.md) on {probe['data'].get('machine', 'an unrecorded machine')}"
-    path = ROOT / "docs" / "results" / "gpu.md"
-    path.write_text(markdown(rows, where))
+    path = Path(os.environ.get("HYDRADIST_RESULTS_DIR") or ROOT / "docs" / "results") / "gpu.md"
+    path.write_text(markdown(list(rows.values()), where))
     return path
 
 
@@ -110,7 +115,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=None, help="seconds for every row (default 330; stand-in 540)")
     parser.add_argument("--fail-row", default=None, help="a row that fails at its start (tests the rows after it)")
     parser.add_argument("--no-compile", default=None, help="why compiled rows cannot run here (set by gpu.sh)")
-    parser.add_argument("--render", type=Path, default=None, help="write docs/results/gpu.md from this rows.jsonl")
+    parser.add_argument("--render", type=Path, nargs="+", default=None,
+                        help="write docs/results/gpu.md from these rows.jsonl (the calls' files, in order)")  # fmt: skip
     args = parser.parse_args()
     if args.render:
         sys.exit(print(f"written: {render(args.render)}"))

@@ -23,7 +23,8 @@ GPT_1B = ["model=gpt", "data=text", "model.n_layer=20", "model.n_embd=2048", "mo
           "data.seq_len=1024", "data.batch_size=16"]  # fmt: skip
 SMALL = ["model=gpt", "data=text", "model.n_layer=8", "model.n_embd=512", "model.n_head=8", "data.seq_len=512",
          "data.batch_size=16"]  # fmt: skip
-TINY_LLAMA = ["model=llama", "model.flavor=debug", "data=text", "data.seq_len=64", "data.batch_size=4"]
+TINY_LLAMA = ["model=llama", "model.flavor=debug", "model.n_layers=2", "model.dim=64", "model.n_heads=4",
+              "model.n_kv_heads=2", "model.ffn_hidden=128", "data=text", "data.seq_len=64", "data.batch_size=4"]  # fmt: skip
 TINY = ["model=gpt", "data=text", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "data.seq_len=64",
         "data.batch_size=4"]  # fmt: skip
 PARITY = ["experiment=smoke", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "data.seq_len=128",
@@ -198,7 +199,7 @@ def mfu_text(s: dict, ceiling: float | None) -> str:
     mfu, peak = s.get("mfu"), s.get("peak_tflops_per_device")
     if mfu is None or not peak:
         return "no MFU (no peak known)"
-    text = f"MFU {mfu:.1%} of the datasheet's {peak:,.4g} TFLOP/s"
+    text = f"MFU {mfu:.1%} of the peak {peak:,.4g} TFLOP/s"
     return text + (f", {mfu * peak / ceiling:.1%} of the measured ceiling" if ceiling else "")
 
 

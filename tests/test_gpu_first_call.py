@@ -158,6 +158,19 @@ def test_the_optimizer_is_fused_exactly_where_every_parameter_is_on_cuda():
     assert optimizer.defaults["fused"] is None  # a CPU model: torch's default update, as before
 
 
+def test_pipeline_parallel_is_refused_on_a_torch_whose_pipelining_trains_off():
+    """Under torch 2.11 (the lent GPU machine's) pp's runs crash under gloo or train off one
+    process (the rehearsal environment's run of tests/test_strategies.py): refused in one line."""
+    from framework.config.model import pipeline_torch_too_old
+
+    assert pipeline_torch_too_old("2.11.0+cu130") and pipeline_torch_too_old("2.13.1")
+    assert (
+        not pipeline_torch_too_old("2.14.1+cu130")
+        and not pipeline_torch_too_old("2.15.0")
+        and not pipeline_torch_too_old("3.0.0")
+    )
+
+
 # --------------------------------------------------------------------------- gpu.py's rows
 
 
@@ -182,3 +195,21 @@ def test_every_row_is_saved_as_it_finishes_and_a_failed_row_stops_none(tmp_path)
     with tarfile.open(out / "runs.tar.gz") as archive:
         summaries = [m.name for m in archive.getmembers() if m.name.endswith("summary.json")]
     assert len(summaries) == 2, summaries  # the runs of the rows after the failed one
+
+
+def test_the_rows_of_two_calls_render_one_table(tmp_path, monkeypatch):
+    """A second call's rows replace the first's skipped ones; the probe names the machine."""
+    monkeypatch.setenv("HYDRADIST_RESULTS_DIR", str(tmp_path))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu import render
+
+    def row(name, status, figures, data=None):
+        return json.dumps({"row": name, "status": status, "figures": figures, "wall_s": 1.0, "data": data or {}})
+
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("\n".join([row("probe", "ok", "790 TFLOP/s", {"machine": "NVIDIA H200, torch 2.11.0"}),
+                                row("headline llama 1B", "ok", "MFU 41%"), row("parity", "skipped", "time budget spent")]))  # fmt: skip
+    second.write_text(row("parity", "ok", "max loss gap 2e-5") + "\n")
+    text = render([first, second]).read_text()
+    assert "NVIDIA H200, torch 2.11.0" in text and "| parity | ok | max loss gap 2e-5 |" in text
+    assert "time budget spent" not in text and text.index("probe") < text.index("headline") < text.index("parity")

@@ -182,11 +182,26 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
     return None
 
 
+PIPELINE_TORCH = (2, 14)  # the oldest torch whose pipelining trains equal to one process here (2.11 does not)
+
+
+def pipeline_torch_too_old(version: str) -> bool:
+    major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    return (major, minor) < PIPELINE_TORCH
+
+
 def check_pipeline(cfg: DictConfig) -> None:
     """parallel with pp > 1: the model has blocks and splits cleanly around them; a zero-bubble
     schedule (its backward split into input and weight gradients) runs uncompiled blocks."""
     from framework.parallel.pipeline import trace_split
 
+    if pipeline_torch_too_old(torch.__version__):
+        raise ConfigError(
+            "parallel.pp",
+            f"pipeline parallel needs torch >= {'.'.join(map(str, PIPELINE_TORCH))}; this is torch {torch.__version__.split('+')[0]}, "
+            "whose torch.distributed.pipelining (shape inference, schedule order) this project does not train "
+            "right with (benchmarks/gpu_rehearsal.sh); use pp=1 here, or a newer torch",
+        )
     if cfg.compile and "ZeroBubble" in str(cfg.parallel.get("schedule", "1F1B")):
         raise ConfigError(
             "compile",
