@@ -41,9 +41,7 @@ class WandbTracker:
         try:
             import wandb
         except ImportError:
-            from framework.config import ConfigError
-
-            raise ConfigError("logger=wandb needs the wandb package here (pip install wandb); "
+            raise ImportError("logger=wandb needs the wandb package here (pip install wandb); "
                               "or logger=tensorboard|none (metrics.jsonl and summary.json are written either way)") from None  # fmt: skip
 
         self._wandb = wandb
