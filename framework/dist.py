@@ -130,6 +130,7 @@ def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init
 
     if backend is not None:
         timeout = timedelta(seconds=timeout_s)
+        group = {"rank": rank, "world_size": world_size, "timeout": timeout, **bound_device(device, backend)}
         if init_method == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # Under torch's elastic agent, build the group on the agent's store with a prefix per
             # restart: after a worker dies, restarted gloo workers would otherwise read their dead
@@ -141,20 +142,9 @@ def init_distributed(device_kind: str, backend: str | None, timeout_s: int, init
                 timeout=timeout,
             )
             prefix = f"hydradist/restart{restart_count()}"
-            dist.init_process_group(
-                backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout,
-                **bound_device(device, backend),
-            )  # fmt: skip
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), **group)
         else:
-            url = "env://" if init_method == "env" else init_method
-            dist.init_process_group(
-                backend,
-                init_method=url,
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-                **bound_device(device, backend),
-            )
+            dist.init_process_group(backend, init_method="env://" if init_method == "env" else init_method, **group)
     return DistInfo(rank, world_size, local_rank, local_world_size, device, backend)
 
 

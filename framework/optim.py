@@ -37,12 +37,7 @@ def fuses(params: list[torch.Tensor]) -> bool | None:
     """The fused (one-kernel) update where every parameter is on a CUDA device: fewer launches, and
     amp's GradScaler hands it `found_inf` on the device, so a step with the scaler waits for no
     host read. Elsewhere (a CPU, FSDP's CPU offload) None: torch's default (for-each) update."""
-    return True if params and all(_device_of(p).type == "cuda" for p in params) else None
-
-
-def _device_of(param: torch.Tensor) -> torch.device:
-    local = getattr(param, "_local_tensor", None)  # a DTensor (FSDP2, tp): its shard's device
-    return (local if local is not None else param).device
+    return True if params and all(p.device.type == "cuda" for p in params) else None  # a DTensor: its shard's
 
 
 def lr_factor(step: int, cfg: DictConfig, total_steps: int) -> float:

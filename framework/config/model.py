@@ -9,6 +9,7 @@ import inspect
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from framework.config.errors import ConfigError
 from framework.contract import (
@@ -182,12 +183,11 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
     return None
 
 
-PIPELINE_TORCH = (2, 14)  # the oldest torch whose pipelining trains equal to one process here (2.11 does not)
+PIPELINE_TORCH = "2.14"  # the oldest torch whose pipelining trains equal to one process here (2.11 does not)
 
 
 def pipeline_torch_too_old(version: str) -> bool:
-    major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
-    return (major, minor) < PIPELINE_TORCH
+    return TorchVersion(version) < PIPELINE_TORCH
 
 
 def check_pipeline(cfg: DictConfig) -> None:
@@ -198,7 +198,7 @@ def check_pipeline(cfg: DictConfig) -> None:
     if pipeline_torch_too_old(torch.__version__):
         raise ConfigError(
             "parallel.pp",
-            f"pipeline parallel needs torch >= {'.'.join(map(str, PIPELINE_TORCH))}; this is torch {torch.__version__.split('+')[0]}, "
+            f"pipeline parallel needs torch >= {PIPELINE_TORCH}; this is torch {torch.__version__.split('+')[0]}, "
             "whose torch.distributed.pipelining (shape inference, schedule order) this project does not train "
             "right with (benchmarks/gpu_rehearsal.sh); use pp=1 here, or a newer torch",
         )

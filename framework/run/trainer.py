@@ -193,7 +193,8 @@ class Trainer:
             return False  # its figures wait on the device (framework.run.ledger): no host sync
         settled = ledger.settle()  # the one host sync of these steps: their window ends here
         val = self.evaluator.after_step(step + 1) if evaluates else None  # after the window: not in throughput
-        settled[-1].figures = replace(settled[-1].figures, val=val)
+        if val is not None:
+            settled[-1].figures = replace(settled[-1].figures, val=val)
         record_steps(self.stats, settled, self.parts.par.counts_data, self.measure.forward_timer)
         if is_logged(cfg, step) or val:
             log_step(settled[-1], self.stats, self.parts, self.measure.peak_flops, self.files, self.tracker)
