@@ -12,7 +12,7 @@
 - features: every non-default choice of FEATURE_GROUPS (precision, memory) and the top-level
   features of TOP_FEATURES, beside the plain run.
 
-A cell is (model, strategy, feature); `all_pairs` is the default suite's covering subset.
+A cell is (model, strategy, feature); `subset_cells` is the default suite's covering subset.
 """
 
 from __future__ import annotations
@@ -256,5 +256,21 @@ def _gain(row: list, k: int, v: int, uncovered: set) -> int:
                for m in range(len(row)) if m != k and row[m] is not None)  # fmt: skip
 
 
+def family(strategy: Value) -> str:
+    """A strategy's family: its parallel choice (`fsdp(version=1)` is an fsdp, `hybrid(tpxpp)` a hybrid)."""
+    return strategy.name.split("(")[0]
+
+
 def subset_cells() -> list[Cell]:
-    return [Cell(*row) for row in all_pairs([models(), strategies(), features()])]
+    """The default suite's covering subset: every pair of a model, a strategy family and a feature
+    meets in some cell, and each family's cells take its variants (knob settings, hybrid's pairs of
+    axes) in turn, so every variant is in some cell too. The full tables are `make matrix`'s."""
+    variants: dict[str, list[Value]] = {}
+    for strategy in strategies():
+        variants.setdefault(family(strategy), []).append(strategy)
+    turn = dict.fromkeys(variants, 0)
+    cells = []
+    for model, name, feature in all_pairs([models(), list(variants), features()]):
+        cells.append(Cell(model, variants[name][turn[name] % len(variants[name])], feature))
+        turn[name] += 1
+    return cells

@@ -3,9 +3,10 @@
 cell either trains with the single-process losses at the same global batch (parity) or is refused
 by validation, before any worker starts, with one line naming the key; nothing else passes.
 
-The default suite runs an all-pairs subset (every pair of values of two axes meets in some cell):
-its one- and two-process cells here, its four-process cells in tests/test_matrix_wide.py (two
-files: pytest-xdist runs them side by side). `make matrix` (`-m matrix`) runs the full tables and
+The default suite runs a covering subset (tests/matrix.py's subset_cells: every pair of a model, a
+strategy family and a feature meets in some cell, and every strategy variant is in one): its one-
+and two-process cells here, its four-process cells in tests/test_matrix_wide.py (two files:
+pytest-xdist runs them side by side). `make matrix` (`-m matrix`) runs the full tables and
 writes docs/results/matrix.md. The cells of a module run together (tests/matrix_run.py): one group
 of workers per world size.
 """
@@ -52,7 +53,7 @@ def check(matrix: dict, cell: Cell) -> None:
 
 @pytest.mark.parametrize("cell", NARROW, ids=[c.id for c in NARROW])
 def test_covering_subset(matrix, cell):
-    """The all-pairs subset's cells of one and two processes: parity or a one-line refusal."""
+    """The covering subset's cells of one and two processes: parity or a one-line refusal."""
     check(matrix, cell)
 
 
@@ -63,11 +64,15 @@ def test_full_matrix(matrix, cell):
     check(matrix, cell)
 
 
-def test_the_subset_covers_every_pair():
-    from tests.matrix import features, models, strategies
+def test_the_subset_covers_every_pair_of_families_and_every_variant():
+    from tests.matrix import family, features, models, strategies
 
-    axes = [models(), strategies(), features()]
+    ms, ss, fs = models(), strategies(), features()
+    cells = subset_cells()
     seen = set()
-    for c in subset_cells():
-        seen |= {("ms", c.model, c.strategy), ("mf", c.model, c.feature), ("sf", c.strategy, c.feature)}
-    assert len(seen) == sum(len(a) * len(b) for a, b in ((axes[0], axes[1]), (axes[0], axes[2]), (axes[1], axes[2])))
+    for c in cells:
+        seen |= {("ms", c.model, family(c.strategy)), ("mf", c.model, c.feature), ("sf", family(c.strategy), c.feature)}
+    families = {family(s) for s in ss}
+    assert len(seen) == len(ms) * len(families) + len(ms) * len(fs) + len(families) * len(fs)
+    assert {c.strategy for c in cells} == set(ss)  # every variant of every family
+    assert len(cells) < len(full_cells()) / 5  # the default suite's share: a covering, not the table

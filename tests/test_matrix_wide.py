@@ -1,4 +1,4 @@
-"""The all-pairs subset of the compatibility matrix (tests/test_matrix.py): its four-process cells
+"""The covering subset of the compatibility matrix (tests/test_matrix.py): its four-process cells
 (hybrid, each pair of mesh axes at 2), in a file of their own so that pytest-xdist runs them beside
 the one- and two-process cells."""
 
@@ -14,5 +14,5 @@ WIDE = [c for c in subset_cells() if c.strategy.world >= 4]
 
 @pytest.mark.parametrize("cell", WIDE, ids=[c.id for c in WIDE])
 def test_covering_subset(matrix, cell):  # noqa: F811
-    """The all-pairs subset's cells of four processes: parity or a one-line refusal."""
+    """The covering subset's cells of four processes: parity or a one-line refusal."""
     check(matrix, cell)
