@@ -38,7 +38,7 @@ matrix: $(STAMP)
 	$(COMPILE)
 	HYDRADIST_RESULTS_DIR=docs/results $(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix $(ARGS)
 
-# the all-pairs subset of the matrix (every pair of a model, a strategy and a feature meets once;
+# the covering subset of the matrix (every pair of a model, a strategy family and a feature meets;
 # part of `make test`), alone, its table written to docs/results/matrix-subset/matrix.md
 matrix-subset: $(STAMP)
 	HYDRADIST_RESULTS_DIR=docs/results/matrix-subset $(VENV)/bin/python -m pytest -n 2 --dist loadfile \
