@@ -50,6 +50,18 @@ LONG: dict[str, str] = {
     "tests/test_readme.py::test_every_readme_command_runs": "every command of the README's bash blocks: the tools "
     "that read the first run (evaluate, generate, report, the planner) run for real, each a fresh interpreter as "
     "a user types it; the train.py lines are composed and validated in this process",
+    "tests/test_plan.py::test_auto_under_a_budget_below_ddp": "parallel=auto under a 1.5 GB budget at 4 ranks, "
+    "which ddp's peak must exceed and the sharded layouts' fit: a 100M gpt is the smallest whose state stands out "
+    "of the ~0.65 GB a process holds; three steps, as a pipeline's first also infers its stages' shapes",
+    "tests/test_strategies.py::test_every_strategy_follows_the_single_process_trajectory_world_2": "17 layouts "
+    "(fsdp1/2 and their accumulation, tp, every pp schedule) trained in one group of 2 workers, the one run every "
+    "parity and planner assertion of the file reads: about 2 s a layout",
+    "tests/test_reliability.py::test_a_signal_saves_exits_and_resume_auto_continues_bitwise": "three launches "
+    "of train.py (uninterrupted, signalled at step 5, resumed): the signal reaches a launcher and its workers, "
+    "each a fresh interpreter as a scheduler starts it; fsdp's save is sharded, so its case cannot share ddp's",
+    "tests/test_scale.py::test_two_torchrun_agents_form_one_run_as_two_nodes": "two torchrun agents meeting "
+    "through c10d rendezvous, as two nodes, and the 2-worker train.py they must equal: three fresh launchers, "
+    "the rendezvous being what is tested",
     "tests/test_sweeps.py::test_two_processes_started_as_slurm_tasks": "two fresh interpreters started as srun "
     "tasks (no launcher between), each importing torch and joining through SLURM's variables: under 20 s alone, "
     "longer when it overlaps another worker's multi-process test",
