@@ -59,6 +59,9 @@ LONG: dict[str, str] = {
     "tests/test_reliability.py::test_a_signal_saves_exits_and_resume_auto_continues_bitwise": "three launches "
     "of train.py (uninterrupted, signalled at step 5, resumed): the signal reaches a launcher and its workers, "
     "each a fresh interpreter as a scheduler starts it; fsdp's save is sharded, so its case cannot share ddp's",
+    "tests/test_integrity.py::test_a_damaged_newest_checkpoint": "each kind of damage launches train.py twice "
+    "(the damaged checkpoint named, refused; resume=auto, which skips it and trains 5 steps), and the first case "
+    "also makes the file's shared run (10 steps on 2 ranks, saving at 5 and 10) that every case copies",
     "tests/test_scale.py::test_two_torchrun_agents_form_one_run_as_two_nodes": "two torchrun agents meeting "
     "through c10d rendezvous, as two nodes, and the 2-worker train.py they must equal: three fresh launchers, "
     "the rendezvous being what is tested",
