@@ -26,7 +26,7 @@ LONG_S = 60
 MAKE_TEST = ["-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder"]  # the Makefile's `make test`
 # a test over LONG_S (its node id, or the start of it): why it cannot share a run or be smaller
 SHARED_MATRIX = (
-    "the first test of the file runs the module's matrix cells in one go (one group of workers per world "
+    "the first test of the file runs the module's matrix cells in one go (groups of workers of each world "
     "size, tests/matrix_run.py), the shared run every other cell's test reads"
 )
 LONG: dict[str, str] = {

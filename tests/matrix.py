@@ -268,9 +268,6 @@ def subset_cells() -> list[Cell]:
     variants: dict[str, list[Value]] = {}
     for strategy in strategies():
         variants.setdefault(family(strategy), []).append(strategy)
-    turn = dict.fromkeys(variants, 0)
-    cells = []
-    for model, name, feature in all_pairs([models(), list(variants), features()]):
-        cells.append(Cell(model, variants[name][turn[name] % len(variants[name])], feature))
-        turn[name] += 1
-    return cells
+    turns = {name: itertools.cycle(values) for name, values in variants.items()}
+    return [Cell(model, next(turns[name]), feature)
+            for model, name, feature in all_pairs([models(), list(variants), features()])]  # fmt: skip

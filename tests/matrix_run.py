@@ -1,6 +1,6 @@
 """The matrix's runs: each cell composed and validated in this process (a refusal is its outcome),
-the rest trained in one group of workers per world size, after the single-process references
-(tests/test_matrix.py). A config that raises ends its group: the configs before it are done, it is
+the rest trained in groups of workers of each world size (a fresh group every GROUP_CONFIGS
+configs), after the single-process references (tests/test_matrix.py). A config that raises ends its group: the configs before it are done, it is
 recorded as FAILED, and a fresh group runs the ones after it, so one failure hides no other cell.
 """
 
@@ -22,7 +22,7 @@ SAVED_AT = 2  # a resumed cell's checkpoint: after this many steps, at another w
 # configs one group of workers trains before a fresh group takes the rest: each run's process
 # groups keep their Gloo threads past destroy_process_group (held in C++ after FSDP and TP runs),
 # and a worker with thousands of them trains each config slower than the last (1-2 s a cell at
-# first, 12-44 s after 300)
+# first, 12-90 s after 300)
 GROUP_CONFIGS = 40
 
 
@@ -185,7 +185,7 @@ def refusal(err: Exception) -> tuple[str, str]:
 
 def run_cells(cells: list[Cell], out: Path) -> dict[str, tuple[str, str]]:
     """{cell id: (outcome, detail)} for every cell: refusals composed here, then the references,
-    the resumed cells' saves and the cells in one group of workers per world size."""
+    the resumed cells' saves and the cells in groups of workers of each world size."""
     folders = prepare(out / "folders")
     results: dict[str, tuple[str, str]] = {}
     planned: dict[int, dict[str, tuple[Cell, list[str]]]] = {}

@@ -7,8 +7,8 @@ The default suite runs a covering subset (tests/matrix.py's subset_cells: every 
 strategy family and a feature meets in some cell, and every strategy variant is in one): its one-
 and two-process cells here, its four-process cells in tests/test_matrix_wide.py (two files:
 pytest-xdist runs them side by side). `make matrix` (`-m matrix`) runs the full tables and
-writes docs/results/matrix.md. The cells of a module run together (tests/matrix_run.py): one group
-of workers per world size.
+writes docs/results/matrix.md. The cells of a module run together (tests/matrix_run.py): groups of
+workers of each world size, a fresh group every 40 configs.
 """
 
 from __future__ import annotations
