@@ -18,7 +18,7 @@ SUMMARY_KEYS = {
 
 def test_smoke_run_trains_across_two_workers_and_logs_to_wandb_offline(tmp_path):
     run = tmp_path / "run"
-    proc = train_cli(["experiment=smoke", "steps=12", "progress=true"], run)
+    proc = train_cli(["experiment=smoke", "steps=12", "progress=true"], run, wandb=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     metrics = read_metrics(run)
@@ -127,7 +127,7 @@ def test_backend_knobs_reach_the_workers_and_init_methods_work(tmp_path, init):
 def test_the_default_job_learns(tmp_path):
     """`python train.py` with no arguments (W&B offline): gpt on the stdlib source, 2 workers, DDP."""
     run = tmp_path / "run"
-    proc = train_cli([], run)
+    proc = train_cli([], run, wandb=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(run)
     assert summary["choices"]["parallel"] == "ddp" and summary["world_size"] == 2
@@ -161,7 +161,15 @@ README_STRATEGIES = [
 ]
 
 
-@pytest.mark.parametrize("args", README_STRATEGIES, ids=lambda a: " ".join(a))
+# the 4-rank examples and FSDP1 in `make test-all`; their layouts meet one process in the matrix
+LONG_EXAMPLES = ("launch.nproc_per_node=4", "parallel.version=1")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [a if not set(LONG_EXAMPLES) & set(a) else pytest.param(a, marks=pytest.mark.slow) for a in README_STRATEGIES],
+    ids=lambda a: " ".join(a),
+)
 def test_strategy_examples_print_no_warnings(tmp_path, args):
     """The README's strategy examples run clean: a warning is fixed at its cause or explained in
     the README, never left for users to wonder about."""

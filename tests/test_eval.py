@@ -269,6 +269,7 @@ def test_resume_best_without_a_best_checkpoint_exits_2_in_one_line(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and not (run / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # the default run keeps tests/test_sweeps.py's Optuna search
 def test_optimize_val_loss_in_a_three_trial_optuna_search(tmp_path):
     sweep = tmp_path / "search"
     proc = train_cli(["hparams_search=lowest_val_loss", "experiment=smoke", "parallel=none", "logger=none",

@@ -25,7 +25,7 @@ def runs(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("frictions") / "run"
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WANDB_SILENT", raising=False)  # conftest silences W&B; a user's shell does not
-        first = train_cli([*TINY, "steps=6"], run_dir)
+        first = train_cli([*TINY, "steps=6"], run_dir, wandb=True)
     resumed = train_cli([*TINY, "steps=10", "logger=none"], run_dir)
     return run_dir, first, resumed
 

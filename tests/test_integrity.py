@@ -77,7 +77,8 @@ DAMAGE = {"truncated": (truncate, "size"), "flipped": (flip, "xxh3_64 digest"), 
 # ----------------------------------------------------------------------------- damaged checkpoints
 
 
-@pytest.mark.parametrize("kind", list(DAMAGE))
+# the default run keeps the flipped bytes (a digest mismatch); a cut or a missing shard: `make test-all`
+@pytest.mark.parametrize("kind", [k if k == "flipped" else pytest.param(k, marks=pytest.mark.slow) for k in DAMAGE])
 def test_a_damaged_newest_checkpoint_is_refused_by_name_and_auto_resumes_the_previous_bitwise(
     reference, tmp_path, kind
 ):

@@ -27,7 +27,10 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize(
     "name,args",
     [
-        ("ddp_2x4", ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"]),
+        # plain ddp meets one process in most other files; the default run keeps the accumulating splits
+        pytest.param(
+            "ddp_2x4", ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"], marks=pytest.mark.slow
+        ),
         ("none_accum4x2", ["parallel=none", "data.batch_size=2", "accumulation_steps=4"]),
         (
             "ddp_2x_accum4x1",

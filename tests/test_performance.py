@@ -142,6 +142,7 @@ def test_the_gpu_script_runs_its_probe_stand_in_and_saves_the_row(tmp_path):
     assert "| probe | ok |" in (tmp_path / "gpu.md").read_text() and (tmp_path / "gpu.log").exists()
 
 
+@pytest.mark.slow  # the benchmark itself, end to end; its parts are tested above
 def test_overhead_benchmark_runs_and_prints_its_ratio():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--pairs", "1", "--steps", "6",
                            "--precisions", "fp32"], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip

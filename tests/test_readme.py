@@ -71,7 +71,7 @@ def user_files(tmp_path_factory):
 def first_run(tmp_path_factory):
     """The README's first run, as written, with a checkpoint and a held-out split for the tools that read them."""
     sweep = tmp_path_factory.mktemp("first")
-    proc = train_cli([*FIRST_RUN, "checkpoint.every=8", "data.val_fraction=0.05"], sweep / "run")
+    proc = train_cli([*FIRST_RUN, "checkpoint.every=8", "data.val_fraction=0.05"], sweep / "run", wandb=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep, proc
 
@@ -149,7 +149,7 @@ def test_every_readme_command_runs(first_run, user_files):
         if args == FIRST_RUN:
             continue  # run for real by the first_run fixture
         if "--help" in args or "--cfg" in args:
-            proc = train_cli(args)
+            proc = train_cli(args, wandb=True)
             assert proc.returncode == 0 and "parallel" in proc.stdout, (argv, proc.stderr[-2000:])
             continue
         for job in sweep_jobs(args):

@@ -62,7 +62,12 @@ def checkpoint_meta(path: Path) -> dict:
 # ----------------------------------------------------------------------------- preemption
 
 
-@pytest.mark.parametrize("parallel,sig", [("none", "SIGINT"), ("ddp", "SIGTERM"), ("fsdp", "SIGTERM")])
+# the default run keeps ddp's SIGTERM; Ctrl-C on one process and fsdp's sharded save run in `make test-all`
+@pytest.mark.parametrize(
+    "parallel,sig",
+    [pytest.param("none", "SIGINT", marks=pytest.mark.slow), ("ddp", "SIGTERM"),
+     pytest.param("fsdp", "SIGTERM", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkeypatch, marked, parallel, sig):
     """SIGTERM (SIGINT: Ctrl-C) reaches train.py at step 5 (sent by rank 0 to its launcher, as a
     scheduler would): every rank stops after the same step, saves, and the run exits 143 (130)
@@ -120,6 +125,7 @@ def test_resume_auto_continues_from_the_newest_checkpoint_and_says_so(tmp_path):
     assert losses(run) == first  # bitwise, fp32
 
 
+@pytest.mark.slow  # the default run signals a launcher's workers (above) and forms a run of SLURM tasks (test_sweeps)
 def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
     """As SLURM does before a time limit: SIGTERM to every task of `srun python train.py` (no
     torchrun in between). Both ranks stop after the same step and exit 143; the requeued job
@@ -189,7 +195,11 @@ SLOW = pytest.mark.slow  # covered by `make test-all`; the default run keeps one
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=SLOW) if c in ("rank_batch_sizes", "length_grouped") else c for c in EPOCH_CASES]
+    "case",
+    [
+        pytest.param(c, marks=SLOW) if c in ("rank_batch_sizes", "length_grouped", "amp_device_augment") else c
+        for c in EPOCH_CASES
+    ],
 )
 def test_resume_across_an_epoch_boundary_is_bitwise(tmp_path, case):
     """A checkpoint taken after the first epoch ended resumes to the uninterrupted run's losses
@@ -252,8 +262,8 @@ FSDP4 = ["parallel=fsdp", "launch.nproc_per_node=4", "data.batch_size=2"]
 @pytest.mark.parametrize(
     "saved,resumed",
     [
-        (DDP2, FSDP4),
-        (FSDP4, DDP2),
+        pytest.param(DDP2, FSDP4, marks=pytest.mark.slow),  # the default run keeps the 2-D reshard below
+        pytest.param(FSDP4, DDP2, marks=pytest.mark.slow),
         # FSDP over 2 x tensor parallel over 2
         (DDP2, ["parallel=hybrid", "parallel.pp=1", "parallel.tp=2", "launch.nproc_per_node=4", "data.batch_size=4"]),
     ],

@@ -175,6 +175,7 @@ def _peak_rss_from_outside(tmp_path, overrides: list[str]) -> int:
     return peak_rss_of(cmd, cwd=root, env={**os.environ, "WANDB_MODE": "offline"}, stdout=subprocess.DEVNULL)
 
 
+@pytest.mark.slow  # two launches of a 100M gpt read from outside; benchmarks/memory.py writes the same table
 def test_fsdp_at_4_ranks_peaks_under_0_58_of_one_process(tmp_path):
     """gpt 8 x 1024 (about 100M parameters), T=64, B=4, 2 steps: the largest process's peak RSS,
     measured from outside, is at most 0.58 x `parallel=none`'s (each with its defaults)."""

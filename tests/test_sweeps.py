@@ -302,7 +302,15 @@ def test_a_failing_job_is_reported_and_a_rerun_with_skip_done_retrains_only_it(t
     assert "2 ok, 0 failed" in (sweep / "report.md").read_text()
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+# the longest presets (resnet under ddp and amp, gpt in 3-D) in `make test-all`; the matrix trains their layouts
+LONG_PRESETS = {"resnet_ddp_amp", "gpt_3d"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n not in LONG_PRESETS else pytest.param(n, marks=pytest.mark.slow)
+     for n in sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))],
+)  # fmt: skip
 def test_every_preset_trains_two_steps(tmp_path, name):
     run = tmp_path / "run"
     proc = train_cli([f"experiment={name}", "steps=2", "logger=none"], run, timeout=600)
