@@ -43,17 +43,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _storages(t: torch.Tensor) -> list:
+def _storages(t: torch.Tensor, fake: bool = False) -> list:
     """The storages holding `t`'s data on this rank: a wrapper subclass's (a DTensor's local
     shard, an async collective's result) through its inner tensors, read without running an op
-    (this runs inside saved-tensor hooks). Storages that cannot be read are left out."""
+    (this runs inside saved-tensor hooks). Storages that cannot be read are left out (`fake`:
+    fake tensors' storages, which hold no data but have a size, are read too)."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         inner = (getattr(t, name) for name in names)
-        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x, fake)]
     try:
         storage = t.untyped_storage()
-        storage.data_ptr()
+        if not fake:
+            storage.data_ptr()
     except RuntimeError:  # a storage-less tensor (fake, or freed by its owner)
         return []
     return [storage]
@@ -105,9 +107,12 @@ class SavedActivationMeter:
     tensors, one block's worth at a time in backward, are not counted.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, fake: bool = False):
+        """`fake`: the model and its inputs are fake tensors (the planner's dry run): storages are
+        told apart by their identity instead of their (absent) data."""
         self._model = model
-        self._param_ptrs = {s.data_ptr() for p in model.parameters() for s in _storages(p)}
+        self._fake = fake
+        self._param_ptrs = {self._key(s) for p in model.parameters() for s in _storages(p, fake)}
         self.peak = 0
         self.live = 0  # bytes held now (inside `measure`)
 
@@ -137,9 +142,13 @@ class SavedActivationMeter:
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight, or its .t() view
                 return t
             ptrs = []
-            for storage in _storages(t):
-                ptr = storage.data_ptr()
-                if ptr not in self._param_ptrs and storage.device.type != "meta" and storage.nbytes() > 0:
+            for storage in _storages(t, self._fake):
+                ptr = self._key(storage)
+                if (
+                    ptr not in self._param_ptrs
+                    and (self._fake or storage.device.type != "meta")
+                    and storage.nbytes() > 0
+                ):
                     hold(ptr, storage.nbytes())
                     ptrs.append(ptr)
             # detached: a tensor that is its own op's output (SDPA's, a tanh's) would otherwise hold
@@ -152,9 +161,9 @@ class SavedActivationMeter:
         def checkpointed_input(module, args):
             for t in args:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    for storage in _storages(t):
-                        hold(storage.data_ptr(), storage.nbytes())
-                        kept.append(storage.data_ptr())
+                    for storage in _storages(t, self._fake):
+                        hold(self._key(storage), storage.nbytes())
+                        kept.append(self._key(storage))
 
         kept: list[int] = []
         hooks = [m.register_forward_pre_hook(checkpointed_input) for m in self._model.modules()
@@ -168,6 +177,9 @@ class SavedActivationMeter:
             for ptr in kept:
                 release(ptr)
         self.peak = max(self.peak, peak[0])
+
+    def _key(self, storage) -> int:
+        return storage._cdata if self._fake else storage.data_ptr()
 
 
 class _Saved:

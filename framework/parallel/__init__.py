@@ -85,9 +85,12 @@ def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | Non
     return (len(blocks) or None), spec.heads
 
 
-def parallelize(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo) -> Parallelized:
+def parallelize(
+    meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, materialise: Callable = materialize_model
+) -> Parallelized:
     """The model built on the meta device, laid out by the strategy and materialised: this rank's
-    part, with the values of the single-process model.
+    part, with the values of the single-process model. (`materialise(module, spec, cfg, device)`:
+    the planner's dry run allocates fake tensors instead, framework.plan.dry_run.)
 
     Models with an init rule (gpt), and pretrained weights, stay on the meta device until the
     strategy says when to allocate them (`Strategy.materialise_late`): either way the values are
@@ -99,7 +102,7 @@ def parallelize(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInf
     if on_meta:
         model = meta
         if not late:
-            materialize_model(model, spec, cfg, info.device)
+            materialise(model, spec, cfg, info.device)
     else:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -108,7 +111,7 @@ def parallelize(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInf
     decay |= {alias for alias, source in spec.ties.items() if source in decay}  # a pipeline's copy of a tie
     par = _wrap(model, spec, cfg, info, strategy)
     if late:
-        materialize_model(par.module, spec, cfg, info.device)
+        materialise(par.module, spec, cfg, info.device)
     par.decay, par.tie_names = decay, spec.ties
     return par
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
@@ -174,6 +174,7 @@ class Pipeline:
     has_first: bool
     has_last: bool
     n_microbatches: int
+    stages: dict[int, nn.Module] = field(default_factory=dict)  # this rank's stage modules by stage id
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Forward+backward of the local batch; returns the mean loss on ranks holding the last
@@ -212,7 +213,7 @@ def build_pipeline(
         schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], n_microbatches, loss_fn=cross_entropy)
     else:
         schedule = getattr(pipelining, MULTI_STAGE[name])(stages, n_microbatches, loss_fn=cross_entropy)
-    return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches)
+    return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches, dict(zip(ids, stage_modules, strict=True)))
 
 
 class LocalStages(nn.Module):

@@ -84,6 +84,11 @@ def main(argv: list[str]) -> int:
     try:  # the overrides composed and checked as train.py does: a typo is one line naming the key
         cfg = compose_checked(argv)
         world = cfg.plan.world_size or world_size_of(cfg)
+        if cfg.plan.dry_run:
+            from framework.plan.dry_run import report
+
+            print(report(cfg, world))
+            return 0
         best, ranked, budget, profile = choose(cfg, world, with_profile=True)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

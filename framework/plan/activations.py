@@ -54,6 +54,8 @@ def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: 
     e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
     if checkpointed:
         return e * u / seq_split  # the block's input, kept for the recomputation
+    if getattr(g, "ffn_hidden", None):
+        return _llama_block_bytes(b * T, g, e, layout)
     small = e * 4 * b * T / seq_split + 4 * b * g.n_head * T / tp  # two norms' mean and rstd; logsumexp
     if not _casts(cfg, layout):
         # split 1/tp: q, k, v, attention's output, the MLP's hidden before and after GELU (12);
@@ -65,13 +67,32 @@ def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: 
     return 4 * u * 2 / seq_split + 2 * u * 12 / tp + casts + small
 
 
+def _llama_block_bytes(tokens: int, g: SimpleNamespace, e: int, layout: Layout) -> float:
+    """A Llama block (models/llama.py: RMSNorm in fp32, rotary embeddings, GQA, SwiGLU), per token,
+    as autograd saves it: each norm its fp32 input, its normalised e-byte value (both local under
+    sequence parallel) and its output, which the linears take whole; attention the rotated q, the
+    repeated k and v, SDPA's output, its reshaped copy (1/tp each) and the logsumexp; the MLP its
+    two projections, silu's output and their product (ffn_hidden wide, 1/tp). Under autocast each
+    linear also keeps a 16-bit copy of its weight."""
+    tp, D, F = layout.tp, g.n_embd, g.ffn_hidden
+    seq_split = tp if layout.sequence_parallel else 1
+    norms = 2 * ((4 + e) * D / seq_split + e * D + 4 / seq_split)
+    attention = 5 * e * D / tp + 4 * g.n_head / tp
+    mlp = 4 * e * F / tp
+    weights = 2 * (2 * D * D + 2 * D * g.kv_width + 3 * D * F) / tp if e == 2 and layout.fsdp == 0 else 0
+    return tokens * (norms + attention + mlp) + weights
+
+
 def head_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
     """The final norm, the output head and the fp32 log-softmax, for `b` samples."""
     T = tokens_per_rank(cfg, layout)
     u, seq_split = b * T * g.n_embd, (layout.tp if layout.sequence_parallel else 1)
     vocab_split = layout.tp if layout.loss_parallel else 1
     e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2
-    norm = (e * u + 2 * e * b * T) / seq_split
+    if getattr(g, "norm", None) == "rms":  # its fp32 input and normalised value, and a 1/rms per token
+        norm = ((4 + e) * u + 4 * b * T) / seq_split
+    else:
+        norm = (e * u + 2 * e * b * T) / seq_split
     head_input = 2 * u + 2 * g.vocab_size * g.n_embd / layout.tp if _casts(cfg, layout) else e * u
     return norm + head_input + 4 * b * T * g.vocab_size / vocab_split + 8 * b * T + 4
 

@@ -273,10 +273,15 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
             per_rank[rank][0] += _numel(local)
     for (rank, _), numel in units.items():  # FSDP1: one flat parameter per unit, split evenly
         per_rank[rank][0] += -(-numel // layout.shard)
-    elements, tensors, extra_grad = max(per_rank.values())
     optim = cfg.optim
-    if optim.name == "adamw":
-        optim_bytes = 2 * 4 * elements + 4 * tensors  # exp_avg, exp_avg_sq, a 0-d step per tensor
-    else:
-        optim_bytes = 4 * elements if optim.momentum > 0 else 0
-    return {"param_bytes": 4 * elements, "grad_bytes": 4 * (elements + extra_grad), "optim_bytes": optim_bytes}
+
+    def optim_bytes(elements: int, tensors: int) -> int:
+        if optim.name == "adamw":
+            return 2 * 4 * elements + 4 * tensors  # exp_avg, exp_avg_sq, a 0-d step per tensor
+        return 4 * elements if optim.momentum > 0 else 0
+
+    # each kind on the rank holding most of it (a tp embedding's whole-size gradient can put the
+    # most gradient bytes on another pipeline rank than the most parameter bytes)
+    ranks = per_rank.values()
+    return {"param_bytes": max(4 * e for e, _, _ in ranks), "grad_bytes": max(4 * (e + x) for e, _, x in ranks),
+            "optim_bytes": max(optim_bytes(e, t) for e, t, _ in ranks)}  # fmt: skip
