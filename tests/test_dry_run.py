@@ -74,3 +74,12 @@ def test_the_dry_run_at_cluster_scale_equals_the_planner(args, world):
     for key in STATE:
         assert max(r.state[key] for r in ranks) == predicted[key], (key, ranks, predicted)
     assert predicted["activation_bytes"] == pytest.approx(max(r.activation_bytes for r in ranks), rel=0.10)
+
+
+@pytest.mark.parametrize("args", [["parallel=ddp"], ["parallel=fsdp", "parallel.version=1"]], ids=["ddp", "fsdp1"])
+def test_the_dry_run_refuses_what_it_cannot_lay_out_in_one_line(args):
+    from framework.config import ConfigError
+    from tests.helpers import compose_config
+
+    with pytest.raises(ConfigError, match=r"^plan.dry_run: lays out the mesh strategies with FSDP2 .* got parallel"):
+        compare(compose_config([*args, "launch.nproc_per_node=2"]), 2)

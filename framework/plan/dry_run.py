@@ -194,10 +194,9 @@ def compare(cfg: DictConfig, world: int) -> tuple[list[RankReport], dict]:
     from framework.plan.predict import predict
 
     layout = layout_of(cfg.parallel, world, *model_dims_of(cfg))
-    if not layout.fsdp and layout.name not in ("tp", "pp", "hybrid", "fsdp"):
-        raise ConfigError(
-            "plan.dry_run", f"lays out the mesh strategies (fsdp, tp, pp, hybrid); got parallel={layout.name}"
-        )
+    if layout.name not in ("tp", "pp", "hybrid", "fsdp") or layout.fsdp == 1:
+        got = "parallel.version=1" if layout.fsdp == 1 else f"parallel={layout.name}"
+        raise ConfigError("plan.dry_run", f"lays out the mesh strategies with FSDP2 (fsdp, tp, pp, hybrid); got {got}")
     return dry_run(cfg, world, layout), predict(cfg, world)["memory"]
 
 
