@@ -30,8 +30,11 @@ test: $(STAMP)
 	$(COMPILE)
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
+# the default suite and the long tier (-m slow: the cases the default run keeps one of), on the
+# same workers; not the full matrix
 test-all: $(STAMP)
-	$(VENV)/bin/python -m pytest -m "not matrix" $(ARGS)
+	$(COMPILE)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not matrix" $(ARGS)
 
 # every model and feature under every strategy: parity or a one-line refusal; writes docs/results/matrix.md
 matrix: $(STAMP)

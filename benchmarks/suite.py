@@ -62,6 +62,9 @@ LONG: dict[str, str] = {
     "tests/test_integrity.py::test_a_damaged_newest_checkpoint": "each kind of damage launches train.py twice "
     "(the damaged checkpoint named, refused; resume=auto, which skips it and trains 5 steps), and the first case "
     "also makes the file's shared run (10 steps on 2 ranks, saving at 5 and 10) that every case copies",
+    "tests/test_dry_run.py::test_the_dry_run_at_4_ranks": "the file's shared run: two configs trained for real "
+    "on 4 gloo ranks in one group of workers (FSDP2 x tp with a padded shard, a pipeline over tp), which the dry "
+    "run of each must equal; a real run is what the dry run is checked against",
     "tests/test_scale.py::test_two_torchrun_agents_form_one_run_as_two_nodes": "two torchrun agents meeting "
     "through c10d rendezvous, as two nodes, and the 2-worker train.py they must equal: three fresh launchers, "
     "the rendezvous being what is tested",

@@ -149,11 +149,13 @@ def test_generate_refuses_an_override_in_one_line(saved_run, capsys):
 
 def test_the_planner_checks_its_overrides_and_has_help(capsys):
     """`python -m framework.plan plan.dry_runn=true` printed Hydra's traceback; --help was an
-    OverrideParseException."""
+    OverrideParseException. The misspelt key is named, and the key it misses suggested."""
     from framework.plan.__main__ import main
 
     assert main(["plan.dry_runn=true"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == ["error: plan.dry_runn: no such key"]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: plan.dry_runn: no such key; did you mean 'plan.dry_run'?"
+    ]
     assert main(["--help"]) == 0
     assert "python -m framework.plan" in capsys.readouterr().out
 

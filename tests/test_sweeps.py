@@ -302,8 +302,9 @@ def test_a_failing_job_is_reported_and_a_rerun_with_skip_done_retrains_only_it(t
     assert "2 ok, 0 failed" in (sweep / "report.md").read_text()
 
 
-# the longest presets (resnet under ddp and amp, gpt in 3-D) in `make test-all`; the matrix trains their layouts
-LONG_PRESETS = {"resnet_ddp_amp", "gpt_3d"}
+# the default run trains the smoke, mlp and lstm presets; the others in `make test-all` (the matrix
+# trains their models and layouts, tests/test_data.py the varlen and token_budget data)
+LONG_PRESETS = {"resnet_ddp_amp", "gpt_3d", "resnet", "gpt_fsdp_bf16", "lstm_token_budget", "gpt_varlen"}
 
 
 @pytest.mark.parametrize(
