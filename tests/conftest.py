@@ -14,16 +14,16 @@ os.environ.setdefault("HYDRADIST_RESULTS_DIR", tempfile.mkdtemp(prefix="hydradis
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite also runs where xdist is not installed
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (make test): one pytest worker per two cores, at least three, and no more than
-    the memory holds. Most tests start two to four ranks of their own, which keep a core each busy
-    only part of the time (start-up, gloo waits, a launcher waiting on its workers): two workers
-    left a 2-core machine 12% idle, a third fills it."""
+    """`-n auto` (make test): one pytest worker per two cores, at least two, and no more than the
+    memory holds. Most tests start two to four ranks of their own, which keep a core each busy
+    only part of the time (start-up, gloo waits), so two workers fill a 2-core machine: a third
+    left it no faster (a clean-clone run of 2026-12-03 was slower with three)."""
     cores = os.cpu_count() or 1
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
         mem_gib = 16.0
-    return max(1, min(max(3, cores // 2), int(mem_gib // 5), 8))
+    return max(1, min(max(2, cores // 2), int(mem_gib // 5), 8))
 
 
 def _measured_file_seconds() -> dict[str, float]:
