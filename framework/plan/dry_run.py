@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.config import ConfigError
+from framework.parallel.dims import AXES  # the mesh's order, outermost first
 from framework.plan.activations import in_flight, micro_batch
 from framework.plan.model import Layout, stage_rank
 
@@ -67,10 +68,8 @@ def role_ranks(layout: Layout, n_blocks: int) -> list[int]:
     return ranks
 
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's order (framework.parallel.dims)
-
-
 def flat_rank(layout: Layout, **coords: int) -> int:
+    """The rank at `coords` on the mesh (axes not given: 0)."""
     rank = 0
     for axis in AXES:
         rank = rank * getattr(layout, axis) + coords.get(axis, 0)
@@ -78,6 +77,7 @@ def flat_rank(layout: Layout, **coords: int) -> int:
 
 
 def coords_of(layout: Layout, rank: int) -> dict[str, int]:
+    """`rank`'s place on the mesh, axis by axis."""
     out = {}
     for axis in reversed(AXES):
         rank, out[axis] = divmod(rank, getattr(layout, axis))
