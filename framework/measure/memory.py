@@ -162,8 +162,9 @@ class SavedActivationMeter:
             for t in args:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     for storage in _storages(t, self._fake):
-                        hold(self._key(storage), storage.nbytes())
-                        kept.append(self._key(storage))
+                        key = self._key(storage)
+                        hold(key, storage.nbytes())
+                        kept.append(key)
 
         kept: list[int] = []
         hooks = [m.register_forward_pre_hook(checkpointed_input) for m in self._model.modules()
