@@ -141,22 +141,15 @@ class SavedActivationMeter:
         def pack(t: torch.Tensor):
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight, or its .t() view
                 return t
-            ptrs = []
-            for storage in _storages(t, self._fake):
-                ptr = self._key(storage)
-                if (
-                    ptr not in self._param_ptrs
-                    and (self._fake or storage.device.type != "meta")
-                    and storage.nbytes() > 0
-                ):
-                    hold(ptr, storage.nbytes())
-                    ptrs.append(ptr)
+            ptrs = self._counted(t)
+            for ptr, nbytes in ptrs:
+                hold(ptr, nbytes)
             # detached: a tensor that is its own op's output (SDPA's, a tanh's) would otherwise hold
             # that op's node, which holds this packed object: a cycle through autograd's C++ that
             # no collector breaks. Backward breaks it; a forward never backwarded (a pipeline's
             # first stage runs one to infer its shapes) would keep its graph, and these bytes
             # counted, for the rest of the run. Autograd restores the grad_fn as it unpacks.
-            return _Saved(t.detach(), ptrs, release) if ptrs else t
+            return _Saved(t.detach(), [ptr for ptr, _ in ptrs], release) if ptrs else t
 
         def checkpointed_input(module, args):
             for t in args:
@@ -178,6 +171,14 @@ class SavedActivationMeter:
             for ptr in kept:
                 release(ptr)
         self.peak = max(self.peak, peak[0])
+
+    def _counted(self, t: torch.Tensor) -> list[tuple[int, int]]:
+        """(key, bytes) of each of `t`'s storages that counts: not a parameter's, not on meta, not empty."""
+        return [
+            (self._key(s), s.nbytes())
+            for s in _storages(t, self._fake)
+            if self._key(s) not in self._param_ptrs and (self._fake or s.device.type != "meta") and s.nbytes() > 0
+        ]
 
     def _key(self, storage) -> int:
         return storage._cdata if self._fake else storage.data_ptr()
