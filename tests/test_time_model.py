@@ -39,7 +39,7 @@ def test_a_view_moves_no_bytes_and_math_bound_operators_are_priced_apart():
     assert elementwise_bytes(lambda: F.gelu(x)) == {"memory": 0, "math": 2 * nbytes}
     # a region's seconds: memory-bound bytes at 1 GB/s, math-bound at 0.1 GB/s, forward and backward alike
     region = Region(bytes=1e6, math_bytes=1e6)
-    layout = SimpleNamespace(tp=1, cp=1, sequence_parallel=False)
+    layout = SimpleNamespace(tp=1, cp=1, sequence_parallel=False, fsdp=0)
     seconds = _region_s(region, "replicated", layout, kernels(), SimpleNamespace(op_overhead_s=0.0))
     assert seconds == pytest.approx((1e-3 + 1e-2) * 3)  # forward + BACKWARD_BYTES (2) x forward
 
@@ -48,7 +48,7 @@ def test_each_backward_matmul_reads_its_own_orientations_grid():
     """A CPU without bf16 units runs the input's gradient ten times slower than the forward: the
     step's backward is priced by that grid, not by the forward's shape transposed."""
     region = Region(matmuls=[(512, 256, 1024, None)])
-    layout = SimpleNamespace(tp=1, cp=1, sequence_parallel=False)
+    layout = SimpleNamespace(tp=1, cp=1, sequence_parallel=False, fsdp=0)
     overhead = SimpleNamespace(op_overhead_s=0.0)
     flops = 2 * 512 * 256 * 1024
     even = _region_s(region, "replicated", layout, kernels(), overhead)

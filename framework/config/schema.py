@@ -235,6 +235,7 @@ class PlanConfig:
     overlap: float | None = None  # share of compute that hides data-parallel traffic; null: 0 CPU, 0.8 CUDA
     op_overhead_us: float | None = None  # dispatch cost per operator; null: probed (CPU) or nominal
     nodes: int = 1  # nodes the world spans (groups wider than a node use inter_node_gbps)
+    gpu: str | None = None  # plan for this GPU from its published figures (A100, H100, H200; any machine)
     dry_run: bool = False  # python -m framework.plan: lay out the configured strategy on a fake world (no search)
     # the figures not given above: probe (the cache, else measured once and cached), cache (the
     # cache, else nominal), config (nominal: no probe, no cache, as ranks a launcher started use;

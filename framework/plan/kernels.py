@@ -66,6 +66,11 @@ class Kernels:
         )
         return 2 * m * k * n / math.exp(log_rate)
 
+    def attention_s(self, m: float, k: float, n: float) -> float:
+        """Seconds of attention's forward for scores of shape (m, n) over head dim k: two matmuls
+        of that shape (the scores and their weighted sum)."""
+        return 2 * self.matmul_s(m, k, n)
+
     @cached_property
     def _rates(self) -> dict[str, dict[tuple[int, int], float]]:
         """FLOP/s at each grid point (computed once: a search prices thousands of matmuls)."""

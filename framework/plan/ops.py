@@ -65,6 +65,7 @@ class Region:
     bytes: float = 0.0  # memory-bound operators' bytes
     ops: int = 0
     math_bytes: float = 0.0  # math-bound operators' bytes
+    cast_bytes: float = 0.0  # autocast's casts of the parameters (FSDP's gathers cast instead)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, trace: Trace, place):
         super().__init__()
         self.trace, self.place, self.in_attention, self.kinds = trace, place, 0, {}
+        self.params: set[int] = set()  # ids of the tensors the model's parameters are called with
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -111,7 +113,9 @@ class _Recorder(TorchDispatchMode):
             kind = self.kinds.get(func, False)
             if kind is False:  # once per operator: a name costs more than most small operators
                 kind = self.kinds[func] = byte_kind(func)
-            if kind == "memory":
+            if kind == "memory" and func is torch.ops.aten._to_copy.default and id(args[0]) in self.params:
+                region.cast_bytes += _nbytes(args[0]) + _nbytes(out)
+            elif kind == "memory":
                 region.bytes += _nbytes(list(args)) + _nbytes(out)
             elif kind == "math":
                 region.math_bytes += _nbytes(list(args)) + _nbytes(out)
@@ -176,6 +180,7 @@ def trace_forward(model: nn.Module, spec, batch: int, seq_len: int, autocast: to
     recorder = _Recorder(trace, place)
     try:
         with _inputs(model, autocast) as (state, device):
+            recorder.params = {id(t) for t in state.values()}
             tokens = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
             with torch.no_grad(), _Attention(recorder), recorder:
                 logits_of(torch.func.functional_call(model, state, (tokens,)) if state else model(tokens))

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from framework.machine import cpu_name, local_ranks, usable_cores
 from framework.plan.baseline import baseline_bytes, forks_workers
 from framework.plan.cache import read_cache, write_cache
+from framework.plan.gpu import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, GpuKernels, gpu_kernels, gpu_spec
 from framework.plan.kernels import Kernels, probe_kernels
 from framework.plan.link import probe_link
 from framework.plan.ops import BACKWARD_OPS, count_ops
@@ -57,6 +58,7 @@ class Profile:
     share: float = 1.0  # the share of its threads a rank gets (local ranks x threads over the cores)
     op_latency_s: dict = None  # collective -> seconds a call, back to back as training issues them (probed)
     op_bytes_per_s: dict = None  # collective -> its own wire bytes per second within a node (probed)
+    step_latency_s: tuple[float, float] = (0.0, 0.0)  # per ring step (within a node, across nodes)
 
     def latency_of(self, op: str) -> float:
         """Seconds a call of `op` ("all_gather", or "fsdp:all_gather" as FSDP issues it) takes
@@ -90,6 +92,8 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     `source` says which was used, `sources` figure by figure."""
     from framework.config import resolve_device
 
+    if cfg.plan.get("gpu"):
+        return gpu_profile(cfg, cfg.plan.gpu)
     measure = max(measure, str(cfg.plan.get("profile", "probe")), key=MEASURES.index)
     device = resolve_device(cfg)
     local = local_ranks(world, cfg.plan.nodes, cfg.launch.nproc_per_node, device)
@@ -132,7 +136,10 @@ def kernel_costs(
     from framework.plan.calibrate import in_situ_factor
     from framework.precision import DTYPES
 
-    if device == "cuda" or measure == "config":
+    if device == "cuda":
+        spec = gpu_spec(torch.cuda.get_device_name(0))
+        return (None, "none") if spec is None else (_gpu_kernels(cfg, spec), "datasheet")
+    if measure == "config":
         return None, "none"
     threads = max(1, usable_cores() // local)
     dtype = DTYPES[cfg.precision.name]
@@ -245,3 +252,39 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
         torch.set_num_threads(before)
     sources.append("peak: cpu probe")
     return flops * min(1.0, cores / (threads * local))
+
+
+def gpu_profile(cfg: DictConfig, part: str) -> Profile:
+    """The profile of a GPU cluster from the part's published figures (framework.plan.gpu), on any
+    machine: no probe, no cache; `plan.*` figures still come first."""
+    from framework.config import ConfigError
+    from framework.plan.gpu import SPECS
+
+    spec = gpu_spec(part)
+    if spec is None:
+        raise ConfigError("plan.gpu", f"{part!r} is not a part the time model knows; one of {', '.join(SPECS)}")
+    plan = cfg.plan
+    kernels = _gpu_kernels(cfg, spec)
+    intra, inter = spec.link_bytes_per_s()
+    where = {"peak_flops": "config" if plan.peak_tflops else "datasheet", "kernels": "datasheet"}
+
+    def given(key: str, default: float, scale: float) -> float:
+        where[key] = "config" if plan.get(key) is not None else "datasheet"
+        return plan[key] * scale if plan.get(key) is not None else default
+
+    intra, inter = given("intra_node_gbps", intra, 1e9), given("inter_node_gbps", inter, 1e9)
+    latency, overhead = given("latency_us", NCCL_BASE_S, 1e-6), given("op_overhead_us", 0.0, 1e-6)
+    overlap = plan.overlap if plan.overlap is not None else 0.8
+    return Profile(
+        kernels.peak_flops, intra, inter, latency, overlap, f"gpu: {spec.part} (published figures)", 0,
+        NOMINAL_SLACK["cuda"], 0, where, overhead, kernels, 1.0, None, None, (NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S),
+    )  # fmt: skip
+
+
+def _gpu_kernels(cfg: DictConfig, spec) -> GpuKernels:
+    from framework.measure.datasheet import datasheet_tflops
+    from framework.precision import DTYPES
+
+    dtype = DTYPES[cfg.precision.name]
+    tflops = cfg.plan.peak_tflops or cfg.metrics.peak_tflops or datasheet_tflops(spec.part, dtype, cfg.precision.tf32)
+    return gpu_kernels(spec, tflops * 1e12, dtype)

@@ -190,6 +190,11 @@ def memory_budget_bytes(cfg: DictConfig, world: int) -> float:
     machine's RAM shared by the ranks of one node)."""
     if cfg.plan.memory_budget_mb is not None:
         return cfg.plan.memory_budget_mb * 2**20
+    if cfg.plan.get("gpu"):
+        from framework.plan.gpu import gpu_spec
+
+        spec = gpu_spec(cfg.plan.gpu)
+        return spec.memory_gb * 1e9 if spec else 0.0  # an unknown part: machine_profile names it
     device = resolve_device(cfg)
     if device == "cuda":
         import torch

@@ -91,7 +91,9 @@ def _block_order(name: str) -> tuple:
 
 
 def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwards: int = 1) -> float:
-    """Seconds of a region's forward(s) and backward on one rank of `layout`."""
+    """Seconds of a region's forward(s) and backward on one rank of `layout`. Autocast casts the
+    parameters in each forward, and their gradients back once, unless FSDP gathers them already
+    cast (its copies are _grad_copies_s's)."""
     tp = layout.tp
     split = tp if kind == "sharded" or (kind == "replicated" and layout.sequence_parallel) else 1
     matmul = 0.0
@@ -109,13 +111,15 @@ def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwa
         matmul += (
             forward * forwards + kernels.matmul_s(m, k, n, "input_grad") + kernels.matmul_s(m, k, n, "weight_grad")
         )
-    attention = sum(2 * kernels.matmul_s(m / split, k, n) for m, k, n in region.attention) * layout.cp
+    attention = sum(kernels.attention_s(m / split, k, n) for m, k, n in region.attention) * layout.cp
     elementwise = (region.bytes / kernels.bytes_per_s + region.math_bytes / kernels.math_bytes_per_s) / split
+    casts = 0.0 if layout.fsdp else region.cast_bytes / kernels.bytes_per_s / split * (forwards + 1)
     ops = region.ops * profile.op_overhead_s
     return (
         matmul
         + attention * (forwards + BACKWARD_ATTENTION)
         + elementwise * (forwards + BACKWARD_BYTES)
+        + casts
         + ops * (forwards + BACKWARD_OPS)
     )
 
@@ -148,15 +152,16 @@ def step_time(
 
 def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 0.0) -> float:
     """Seconds of communication per step on the slowest rank that `busy` seconds of arithmetic do
-    not hide (busy=0: all of it)."""
+    not hide (busy=0: all of it). A call costs the profile's latency, its ring's steps (or a
+    tree's, for an all-reduce, whichever is shorter) at a step's latency within or across nodes,
+    and its wire bytes at the bandwidth of where its group lies (comm_seconds)."""
     nodes = cfg.plan.nodes  # read once: a config lookup costs more than the term it feeds
     per_node = max(1, layout.world // max(1, nodes))
     worst = 0.0
     for t in ranks:
         hidden, exposed = 0.0, 0.0
-        for op, calls, wire, group, kind in t.seconds_terms:
-            spans_nodes = nodes > 1 and group > per_node
-            seconds = calls * profile.latency_of(op) + wire / profile.bandwidth_of(op, spans_nodes)
+        for op, calls, wire, group, kind, stride in t.seconds_terms:
+            seconds = comm_seconds(profile, op, calls, wire, group, stride, per_node if nodes > 1 else 0)
             if kind == "dp":
                 hidden += seconds
             else:
@@ -164,3 +169,30 @@ def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 
         worst = max(worst, exposed + max(0.0, hidden - profile.overlap * busy))
     figures = profile.latency_of("all_reduce") if layout.world > 1 else 0.0  # the step's loss and counts, all-reduced
     return worst + figures
+
+
+RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}
+
+
+def comm_seconds(profile, op: str, calls: float, wire: float, group: int, stride: int, per_node: int) -> float:
+    """Seconds of `calls` calls of `op` moving `wire` bytes per rank in a group of `group` ranks
+    `stride` apart on the mesh, with `per_node` ranks to a node (0: one node). A group wider
+    than its node sends across nodes at the network's rate per rank times its members on each
+    node (one NIC per rank: their rings cross over all of them), at most the rate within."""
+    members = group if not per_node or group * stride <= per_node else max(1, min(group, per_node // stride))
+    spans = members < group
+    bandwidth = profile.bandwidth_of(op, False)
+    if spans:
+        bandwidth = min(bandwidth, profile.inter_bytes_per_s * members)
+    within, across = profile.step_latency_s
+    kind = op.rpartition(":")[2]
+    if kind == "send":
+        steps = across if spans else within
+    else:
+        factor, node_count = RING_STEPS.get(kind, 1), group // members
+        inter_steps = factor * (node_count - 1) if spans else 0
+        steps = (factor * (group - 1) - inter_steps) * within + inter_steps * across
+        if kind == "all_reduce" and group > 2:  # a tree: up and down log2 of the nodes, then of the members
+            tree = 2 * (math.ceil(math.log2(node_count)) * across + math.ceil(math.log2(members)) * within)
+            steps = min(steps, tree)
+    return calls * (profile.latency_of(op) + steps) + wire / bandwidth

@@ -40,20 +40,24 @@ class Traffic:
         self.calls: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
         self.wire: dict[str, float] = defaultdict(float)
-        # (op, calls, wire bytes, group size, kind): "dp" traffic can overlap compute, "model" cannot;
+        # (op, calls, wire bytes, group size, kind, stride): "dp" traffic can overlap compute, "model"
+        # cannot; stride: the rank distance between the group's members on the mesh (tp innermost),
+        # which places the group on nodes (framework.plan.timing.comm_s);
         # op is "fsdp:all_gather" or "tp:all_reduce" where the strategy's own path issues it (the
         # profile prices a call by who issues it: FSDP's hooks and DTensor's redistributes cost more
         # than the bare collective)
-        self.seconds_terms: list[tuple[str, float, float, int, str]] = []
+        self.seconds_terms: list[tuple[str, float, float, int, str, int]] = []
 
-    def add(self, op: str, payload: float, group: int, calls: float = 1, kind: str = "model", via: str = "") -> None:
+    def add(
+        self, op: str, payload: float, group: int, calls: float = 1, kind: str = "model", via: str = "", stride: int = 1
+    ) -> None:
         if group <= 1 or calls == 0:
             return
         wire = payload * RING_FACTOR[op](group)
         self.calls[op] += calls
         self.bytes[op] += payload
         self.wire[op] += wire
-        self.seconds_terms.append((f"{via}:{op}" if via else op, calls, wire, group, kind))
+        self.seconds_terms.append((f"{via}:{op}" if via else op, calls, wire, group, kind, stride))
         if op == "send":  # the peer's matching receive is a call too (no bytes of its own)
             self.calls["recv"] += calls
             self.bytes["recv"] += payload
@@ -90,7 +94,7 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
         return ranks
     if layout.fsdp:
         _fsdp(ranks, shapes, cfg, layout)
-        _sync_batchnorm(ranks[0], shapes, cfg, layout.dp)
+        _sync_batchnorm(ranks[0], shapes, cfg, layout.dp, stride=layout.cp * layout.tp)
     if layout.tp > 1:
         _tensor_parallel(ranks, shapes, cfg, layout)
     if layout.pp > 1:
@@ -106,7 +110,7 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
     return ranks
 
 
-def _sync_batchnorm(t: Traffic, shapes: Shapes, cfg: DictConfig, dp: int) -> None:
+def _sync_batchnorm(t: Traffic, shapes: Shapes, cfg: DictConfig, dp: int, stride: int = 1) -> None:
     """parallel.sync_batchnorm (framework/parallel/batchnorm.py), per BatchNorm layer and micro-batch:
     the count and per-channel sums all-reduced forward, and their gradients backward (fp32): the
     CPU implementation's; torch's SyncBatchNorm on accelerators all-gathers the per-rank statistics
@@ -114,7 +118,7 @@ def _sync_batchnorm(t: Traffic, shapes: Shapes, cfg: DictConfig, dp: int) -> Non
     if dp > 1 and shapes.batchnorm and cfg.parallel.get("sync_batchnorm", True):
         n = cfg.accumulation_steps
         payload = sum(4 * (2 * c + 1) for c in shapes.batchnorm)
-        t.add("all_reduce", 2 * n * payload, dp, 2 * n * len(shapes.batchnorm), "dp")
+        t.add("all_reduce", 2 * n * payload, dp, 2 * n * len(shapes.batchnorm), "dp", stride=stride)
 
 
 def _ddp(t: Traffic, shapes: Shapes, layout: Layout) -> None:
@@ -147,10 +151,10 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     for (rank, unit), elements in units.items():
         t = ranks[rank]
         gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
-        t.add("all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp", "fsdp")
-        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp", "fsdp")
+        t.add("all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp", "fsdp", layout.tp)
+        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp", "fsdp", layout.tp)
         shard = elements // layout.shard * reduce_bytes
-        t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp")
+        t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp", stride=layout.shard * layout.tp)
 
 
 def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
@@ -206,13 +210,13 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
 def _pipeline(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
     seq_split = layout.tp if layout.sequence_parallel else 1
     activation = 4 * micro_batch(cfg, layout) * cfg.data.seq_len * shapes.hidden // seq_split
-    m = layout.n_microbatches
+    m, stride = layout.n_microbatches, layout.dp * layout.cp * layout.tp
     for stage in range(layout.stages):
         rank = stage_rank(stage, layout)
         if stage < layout.stages - 1 and stage_rank(stage + 1, layout) != rank:
-            ranks[rank].add("send", m * activation, 2, calls=m)  # outputs forward
+            ranks[rank].add("send", m * activation, 2, calls=m, stride=stride)  # outputs forward
         if stage > 0 and stage_rank(stage - 1, layout) != rank:
-            ranks[rank].add("send", m * activation, 2, calls=m)  # input gradients back
+            ranks[rank].add("send", m * activation, 2, calls=m, stride=stride)  # input gradients back
 
 
 def _ring_attention(t: Traffic, shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
@@ -226,5 +230,5 @@ def _ring_attention(t: Traffic, shapes: Shapes, cfg: DictConfig, layout: Layout)
     n_micro = cfg.accumulation_steps
     kv_hops = n_micro * (cp - 1) * (2 * n_layer + recomputed)
     grad_hops = n_micro * cp * n_layer
-    t.add("send", kv_hops * elements * kv_bytes, cp, calls=kv_hops)
-    t.add("send", grad_hops * elements * 4, cp, calls=grad_hops)
+    t.add("send", kv_hops * elements * kv_bytes, cp, calls=kv_hops, stride=layout.tp)
+    t.add("send", grad_hops * elements * 4, cp, calls=grad_hops, stride=layout.tp)
