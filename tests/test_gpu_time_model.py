@@ -68,14 +68,16 @@ def test_groups_are_placed_on_nodes_by_their_stride_on_the_mesh():
     assert (profile.intra_bytes_per_s, profile.inter_bytes_per_s) == (pytest.approx(nvlink), pytest.approx(nic))
     wire = 1e9
     base, (step_in, step_out) = profile.latency_s, profile.step_latency_s
-    assert comm_seconds(profile, "tp:all_reduce", 1, wire, 8, 1, 8) == pytest.approx(
+    assert comm_seconds(profile, ("tp:all_reduce", 1, wire, 8, "model", 1), 8) == pytest.approx(
         base + 2 * 3 * step_in + wire / nvlink  # a tree of 8 (3 levels up and down) beats a ring of 14 steps
     )
-    assert comm_seconds(profile, "all_gather", 1, wire, 4, 8, 8) == pytest.approx(base + 3 * step_out + wire / nic)
-    assert comm_seconds(profile, "reduce_scatter", 1, wire, 16, 1, 8) == pytest.approx(
+    assert comm_seconds(profile, ("all_gather", 1, wire, 4, "dp", 8), 8) == pytest.approx(
+        base + 3 * step_out + wire / nic
+    )
+    assert comm_seconds(profile, ("reduce_scatter", 1, wire, 16, "dp", 1), 8) == pytest.approx(
         base + 14 * step_in + 1 * step_out + wire / min(nvlink, 8 * nic)
     )
-    assert comm_seconds(profile, "send", 1, wire, 2, 8, 8) == pytest.approx(base + step_out + wire / nic)
+    assert comm_seconds(profile, ("send", 1, wire, 2, "model", 8), 8) == pytest.approx(base + step_out + wire / nic)
 
 
 def test_plan_gpu_prices_from_the_datasheet_on_any_machine_and_names_an_unknown_part():

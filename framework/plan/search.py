@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import CONF_DIR, ConfigError, resolve_device
@@ -24,6 +25,7 @@ from framework.config.schema import group_schema
 from framework.machine import local_ranks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.pipeline import least_microbatches, stages_per_rank
+from framework.plan.gpu import gpu_spec
 from framework.plan.predict import predict
 from framework.plan.profile import Profile, machine_profile
 
@@ -190,15 +192,10 @@ def memory_budget_bytes(cfg: DictConfig, world: int) -> float:
     machine's RAM shared by the ranks of one node)."""
     if cfg.plan.memory_budget_mb is not None:
         return cfg.plan.memory_budget_mb * 2**20
-    if cfg.plan.get("gpu"):
-        from framework.plan.gpu import gpu_spec
-
-        spec = gpu_spec(cfg.plan.gpu)
-        return spec.memory_gb * 1e9 if spec else 0.0  # an unknown part: machine_profile names it
+    if cfg.plan.get("gpu"):  # an unknown part: machine_profile names it
+        return gpu_spec(cfg.plan.gpu).memory_gb * 1e9 if gpu_spec(cfg.plan.gpu) else 0.0
     device = resolve_device(cfg)
     if device == "cuda":
-        import torch
-
         return torch.cuda.get_device_properties(0).total_memory
     local = local_ranks(world, cfg.plan.nodes, cfg.launch.nproc_per_node, device)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local

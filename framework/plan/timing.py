@@ -160,9 +160,9 @@ def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 
     worst = 0.0
     for t in ranks:
         hidden, exposed = 0.0, 0.0
-        for op, calls, wire, group, kind, stride in t.seconds_terms:
-            seconds = comm_seconds(profile, op, calls, wire, group, stride, per_node if nodes > 1 else 0)
-            if kind == "dp":
+        for term in t.seconds_terms:
+            seconds = comm_seconds(profile, term, per_node if nodes > 1 else 0)
+            if term[4] == "dp":
                 hidden += seconds
             else:
                 exposed += seconds
@@ -174,11 +174,12 @@ def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 
 RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}
 
 
-def comm_seconds(profile, op: str, calls: float, wire: float, group: int, stride: int, per_node: int) -> float:
-    """Seconds of `calls` calls of `op` moving `wire` bytes per rank in a group of `group` ranks
-    `stride` apart on the mesh, with `per_node` ranks to a node (0: one node). A group wider
+def comm_seconds(profile, term: tuple, per_node: int) -> float:
+    """Seconds of a Traffic term (`calls` calls of `op` moving `wire` bytes per rank in a group of
+    `group` ranks `stride` apart on the mesh), with `per_node` ranks to a node (0: one node). A group wider
     than its node sends across nodes at the network's rate per rank times its members on each
     node (one NIC per rank: their rings cross over all of them), at most the rate within."""
+    op, calls, wire, group, _, stride = term
     members = group if not per_node or group * stride <= per_node else max(1, min(group, per_node // stride))
     spans = members < group
     bandwidth = profile.bandwidth_of(op, False)

@@ -48,11 +48,11 @@ class Traffic:
         # than the bare collective)
         self.seconds_terms: list[tuple[str, float, float, int, str, int]] = []
 
-    def add(
-        self, op: str, payload: float, group: int, calls: float = 1, kind: str = "model", via: str = "", stride: int = 1
-    ) -> None:
+    def add(self, op: str, payload: float, group: int, calls: float = 1, kind: str = "model", stride: int = 1) -> None:
+        """`op`: the collective ("all_gather"), or "fsdp:all_gather" as a strategy's own path issues it."""
         if group <= 1 or calls == 0:
             return
+        via, _, op = op.rpartition(":")
         wire = payload * RING_FACTOR[op](group)
         self.calls[op] += calls
         self.bytes[op] += payload
@@ -63,7 +63,7 @@ class Traffic:
             self.bytes["recv"] += payload
 
     def add_tp(self, op: str, payload: float, group: int, calls: float = 1) -> None:
-        self.add(op, payload, group, calls, via="tp")
+        self.add(f"tp:{op}", payload, group, calls)
 
     def totals(self) -> dict[str, Any]:
         return {
@@ -151,8 +151,8 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     for (rank, unit), elements in units.items():
         t = ranks[rank]
         gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
-        t.add("all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp", "fsdp", layout.tp)
-        t.add("reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp", "fsdp", layout.tp)
+        t.add("fsdp:all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp", layout.tp)
+        t.add("fsdp:reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp", layout.tp)
         shard = elements // layout.shard * reduce_bytes
         t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp", stride=layout.shard * layout.tp)
 
