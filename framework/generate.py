@@ -1,5 +1,6 @@
-"""`python -m framework.generate CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
-[--top-k K] [--seed S]`: continue a prompt with a trained language model and print the text.
+"""`python -m framework.generate CHECKPOINT --prompt TEXT | --prompts FILE [--max-new-tokens N]
+[--temperature T] [--top-k K] [--top-p P] [--seed S] [--print-ids] [--no-cache]`: continue prompts
+with a trained language model and print the text.
 
 It reads the DCP checkpoint directly (any layout it was saved under: DCP reshards into the plain
 model), on one process, on the GPU if there is one. The tokens are the run's: its tokenizer is
@@ -7,15 +8,19 @@ read from the config saved beside the checkpoint (data.tokenizer; for data=token
 framework.data.prepare recorded with the shards), so a model trained on BPE ids is prompted with
 BPE ids, not bytes. The prompt is encoded with it, the continuation decoded with it, and
 generation stops at its end-of-document id (a model trained on documents ends them).
-`--temperature 0` is greedy decoding, deterministic.
+`--temperature 0` is greedy decoding, deterministic. The framework's models decode with a KV
+cache (models/kv_cache.py): the prompt runs once, then each new token alone. Tokens per second go
+to standard error; `--print-ids` prints each continuation's token ids as a Python list after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Iterator
-from itertools import islice
+from contextlib import closing
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +31,7 @@ from framework.config import ConfigError
 from framework.contract import build_model, logits_of, spec_of
 from framework.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_of_shards
 from framework.evaluate import load_model, resolve_checkpoint
+from models.kv_cache import caching, supports_cache
 
 
 def load_lm(path: str, device: torch.device) -> torch.nn.Module:
@@ -59,32 +65,67 @@ def run_tokenizer(saved: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
         raise ConfigError("data.tokenizer", str(err).removeprefix("data.tokenizer: ")) from None
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits: temperature 0 is greedy (the most likely);
+    else from the softmax at `temperature`, kept to the `top_k` most likely and to the fewest
+    whose probabilities reach `top_p` (nucleus sampling)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, vocab) logits -> (B, 1) token ids."""
+        logits = logits.float()
+        if self.temperature == 0:
+            return logits.argmax(-1, keepdim=True)
+        logits = logits / self.temperature
+        if self.top_k:
+            kth = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            probs, order = torch.softmax(logits, -1).sort(-1, descending=True)
+            beyond = probs.cumsum(-1) - probs >= self.top_p  # the rest once the kept ones reach top_p
+            logits = logits.scatter(-1, order, logits.gather(-1, order).masked_fill(beyond, float("-inf")))
+        return torch.multinomial(torch.softmax(logits, -1), 1, generator=self.generator)
+
+
+def max_length(model) -> int | None:
+    """The most tokens the model takes at once (gpt's block_size, the Llama's max_seq_len), or None."""
+    return getattr(model, "block_size", None) or getattr(getattr(model, "args", None), "max_seq_len", None)
+
+
 @torch.no_grad()
-def sample(model, tokens: torch.Tensor, temperature: float, top_k: int | None,
-           generator: torch.Generator) -> Iterator[torch.Tensor]:  # fmt: skip
-    """The next token (1, 1) after `tokens` (1, T), again and again, each appended to the context;
-    the context is cut to the model's block_size. temperature 0: the most likely token each time."""
-    block = getattr(model, "block_size", None)
-    while True:
-        context = tokens if block is None else tokens[:, -block:]
-        logits = logits_of(model(context))[:, -1, :].float()
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+def sample(model, tokens: torch.Tensor, max_new: int, how: Sampling, cache: bool = True) -> Iterator[torch.Tensor]:
+    """Up to `max_new` next tokens (B, 1) after `tokens` (B, T), one at a time. With a KV cache
+    (the framework's models, models/kv_cache.py) the prompt runs once and then each new token
+    alone, while prompt and continuation fit the model's length; past it, and for any other
+    model, the whole context (cut to the model's length) runs for every token."""
+    limit = max_length(model)
+    room = min(tokens.shape[1] + max_new, limit or tokens.shape[1] + max_new)
+    if cache and supports_cache(model) and tokens.shape[1] < room:
+        with caching(model, tokens.shape[0], room):
+            logits = logits_of(model(tokens))[:, -1, :]
+            while max_new > 0:
+                nxt = how.pick(logits)
+                tokens, max_new = torch.cat([tokens, nxt], dim=1), max_new - 1
+                yield nxt
+                if max_new == 0 or tokens.shape[1] >= room:
+                    break
+                logits = logits_of(model(nxt))[:, -1, :]
+    for _ in range(max_new):
+        context = tokens if limit is None else tokens[:, -limit:]
+        nxt = how.pick(logits_of(model(context))[:, -1, :])
         tokens = torch.cat([tokens, nxt], dim=1)
         yield nxt
 
 
-def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
-             generator: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """`tokens` (1, T) and `max_new_tokens` sampled tokens after them."""
-    new = list(islice(sample(model, tokens, temperature, top_k, generator), max_new_tokens))
-    return torch.cat([tokens, *new], dim=1)
+def generate(model, tokens: torch.Tensor, max_new_tokens: int, how: Sampling, cache: bool = True) -> torch.Tensor:
+    """`tokens` (B, T) and `max_new_tokens` sampled tokens after them."""
+    with closing(sample(model, tokens, max_new_tokens, how, cache)) as new:
+        return torch.cat([tokens, *new], dim=1)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -93,24 +134,44 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         extra = message.removeprefix("unrecognized arguments: ")
         if extra != message:  # a key=value override: the model and its settings are the checkpoint's
-            message = f"{extra}: not an argument here; generate takes CHECKPOINT and --prompt, --max-new-tokens, " \
-                      "--temperature, --top-k, --seed (the model is the checkpoint's)"  # fmt: skip
+            message = f"{extra}: not an argument here; generate takes CHECKPOINT and --prompt, --prompts, " \
+                      "--max-new-tokens, --temperature, --top-k, --top-p, --seed, --print-ids, --no-cache " \
+                      "(the model is the checkpoint's)"  # fmt: skip
         print(f"error: {message.removeprefix('argument ')}", file=sys.stderr)
         sys.exit(2)
 
 
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m framework.generate", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint folder, or a run directory (its best, else newest)")
-    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--prompt", default=None, help="text to continue")
+    parser.add_argument("--prompts", default=None, help="a file of prompts, one a line, each continued in turn")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the fewest tokens reaching p")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--print-ids", action="store_true", help="also print the new tokens' ids, a list a prompt")
+    parser.add_argument("--no-cache", action="store_true", help="run the whole context for every token")
+    return parser.parse_args(argv)
+
+
+def prompts_of(args: argparse.Namespace) -> list[str]:
+    if args.prompts is None:
+        return [args.prompt or ""]
     try:
-        if args.max_new_tokens < 0 or args.temperature < 0:
-            raise ConfigError("--max-new-tokens/--temperature", "must be >= 0")
+        with open(args.prompts, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as err:
+        raise ConfigError("--prompts", f"cannot read {args.prompts!r}: {err.strerror}") from None
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < (args.top_p or 1) <= 1:
+            raise ConfigError("--max-new-tokens/--temperature/--top-p", "must be >= 0, >= 0 and in (0, 1]")
+        prompts = prompts_of(args)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_checkpoint(args.checkpoint)
         model = load_lm(path, device)
@@ -118,15 +179,23 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    prompt = tok.encode(args.prompt) or tok.encode("\n")  # no prompt: begin at a line
-    tokens = torch.tensor([prompt], dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    new: list[int] = []
-    for nxt in islice(sample(model, tokens, args.temperature, args.top_k, generator), args.max_new_tokens):
-        if int(nxt) == tok.eos_id:  # the model ended the document
-            break
-        new.append(int(nxt))
-    print(tok.decode(prompt + new) if args.prompt else tok.decode(new))
+    how = Sampling(args.temperature, args.top_k, args.top_p, torch.Generator(device=device).manual_seed(args.seed))
+    made, started = 0, time.perf_counter()
+    for text in prompts:
+        prompt = tok.encode(text) or tok.encode("\n")  # no prompt: begin at a line
+        new: list[int] = []
+        tokens = torch.tensor([prompt], dtype=torch.long, device=device)
+        with closing(sample(model, tokens, args.max_new_tokens, how, cache=not args.no_cache)) as stream:
+            for nxt in stream:
+                if int(nxt) == tok.eos_id:  # the model ended the document
+                    break
+                new.append(int(nxt))
+        made += len(new)
+        print(tok.decode(prompt + new) if text else tok.decode(new))
+        if args.print_ids:
+            print(new)
+    seconds = time.perf_counter() - started
+    print(f"{made} tokens in {seconds:.2f} s: {made / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)
     return 0
 
 

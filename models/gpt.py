@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.init import Rule, fill_
+from models.kv_cache import attend
 
 
 class CausalSelfAttention(nn.Module):
@@ -27,6 +28,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
+        self.cache = None  # a models.kv_cache.KVCache while generating
+
+    def cache_shape(self) -> tuple[int, int]:
+        return self.k.out_features // self.head_dim, self.head_dim
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -34,7 +39,9 @@ class CausalSelfAttention(nn.Module):
         # projection's width, so a tensor-parallel shard (fewer heads per rank) works unchanged.
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
-        if mask is None:
+        if self.cache is not None:  # generating: these tokens follow the cached ones
+            y = attend(q, *self.cache.append(k, v))
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:  # (B, 1, T, T) boolean: True where a query may attend
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
@@ -115,6 +122,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         # Not tied to tok_emb: tied weights would have to live on two pipeline stages at once.
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.cache = None  # the first block's KVCache while generating (models/kv_cache.py): where positions start
         self.reset_parameters()
 
     def init_rule(self, name: str, dim: int) -> Rule:
@@ -141,8 +149,9 @@ class GPT(nn.Module):
         positions: (T,) the position of each of these tokens in its sequence, where `idx` is a part
         of it (context parallel: a zigzag shard); default 0..T-1. Not combined with doc_ids."""
         B, T = idx.shape
-        assert T <= self.block_size, f"sequence of {T} tokens > block_size {self.block_size}"
-        pos = torch.arange(T, device=idx.device)
+        start = self.cache.pos if self.cache is not None else 0  # generating: the cached tokens come first
+        assert start + T <= self.block_size, f"sequence of {start + T} tokens > block_size {self.block_size}"
+        pos = torch.arange(start, start + T, device=idx.device)
         mask = None
         if doc_ids is not None:
             starts = torch.ones_like(doc_ids, dtype=torch.bool)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.init import Rule, fill_
+from models.kv_cache import attend
 from models.llama_args import FLAVORS, LlamaArgs
 from models.llama_hf import args_from_hf_config, from_hf_name
 
@@ -82,6 +83,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        self.cache = None  # a models.kv_cache.KVCache while generating
+
+    def cache_shape(self) -> tuple[int, int]:
+        return self.wk.out_features // self.args.head_dim, self.args.head_dim
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -89,12 +94,18 @@ class Attention(nn.Module):
         # head counts come from the projections' widths: a tensor-parallel shard has fewer heads
         q, k, v = (lin(x).view(B, T, -1, hd).transpose(1, 2) for lin in (self.wq, self.wk, self.wv))
         pos, mask = positions_and_mask(T, doc_ids, x.device)
+        if self.cache is not None:  # these tokens follow the cached ones
+            pos = pos + self.cache.pos
         angles = pos[..., None].float() * rope_frequencies(self.args, x.device)  # (B or 1, T, hd/2)
         cos, sin = angles.cos()[:, None], angles.sin()[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cache is not None:
+            k, v = self.cache.append(k, v)
         groups = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if mask is None:
+        if self.cache is not None:
+            y = attend(q, k, v)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
