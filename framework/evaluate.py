@@ -1,5 +1,8 @@
 """`python -m framework.evaluate RUN_DIR|CHECKPOINT [key=value ...]`: the held-out loss of a saved
 checkpoint, under any layout (DCP reshards on load), written to `eval.json` and printed.
+`python -m framework.evaluate key=value ...` (no checkpoint): the loss of a model before any
+training here (`model=llama model.pretrained=DIR`, `model=hf ...`, a `_target_` model), its config
+composed as train.py composes it, under any strategy; printed.
 
 - RUN_DIR: its best checkpoint (checkpoint.monitor), else its newest; CHECKPOINT: that folder.
 - The model and data are the run's (the config saved beside the checkpoints); overrides change
@@ -54,6 +57,25 @@ def eval_config(path: str, overrides: list[str]) -> DictConfig:
     return apply_overrides(cfg, overrides)  # as train.py composes and checks them: one line naming the key
 
 
+# what evaluating sets unless the overrides say otherwise: one process, nothing saved or logged
+FRESH = {"parallel": "parallel=none", "launch.nproc_per_node": "launch.nproc_per_node=1", "logger": "logger=none",
+         "checkpoint.every": "checkpoint.every=0", "checkpoint.export": "checkpoint.export=false",
+         "progress": "progress=false"}  # fmt: skip
+
+
+def fresh_config(overrides: list[str]) -> DictConfig:
+    """The config of a model not trained here, composed as train.py composes it (and checked as
+    it checks), one process by default, nothing saved or logged."""
+    from framework.config.overrides import compose_checked
+
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    cfg = compose_checked([v for k, v in FRESH.items() if k not in given] + overrides)
+    if any(o.startswith("data.path=") for o in overrides):  # a file of its own, read whole
+        OmegaConf.set_struct(cfg, False)
+        cfg = OmegaConf.merge(cfg, {"data": {"val_fraction": 0.0, "val_path": None, "max_bytes": ALL_BYTES}})
+    return cfg
+
+
 def load_model(path: str, module) -> None:
     """The model weights of checkpoint `path` into `module` (any layout; the optimizer is not read)."""
     import torch.distributed.checkpoint as dcp
@@ -67,8 +89,9 @@ def load_model(path: str, module) -> None:
     set_model_state_dict(module, state)
 
 
-def evaluate_rank(config: dict[str, Any], path: str, whole_file: bool) -> dict[str, Any]:
-    """One rank: build the model as the run did, load the checkpoint's weights, evaluate."""
+def evaluate_rank(config: dict[str, Any], path: str | None, whole_file: bool) -> dict[str, Any]:
+    """One rank: build the model as the run did, load the checkpoint's weights (none: the model's
+    own, as built: pretrained or initialised), evaluate."""
     from framework.config import resolve_backend, resolve_device
     from framework.data import build_dataset
     from framework.dist import destroy_distributed, init_distributed
@@ -81,7 +104,8 @@ def evaluate_rank(config: dict[str, Any], path: str, whole_file: bool) -> dict[s
     info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
     try:
         setup = build(cfg, info)
-        load_model(path, setup.par.module)
+        if path is not None:
+            load_model(path, setup.par.module)
         dataset = build_dataset(cfg.data, cfg.seed, setup.task, "train") if whole_file else None
         result = evaluate(setup, build_eval_data(cfg, setup, info.device, dataset), info, cfg.eval.steps)
         return {**result, "task": setup.task}
@@ -89,13 +113,14 @@ def evaluate_rank(config: dict[str, Any], path: str, whole_file: bool) -> dict[s
         destroy_distributed()
 
 
-def run(target: str, overrides: list[str]) -> dict[str, Any]:
-    """Evaluate; returns (and writes to <target>/eval.json) the figures."""
+def run(target: str | None, overrides: list[str]) -> dict[str, Any]:
+    """Evaluate; returns (and, for a checkpoint, writes to <target>/eval.json) the figures.
+    target None: the model the overrides compose, before any training."""
     from framework.config import resolve_nproc
     from framework.dist import launched_as_worker
 
-    path = resolve_checkpoint(target)
-    cfg = eval_config(path, overrides)
+    path = resolve_checkpoint(target) if target is not None else None
+    cfg = eval_config(path, overrides) if path is not None else fresh_config(overrides)
     validate(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     whole_file = any(o.startswith("data.path=") for o in overrides)
@@ -106,19 +131,21 @@ def run(target: str, overrides: list[str]) -> dict[str, Any]:
         from framework.machine import launch_local
 
         result = launch_local(nproc, evaluate_rank, config, path, whole_file)[0]
-    step = checkpoint.read_trainer_state(path).step
-    data = f"data.path={cfg.data.path}" if whole_file else "the run's validation split"
+    step = checkpoint.read_trainer_state(path).step if path is not None else 0
+    data = f"data.path={cfg.data.path}" if whole_file else "the validation split"
     out = {**result, "checkpoint": path, "step": step, "data": data, "parallel": cfg.parallel.name}
     if int(os.environ.get("RANK", 0)) == 0:
-        with open(os.path.join(target, "eval.json"), "w") as f:
-            json.dump(out, f, indent=2)
+        if target is not None:
+            with open(os.path.join(target, "eval.json"), "w") as f:
+                json.dump(out, f, indent=2)
         print_table(out)
     return out
 
 
 def print_table(out: dict[str, Any]) -> None:
     unit = "tokens" if out["task"] == "lm" else "samples"
-    rows = [("checkpoint", f"{out['checkpoint']} (step {out['step']})"), ("data", out["data"]),
+    model = f"{out['checkpoint']} (step {out['step']})" if out["checkpoint"] else "as built (no checkpoint)"
+    rows = [("checkpoint", model), ("data", out["data"]),
             ("loss", f"{out['loss']:.6f}"), (unit, str(out["terms"]))]  # fmt: skip
     metric = "perplexity" if out["task"] == "lm" else "accuracy"
     rows.append((metric, f"{out[metric]:.4f}"))
@@ -130,8 +157,9 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    target, overrides = (None, argv) if "=" in argv[0] and not os.path.exists(argv[0]) else (argv[0], argv[1:])
     try:
-        run(argv[0], argv[1:])
+        run(target, overrides)
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
