@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q $(TORCH_PIP) $(TORCH)
-	$(VENV)/bin/pip install -q -e ".[dev,hf]"
+	$(VENV)/bin/pip install -q -e ".[dev,hf,finetune]"
 	touch $(STAMP)
 
 train: $(STAMP)

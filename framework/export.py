@@ -14,6 +14,11 @@ from `--config`.
 `checkpoint.export=true` writes the same files through the same writer at the end of a run
 (`export_at_end`: RUN_DIR/hf for model=llama and model=hf), from the model gathered in memory
 instead of streamed from a checkpoint.
+
+A peft=lora run exports the merged model (each adapted weight W + (alpha / rank) B A) with
+`--format hf`, and its adapters alone in PEFT's format with `--format peft` (OUT/adapter_model.
+safetensors and OUT/adapter_config.json, which `peft.PeftModel.from_pretrained(base, OUT)` loads
+onto the Hugging Face base); `checkpoint.export=true` writes both (RUN_DIR/hf, RUN_DIR/adapter).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from omegaconf import OmegaConf, open_dict
 from framework.checkpoint.full import full_model_state_dict
 from framework.contract import factory_kwargs
 from framework.hf import ties_embeddings
+from framework.peft import enabled, is_adapter
 from models.llama import Llama
 from models.llama_args import LlamaArgs
 from models.llama_hf import hf_config, hf_names, to_hf_name
@@ -124,6 +130,8 @@ def write_llama_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dty
     tensors (our names: shape, dtype) are `tensors`; `read(name)` gives one whole tensor, called
     once per tensor, in order."""
     args = llama_args_of(cfg, tensors)
+    if enabled(cfg.get("peft")):  # the adapters folded into their weights
+        read = merged(tensors, read, cfg.peft.alpha / cfg.peft.rank)
     names = hf_names(args)
     missing = [n for n in names if n not in tensors]
     if missing:
@@ -139,11 +147,57 @@ def write_llama_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dty
     return args
 
 
-def export_hf(checkpoint: str, out: str, config: str | None = None) -> LlamaArgs:
+def merged(tensors: dict, read: Callable[[str], torch.Tensor], scaling: float) -> Callable[[str], torch.Tensor]:
+    """`read`, with each adapted linear's update folded into its weight: W + scaling B A."""
+
+    def read_merged(name: str) -> torch.Tensor:
+        weight = read(name)
+        stem = name.removesuffix(".weight")
+        if f"{stem}.lora_A.weight" in tensors:
+            update = read(f"{stem}.lora_B.weight").double() @ read(f"{stem}.lora_A.weight").double()
+            weight = (weight.double() + scaling * update).to(weight.dtype)
+        return weight
+
+    return read_merged
+
+
+def write_peft_adapter(cfg, out: str, tensors: dict, read: Callable[[str], torch.Tensor]) -> list[str]:
+    """OUT/adapter_model.safetensors and OUT/adapter_config.json in PEFT's format: the adapters of
+    a peft=lora llama under Hugging Face's module names (B's rows in its rotary layout, as W's).
+    Returns the adapted modules' Hugging Face names."""
+    if not enabled(cfg.get("peft")):
+        raise ExportError("--format peft: the run trained no adapters (peft=none)")
+    args = llama_args_of(cfg, tensors)
+    names = sorted(n for n in tensors if is_adapter(n))
+    keys, transforms = [], []
+    for name in names:
+        stem, _, kind = name.partition(".lora_")
+        hf, transform = to_hf_name(f"{stem}.weight", args)
+        keys.append(f"base_model.model.{hf.removesuffix('.weight')}.lora_{kind}")
+        transforms.append(transform if kind.startswith("B") else (lambda t: t))
+    os.makedirs(out, exist_ok=True)
+    entries = [(key, *tensors[name]) for key, name in zip(keys, names, strict=True)]
+    write_safetensors(os.path.join(out, "adapter_model.safetensors"), entries,
+                      lambda i: transforms[i](read(names[i])))  # fmt: skip
+    modules = sorted({k.removeprefix("base_model.model.").rpartition(".lora_")[0] for k in keys})
+    p = cfg.peft
+    config_json = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": p.rank, "lora_alpha": p.alpha,
+                   "lora_dropout": p.dropout, "target_modules": "|".join(m.replace(".", r"\.") for m in modules),
+                   "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+                   "base_model_name_or_path": cfg.model.get("pretrained")}  # fmt: skip
+    Path(out, "adapter_config.json").write_text(json.dumps(config_json, indent=2))
+    return modules
+
+
+def export_hf(checkpoint: str, out: str, config: str | None = None, fmt: str = "hf") -> LlamaArgs:
     """The CLI's export: streamed from a DCP checkpoint, one whole tensor in memory at a time."""
     cfg = run_config(checkpoint, config)
     tensors = checkpoint_tensors(checkpoint)
-    return write_llama_hf(cfg, out, tensors, lambda name: read_tensor(checkpoint, name, *tensors[name]))
+    read = lambda name: read_tensor(checkpoint, name, *tensors[name])  # noqa: E731
+    if fmt == "peft":
+        write_peft_adapter(cfg, out, tensors, read)
+        return llama_args_of(cfg, tensors)
+    return write_llama_hf(cfg, out, tensors, read)
 
 
 def write_transformers_hf(cfg, out: str, state: dict[str, torch.Tensor]) -> None:
@@ -176,7 +230,10 @@ def export_at_end(cfg, run_dir: str, par, is_main: bool) -> str:
     if cfg.model.get("name") == "hf":
         write_transformers_hf(cfg, path, state)
     elif has_hf_layout(cfg):
-        write_llama_hf(cfg, path, {k: (v.shape, v.dtype) for k, v in state.items()}, state.__getitem__)
+        tensors = {k: (v.shape, v.dtype) for k, v in state.items()}
+        write_llama_hf(cfg, path, tensors, state.__getitem__)
+        if enabled(cfg.get("peft")):
+            write_peft_adapter(cfg, os.path.join(run_dir, "adapter"), tensors, state.__getitem__)
     else:
         torch.save(state, path)
     return path
@@ -196,14 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a step-NNNNNN checkpoint folder")
     p.add_argument("out", help="the folder to write")
-    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors")
+    p.add_argument(
+        "--format",
+        default="hf",
+        choices=["hf", "peft"],
+        help="hf: config.json + model.safetensors (peft=lora: merged); peft: the adapters, PEFT's files",
+    )
     p.add_argument("--config", default=None, help="the run's config.yaml (default: the run dir's .hydra/config.yaml)")
     a = p.parse_args(argv)
     if not os.path.isfile(os.path.join(a.checkpoint, ".metadata")):
         print(f"error: CHECKPOINT: {a.checkpoint} is not a complete checkpoint (no .metadata)", file=sys.stderr)
         return 2
     try:
-        args = export_hf(a.checkpoint, a.out, a.config)
+        args = export_hf(a.checkpoint, a.out, a.config, a.format)
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

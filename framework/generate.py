@@ -31,6 +31,7 @@ from framework.config import ConfigError
 from framework.contract import build_model, logits_of, spec_of
 from framework.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_of_shards
 from framework.evaluate import load_model, resolve_checkpoint
+from framework.peft import apply_peft
 from models.kv_cache import caching, supports_cache
 
 
@@ -41,7 +42,10 @@ def load_lm(path: str, device: torch.device) -> torch.nn.Module:
         raise ConfigError("CHECKPOINT", f"no {checkpoint.CONFIG_FILE} beside {path}")
     model_cfg = OmegaConf.create(saved["model"])
     model = build_model(model_cfg, device)
-    task = spec_of(model, model_cfg).task
+    spec = spec_of(model, model_cfg)
+    task = spec.task
+    if saved.get("peft"):  # the run's adapters are in its checkpoint: the model must hold them
+        apply_peft(model, OmegaConf.create(saved["peft"]), spec.blocks, 0)
     if task != "lm":
         raise ConfigError("CHECKPOINT", f"{model_cfg._target_} is a {task} model; generate needs a language model (lm)")
     load_model(path, model)

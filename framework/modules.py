@@ -10,6 +10,7 @@ from torch import nn
 
 from framework.contract import canonical_name
 from framework.hf import load_pretrained, restore_buffers
+from framework.peft import enabled, init_adapters, is_adapter
 from models.init import Rule, fill_
 
 __all__ = ["canonical_name", "map_blocks", "materialize", "materialize_model"]
@@ -69,9 +70,12 @@ def materialize_model(module: nn.Module, spec, cfg, device: torch.device) -> Non
     if folder is not None:
         # a model whose names or layouts differ from the checkpoint's maps them (models/llama.py)
         missing = load_pretrained(module, folder, device, spec.from_hf_name, spec.ties)
+        missing = [name for name in missing if not is_adapter(name)]  # peft=lora's own, filled below
         if missing and (spec.init_rule is None or spec.from_hf_name is not None):
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise ValueError(f"model.pretrained: {folder} has no weights for {len(missing)} parameters ({shown})")
+    if enabled(cfg.get("peft")):
+        init_adapters(module, cfg.peft.rank, cfg.seed)  # whatever filled the rest: A normal, B zero
 
 
 def to_empty(module: nn.Module, device: torch.device) -> None:

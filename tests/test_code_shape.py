@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "tracking",
         "precision",
         "modules",
+        "peft",
         "hf",
         "optim",
     ),  # fmt: skip

@@ -65,3 +65,111 @@ def test_without_a_checkpoint_a_misspelt_key_is_one_line(capsys):
     assert main(["model=llama", "model.pretraind=/nowhere"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.pretraind" in err[0], err
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+# a tiny pretrained Llama (tests/test_llama.py's, 2 blocks of width 64, GQA) fine-tuned with
+# adapters on q, v and the MLP's w2; fp32, 3 steps, a global batch of 4 sequences of 32 bytes
+LORA = ["model=llama", "peft=lora", "peft.rank=4", "peft.alpha=8", "peft.targets=[wq,wv,w2]", "logger=none",
+        "progress=false", "data.seq_len=32", "data.max_bytes=200000", "steps=3", "optim.lr=0.01"]  # fmt: skip
+ONE = ["parallel=none", "data.batch_size=4"]
+STRATEGIES = {
+    "fsdp": ["parallel=fsdp", "launch.nproc_per_node=2", "data.batch_size=2"],
+    "ddp": ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=2"],
+    "pp": ["parallel=pp", "launch.nproc_per_node=2", "data.batch_size=4", "parallel.n_microbatches=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(pretrained, tmp_path_factory):
+    """One process and fsdp x2 from the same pretrained folder, each saving and exporting."""
+    from tests.helpers import train_cli
+
+    root = tmp_path_factory.mktemp("lora")
+    hf_folder = pretrained[2][1].split("=", 1)[1]
+    runs = {}
+    for name, overrides in (("one", ONE), ("fsdp", STRATEGIES["fsdp"])):
+        run = train_cli([*LORA, f"model.pretrained={hf_folder}", *overrides, "checkpoint.every=3",
+                         "checkpoint.export=true"], root / name)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[name] = root / name
+    return hf_folder, runs
+
+
+def losses(run_dir) -> list[float]:
+    from tests.helpers import read_metrics
+
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
+def adapted_model(hf_folder: str, run_dir):
+    """Our Llama with the run's adapters, its last checkpoint's weights loaded."""
+    from omegaconf import OmegaConf
+
+    from framework.export import checkpoint_tensors, read_tensor
+    from framework.peft import apply_peft
+    from tests.test_llama import ours_from
+
+    ckpt = str(sorted((run_dir / "checkpoints").glob("step-*"))[-1])
+    model = ours_from(hf_folder)
+    peft = OmegaConf.create({"name": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["wq", "wv", "w2"]})
+    apply_peft(model, peft, "layers", 0)
+    state = {n: read_tensor(ckpt, n, *meta) for n, meta in checkpoint_tensors(ckpt).items()}
+    model.load_state_dict(state)
+    return model.eval(), state
+
+
+def test_lora_under_fsdp_equals_one_process_trains_only_the_adapters_and_keeps_the_base(lora_runs):
+    from tests.helpers import read_summary
+    from tests.test_llama import ours_from
+
+    hf_folder, runs = lora_runs
+    one, fsdp = losses(runs["one"]), losses(runs["fsdp"])
+    assert one[-1] < one[0] and fsdp == pytest.approx(one, rel=1e-5, abs=0)
+    base = ours_from(hf_folder).state_dict()
+    _, state = adapted_model(hf_folder, runs["fsdp"])
+    adapters = {n: t for n, t in state.items() if ".lora_" in n}
+    assert len(adapters) == 2 * 3 * 2  # A and B of wq, wv, w2 in each of 2 blocks
+    assert all(torch.equal(state[n], t) for n, t in base.items())  # the base bitwise unchanged
+    assert any(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_B." in n)  # B left zero: it trained
+    # AdamW's two moments (fp32) of the adapters alone, and a step counter each, split over 2 ranks
+    trained = sum(t.numel() for t in adapters.values())
+    assert read_summary(runs["one"])["memory"]["optim_bytes"] == 2 * 4 * trained + 4 * len(adapters)
+    plan = read_summary(runs["fsdp"])["plan"]["error"]
+    assert plan["grad_bytes"] == plan["optim_bytes"] == plan["param_bytes"] == 0  # the planner knows
+
+
+def test_the_exported_adapter_loads_in_peft_and_the_merged_model_in_transformers(lora_runs):
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    hf_folder, runs = lora_runs
+    ours, _ = adapted_model(hf_folder, runs["fsdp"])
+    tokens = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = ours(tokens)
+        base = transformers.LlamaForCausalLM.from_pretrained(hf_folder).eval()
+        adapted = peft.PeftModel.from_pretrained(base, str(runs["fsdp"] / "adapter")).eval()
+        assert torch.allclose(adapted(tokens).logits, expected, atol=1e-5, rtol=0)
+        merged = transformers.LlamaForCausalLM.from_pretrained(str(runs["fsdp"] / "hf")).eval()
+        assert torch.allclose(merged(tokens).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "pp"])
+def test_lora_under_ddp_and_pp_equals_one_process(lora_runs, strategy, tmp_path):
+    from tests.helpers import train_cli
+
+    hf_folder, runs = lora_runs
+    run = train_cli([*LORA, f"model.pretrained={hf_folder}", *STRATEGIES[strategy]], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert losses(tmp_path) == pytest.approx(losses(runs["one"]), rel=1e-5, abs=0)
+
+
+def test_lora_under_tensor_parallelism_is_refused_in_one_line(tmp_path):
+    from tests.helpers import train_cli
+
+    run = train_cli([*LORA, "parallel=tp", "launch.nproc_per_node=2"], tmp_path)
+    err = run.stderr.strip().splitlines()
+    assert run.returncode != 0 and err[-1].startswith("error: peft: lora under tensor parallelism"), err[-3:]

@@ -5,6 +5,7 @@ keys given to it, builds on the meta device, and declares what the chosen strate
 from __future__ import annotations
 
 import inspect
+from contextlib import suppress
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -23,6 +24,7 @@ from framework.contract import (
     locate_target,
     spec_of,
 )
+from framework.peft import apply_peft
 
 _BUILT: dict[str, tuple[nn.Module, ModelSpec]] = {}  # one meta build per model config
 
@@ -36,7 +38,7 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
 
 
 def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
-    key = OmegaConf.to_yaml(cfg.model, resolve=True)
+    key = OmegaConf.to_yaml(cfg.model, resolve=True) + OmegaConf.to_yaml(cfg.get("peft") or {})
     if key not in _BUILT:
         target = locate_target(cfg.model)
         try:
@@ -48,7 +50,10 @@ def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
                 raise ConfigError(f"model.{arg}", rest) from None
             raise ConfigError("model", f"{cfg.model._target_} does not build: {type(err).__name__}: {err}") from None
         _BUILT.clear()
-        _BUILT[key] = model, _spec(model, cfg, target)
+        spec = _spec(model, cfg, target)
+        with suppress(ValueError):  # targets that match nothing: _check_peft names them
+            apply_peft(model, cfg.get("peft"), spec.blocks, 0)  # the planner counts what trains
+        _BUILT[key] = model, spec
     return _BUILT[key]
 
 
@@ -100,6 +105,29 @@ def check_model(cfg: DictConfig) -> None:
             f"checkpointing wraps a model's blocks; {type(model).__name__} has none found "
             "(declare blocks_path or set model.blocks=<path>). Use memory=none",
         )
+    _check_peft(cfg, model, spec.blocks)
+
+
+def _check_peft(cfg: DictConfig, model, blocks: str | None) -> None:
+    """peft=lora's settings, where its adapters can go, and the strategies it runs under."""
+    from framework.peft import enabled, targets_of
+
+    p = cfg.get("peft")
+    if not enabled(p):
+        return
+    for key, ok, allowed in (("rank", p.rank >= 1, ">= 1"), ("alpha", p.alpha > 0, "> 0"),
+                             ("dropout", 0 <= p.dropout < 1, "in [0, 1)")):  # fmt: skip
+        if not ok:
+            raise ConfigError(f"peft.{key}", f"got {p[key]}; must be {allowed}")
+    tp = cfg.parallel.get("tp") or 1  # -1: the rest of the world
+    if tp != 1:
+        raise ConfigError("peft", f"lora under tensor parallelism (parallel={cfg.parallel.name}) is not "
+                          "built yet: its adapters would be sharded with their layer. Use ddp, fsdp, pp or hybrid "
+                          "without tp")  # fmt: skip
+    if not targets_of(model, blocks, list(p.targets)):
+        linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear][:4]
+        raise ConfigError("peft.targets", f"{list(p.targets)} match no linear layer of the blocks; some of the "
+                          f"model's: {', '.join(linears)}")  # fmt: skip
 
 
 def _check_arguments(cfg: DictConfig, target) -> None:

@@ -3,7 +3,7 @@ framework/contract.py) and each built-in's factory arguments."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
@@ -98,3 +98,22 @@ class HFConfig(ModelConfig):
     config: str = MISSING  # a folder with config.json
     trust_remote_code: bool = False  # run the folder's own modelling code (off unless named here)
     attn_implementation: str = "sdpa"  # sdpa | eager
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (framework/peft.py): none trains every parameter."""
+
+    name: str = "none"
+
+
+@dataclass
+class LoraConfig(PeftConfig):
+    """LoRA: low-rank adapters beside the targeted linears; only they train."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    # module-name patterns (fnmatch) of the blocks' linears to adapt, in the model's own names
+    # (`*.wq`, `layers.*.attention.*`); a pattern without a dot matches the last name
+    targets: list[str] = field(default_factory=lambda: ["*"])

@@ -45,9 +45,11 @@ from framework.config.model_schema import (
     GPTConfig,
     HFConfig,
     LlamaConfig,
+    LoraConfig,
     LSTMConfig,
     MLPConfig,
     ModelConfig,
+    PeftConfig,
     ResNetConfig,
 )
 from framework.config.parallel_schema import (
@@ -265,6 +267,7 @@ class Config:
     parallel: ParallelConfig = MISSING
     precision: PrecisionConfig = MISSING
     memory: MemoryConfig = MISSING
+    peft: PeftConfig = MISSING
     # data and model stay untyped: a user's own data/<name>.yaml or model/<name>.yaml (on
     # hydra.searchpath) is a choice with keys of its own, which a typed group would refuse
     data: Any = MISSING
@@ -304,6 +307,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     },
     "precision": {"base": PrecisionConfig, "amp": AmpConfig},
     "memory": {"base": MemoryConfig, "checkpoint": CheckpointMemoryConfig},
+    "peft": {"base": PeftConfig, "lora": LoraConfig},
     "data": {
         "text": TextDataConfig,
         "images": ImagesDataConfig,

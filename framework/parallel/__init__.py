@@ -39,6 +39,7 @@ from framework.modules import map_blocks, materialize_model
 from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split
 from framework.parallel.ties import SplitTies, retie, split_ties
+from framework.peft import apply_peft
 
 
 @dataclass
@@ -107,6 +108,7 @@ def parallelize(
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, info.device)
+        apply_peft(model, cfg.get("peft"), spec.blocks, cfg.seed)
     decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
     decay |= {alias for alias, source in spec.ties.items() if source in decay}  # a pipeline's copy of a tie
     par = _wrap(model, spec, cfg, info, strategy)

@@ -102,6 +102,7 @@ class Param:
     unit: str  # FSDP unit: "blocks.<i>" or "root"
     tp_dim: int | None  # the dim tensor parallel splits (None: replicated)
     style: str | None = None  # its module's entry in the tensor-parallel plan
+    trainable: bool = True  # False: frozen (peft=lora's base), no gradient or optimizer state
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
             stage = 0 if name.split(".", 1)[0] in first_stage or layout.pp == 1 else layout.stages - 1
         unit = f"{spec.blocks}.{layer}" if layer is not None else "root"
         style = plan.get(name.rpartition(".")[0])
-        params.append(Param(name, tuple(p.shape), stage, unit, _tp_dim(name, plan, layout), style))
+        params.append(Param(name, tuple(p.shape), stage, unit, _tp_dim(name, plan, layout), style, p.requires_grad))
     counted = model_flops(model, spec, cfg.data.get("seq_len"), recomputed_blocks(cfg, n_blocks))
     buffers: dict[str, int] = defaultdict(int)
     for b in model.buffers():
@@ -250,12 +251,13 @@ def fsdp_rows(rows: int, n: int) -> tuple[int, int]:
 
 def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes on the rank holding most (fp32 throughout)."""
-    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # pp rank -> [elements, tensors, extra grad]
-    units: dict[tuple[int, str], int] = defaultdict(int)
+    # pp rank -> [elements, trainable tensors, extra grad, trainable elements]
+    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    units: dict[tuple[int, str, bool], int] = defaultdict(int)
     for p in shapes.params:
         local = _tp_local(p, layout.tp)
         rank = stage_rank(p.stage, layout)
-        per_rank[rank][1] += 1
+        per_rank[rank][1] += p.trainable
         if (
             p.tp_dim is not None
             and p.style in ("embedding", "position_embedding", "vocab_embedding")
@@ -265,14 +267,17 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
             # DTensor's embedding backward: a tp rank holds all of it
             per_rank[rank][2] += _numel(p.shape) - _numel(local)
         if layout.fsdp == 2:
-            rows, _ = fsdp_rows(local[0], layout.shard)
-            per_rank[rank][0] += rows * _numel(local[1:])
+            held = fsdp_rows(local[0], layout.shard)[0] * _numel(local[1:])
         elif layout.fsdp == 1:
-            units[(rank, p.unit)] += _numel(local)
+            units[(rank, p.unit, p.trainable)] += _numel(local)
+            continue
         else:
-            per_rank[rank][0] += _numel(local)
-    for (rank, _), numel in units.items():  # FSDP1: one flat parameter per unit, split evenly
+            held = _numel(local)
+        per_rank[rank][0] += held
+        per_rank[rank][3] += held * p.trainable
+    for (rank, _, trainable), numel in units.items():  # FSDP1: one flat parameter per unit, split evenly
         per_rank[rank][0] += -(-numel // layout.shard)
+        per_rank[rank][3] += -(-numel // layout.shard) * trainable
     optim = cfg.optim
 
     def optim_bytes(elements: int, tensors: int) -> int:
@@ -283,5 +288,5 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
     # each kind on the rank holding most of it (a tp embedding's whole-size gradient can put the
     # most gradient bytes on another pipeline rank than the most parameter bytes)
     ranks = per_rank.values()
-    return {"param_bytes": max(4 * e for e, _, _ in ranks), "grad_bytes": max(4 * (e + x) for e, _, x in ranks),
-            "optim_bytes": max(optim_bytes(e, t) for e, t, _ in ranks)}  # fmt: skip
+    return {"param_bytes": max(4 * e for e, _, _, _ in ranks), "grad_bytes": max(4 * (g + x) for _, _, x, g in ranks),
+            "optim_bytes": max(optim_bytes(g, t) for _, t, _, g in ranks)}  # fmt: skip

@@ -122,11 +122,12 @@ def _sync_batchnorm(t: Traffic, shapes: Shapes, cfg: DictConfig, dp: int, stride
 
 
 def _ddp(t: Traffic, shapes: Shapes, layout: Layout) -> None:
-    grad = 4 * sum(_numel(p.shape) for p in shapes.params)
+    trainable = [p for p in shapes.params if p.trainable]
+    grad = 4 * sum(_numel(p.shape) for p in trainable)
     payload = grad // 2 if layout.comm_hook in ("fp16", "bf16") else grad
     cap = layout.bucket_cap_mb * 1024**2
     buckets = -(-grad // cap)  # after the first step DDP rebuilds its buckets to the cap
-    t.add("all_reduce", payload, layout.world, calls=min(buckets, len(shapes.params)), kind="dp")
+    t.add("all_reduce", payload, layout.world, calls=min(buckets, len(trainable)), kind="dp")
 
 
 def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
@@ -137,13 +138,16 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     reduce_bytes = reduce_dtype.itemsize
     units: dict[tuple[int, str], int] = defaultdict(int)  # (pp rank, unit) -> padded elements
     flat: dict[tuple[int, str], int] = defaultdict(int)
+    trained: dict[tuple[int, str], int] = defaultdict(int)  # of them with gradients (reduce-scattered)
     for p in shapes.params:
         local = _tp_local(p, layout.tp)
         key = (stage_rank(p.stage, layout), p.unit if p.unit != "root" else f"root{p.stage}")
         units[key] += fsdp_rows(local[0], layout.shard)[1] * _numel(local[1:])
+        trained[key] += fsdp_rows(local[0], layout.shard)[1] * _numel(local[1:]) * p.trainable
         flat[key] += _numel(local)
     if layout.fsdp == 1:  # one flat parameter per unit, padded to divide evenly
         units = {k: -(-n // layout.shard) * layout.shard for k, n in flat.items()}
+        trained = {k: min(trained[k], units[k]) for k in units}
     rounds = cfg.accumulation_steps if layout.sync_every_microbatch else 1
     # FSDP1's no_sync skips the reduce-scatter only: every micro-batch gathers again (FSDP2's
     # accumulation here keeps the parameters gathered between micro-batches)
@@ -152,9 +156,11 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
         t = ranks[rank]
         gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
         t.add("fsdp:all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp", layout.tp)
-        t.add("fsdp:reduce_scatter", rounds * elements * reduce_bytes, layout.shard, rounds, "dp", layout.tp)
-        shard = elements // layout.shard * reduce_bytes
-        t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp", stride=layout.shard * layout.tp)
+        grads = trained[(rank, unit)]
+        if grads:  # a unit of frozen parameters (peft=lora's base) reduces nothing
+            t.add("fsdp:reduce_scatter", rounds * grads * reduce_bytes, layout.shard, rounds, "dp", layout.tp)
+            shard = grads // layout.shard * reduce_bytes
+            t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp", stride=layout.shard * layout.tp)
 
 
 def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:

@@ -29,6 +29,7 @@ from framework.measure.profiling import build_profiler
 from framework.optim import build_optimizer, build_scheduler, resumed_schedule
 from framework.parallel import Parallelized, parallelize
 from framework.parallel.dims import Strategy
+from framework.peft import apply_peft
 from framework.precision import build_precision
 from framework.run.measurements import Measurements
 from framework.run.run_files import checkpoint_root
@@ -45,6 +46,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     seed_everything(cfg.seed)
     meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
     spec = spec_of(meta, cfg.model)
+    apply_peft(meta, cfg.get("peft"), spec.blocks, cfg.seed)  # peft=lora: adapters, the rest frozen
     flops = count_flops(meta, spec, cfg, Strategy.of(cfg.parallel).devices(info.world_size))
     par = parallelize(meta, spec, cfg, info)
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
