@@ -71,7 +71,7 @@ def in_situ_factor(kernels, op_overhead_s: float, dtype: torch.dtype) -> float:
         step()
         times.append(time.perf_counter() - t0)
     region = _record(forward)
-    layout = SimpleNamespace(tp=1, cp=1, sequence_parallel=False)
+    layout = SimpleNamespace(tp=1, cp=1, sequence_parallel=False, fsdp=0)
     modelled = _region_s(region, "replicated", layout, kernels, SimpleNamespace(op_overhead_s=op_overhead_s))
     modelled += sum(p.numel() for p in params) * kernels.optimizer_s_per_param
     return statistics.median(times) / modelled
