@@ -173,3 +173,90 @@ def test_lora_under_tensor_parallelism_is_refused_in_one_line(tmp_path):
     run = train_cli([*LORA, "parallel=tp", "launch.nproc_per_node=2"], tmp_path)
     err = run.stderr.strip().splitlines()
     assert run.returncode != 0 and err[-1].startswith("error: peft: lora under tensor parallelism"), err[-3:]
+
+
+# ----------------------------------------------------------------------------- chat data
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome, since 1871."},
+]
+
+
+def chat_folder(folder) -> None:
+    """A small byte-level BPE tokenizer with ChatML's special tokens, and its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    text = [m["content"] for m in CONVERSATION] * 20 + ["system user assistant the of is a capital"] * 20
+    tok.train_from_iterator(text, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (folder / "tokenizer_config.json").write_text(__import__("json").dumps(config))
+
+
+def test_chat_data_puts_exactly_the_assistants_tokens_in_the_loss(tmp_path):
+    """Token by token against transformers' own rendering: the ids are apply_chat_template's, and a
+    position carries loss exactly where the token it predicts is in an assistant turn (the span
+    between the conversation up to it with the generation prompt and the conversation through it)."""
+    import json
+
+    import transformers
+
+    from framework.data.chat import ChatSequences
+    from framework.loss import IGNORE_INDEX
+
+    chat_folder(tmp_path / "tok")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    ids = _ids(hf, CONVERSATION, False)
+    assistant = [False] * len(ids)
+    for i, message in enumerate(CONVERSATION):
+        if message["role"] == "assistant":
+            start = len(_ids(hf, CONVERSATION[:i], True))
+            for j in range(start, len(_ids(hf, CONVERSATION[: i + 1], False))):
+                assistant[j] = True
+    data = ChatSequences(str(tmp_path / "chat.jsonl"), str(tmp_path / "tok"), seq_len=len(ids) + 5)
+    (inputs,), target = data[0]
+    assert inputs[: len(ids)].tolist() == ids
+    expected = [ids[j + 1] if assistant[j + 1] else IGNORE_INDEX for j in range(len(ids) - 1)]
+    assert target[: len(ids) - 1].tolist() == expected and (target[len(ids) - 1 :] == IGNORE_INDEX).all()
+    said = hf.decode([t for t in target.tolist() if t != IGNORE_INDEX])
+    assert said == "Paris.<|im_end|>\nRome, since 1871.<|im_end|>\n", said
+    assert data.tokens_in(data.collate([data[0]])) == sum(assistant[1:])
+
+
+def _ids(hf, messages, prompt: bool) -> list[int]:
+    out = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)
+    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
+
+
+def test_a_llama_trains_on_chat_data_counting_only_the_assistants_tokens(tmp_path):
+    import json
+
+    from tests.helpers import read_metrics, train_cli
+
+    chat_folder(tmp_path / "tok")
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(16)))
+    run = train_cli(["model=llama", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                     "model.ffn_hidden=64", "data=chat", f"data.path={tmp_path / 'chat.jsonl'}",
+                     f"data.tokenizer={tmp_path / 'tok'}", "data.seq_len=64", "data.batch_size=2", "parallel=none",
+                     "steps=2", "logger=none", "progress=false"], tmp_path / "run")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
+    missing = train_cli(["model=llama", "data=chat", f"data.path={tmp_path / 'none.jsonl'}",
+                         f"data.tokenizer={tmp_path / 'tok'}", "logger=none"], tmp_path / "bad")  # fmt: skip
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith("error: data.path: no JSONL")

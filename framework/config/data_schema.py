@@ -11,6 +11,7 @@ from omegaconf import MISSING
 from framework.config.choices import ImageSource, Sampler, TransformsOn, VarlenSource
 
 __all__ = [
+    "ChatDataConfig",
     "CustomDataConfig",
     "ImagesDataConfig",
     "LoaderFields",
@@ -49,6 +50,17 @@ class TextDataConfig(LoaderFields):
     seq_len: int = 128
     max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
     tokenizer: str = "bytes"  # bytes (ids 0..255) | <path to a tokenizer.json> (bpe: prepare shards, data=tokens)
+
+
+@dataclass
+class ChatDataConfig(LoaderFields):
+    """Conversations (JSONL of `messages`) rendered with the tokenizer's chat template; only the
+    assistant's tokens carry loss (framework/data/chat.py)."""
+
+    name: str = "chat"
+    path: str = MISSING  # a JSONL file, one {"messages": [{"role": ..., "content": ...}, ...]} a line
+    tokenizer: str = MISSING  # a folder with tokenizer.json and tokenizer_config.json (its chat_template)
+    seq_len: int = 256  # each conversation cut to seq_len + 1 tokens and padded to it
 
 
 @dataclass

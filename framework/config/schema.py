@@ -34,6 +34,7 @@ from framework.config.choices import (
     WandbMode,
 )
 from framework.config.data_schema import (
+    ChatDataConfig,
     CustomDataConfig,
     ImagesDataConfig,
     TextDataConfig,
@@ -315,6 +316,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "varlen": VarlenDataConfig,
         "custom": CustomDataConfig,
         "tokens": TokensDataConfig,
+        "chat": ChatDataConfig,
     },
     "model": {
         "base": ModelConfig,

@@ -65,6 +65,11 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
         return held_out(data, fraction, seed, split) if fraction else data
     if cfg.name == "tokens":  # the shards prepare set aside are the validation split
         return TokenShards(cfg.path, cfg.seq_len, "val" if split == "val" else cfg.split, cfg.pack)
+    if cfg.name == "chat":
+        from framework.data.chat import ChatSequences
+
+        data = ChatSequences(cfg.path, cfg.tokenizer, cfg.seq_len)
+        return held_out(data, fraction, seed, split) if fraction else data
     if split == "val" and cfg.get("val_path"):
         return ByteTextDataset(cfg.val_path, cfg.seq_len, cfg.max_bytes, cfg.get("tokenizer", "bytes"))
     if split == "val" and not fraction:

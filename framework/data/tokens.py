@@ -92,6 +92,8 @@ def vocab_size_of(cfg) -> int | None:
         return read_manifest(cfg.path)["vocab_size"]
     if cfg.name == "text":
         return 256 if cfg.tokenizer == "bytes" else load_tokenizer(cfg.tokenizer).vocab_size
+    if cfg.name == "chat":
+        return load_tokenizer(str(Path(cfg.tokenizer) / "tokenizer.json")).vocab_size
     return cfg.get("vocab_size")
 
 
@@ -125,6 +127,15 @@ def config_problem(cfg) -> tuple[str, str] | None:
         given = d.tokenizer if d.tokenizer in (None, "bytes", "bpe") else "tokenizer.json"
         if given not in (None, made_with):
             return "data.tokenizer", f"got {d.tokenizer!r}, but the shards at {d.path} were made with {made_with}"
+    if d.name == "chat":
+        if not Path(d.path).is_file():
+            return "data.path", f"no JSONL file of conversations at {d.path!r}"
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if not (Path(d.tokenizer) / name).is_file():
+                return (
+                    "data.tokenizer",
+                    f"no {name} in {d.tokenizer!r} (a folder with the tokenizer and its chat_template)",
+                )
     if d.name == "text" and d.tokenizer == "bpe":
         return (
             "data.tokenizer",
@@ -134,7 +145,10 @@ def config_problem(cfg) -> tuple[str, str] | None:
         return "data.tokenizer", f"no tokenizer.json at {d.tokenizer!r}; allowed: bytes, a tokenizer.json path"
     folder = cfg.model.get("pretrained")
     if folder is None:
-        vocab, data_vocab = cfg.model.get("vocab_size"), vocab_size_of(d) if d.name in ("text", "tokens") else None
+        vocab, data_vocab = (
+            cfg.model.get("vocab_size"),
+            vocab_size_of(d) if d.name in ("text", "tokens", "chat") else None,
+        )
         if vocab is not None and data_vocab is not None and data_vocab > vocab:
             return "model.vocab_size", f"got {vocab}; the data's tokenizer has {data_vocab} ids (null: follow it)"
         return None
