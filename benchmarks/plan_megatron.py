@@ -57,21 +57,26 @@ def overrides(layers, hidden, heads, tp, pp, batch, world, schedule, machine=A10
     ]  # fmt: skip
 
 
-def plan_rows() -> tuple[list[list], list[float]]:
-    """One row per model, GPU count and schedule; and the planner's hardware FLOPs over the paper's."""
+def plan_rows(with_peak: bool = True) -> tuple[list[list], list[float]]:
+    """One row per model, GPU count and schedule; and the planner's hardware FLOPs over the paper's.
+    `with_peak`: also the forecast at the datasheet peak (else None in its column)."""
     rows, ratios = [], []
     for name, layers, hidden, heads, tp, pp, batch, runs in MODELS:
         for world, paper in runs:
             for schedule in SCHEDULES:
                 flops = paper_flops(batch, layers, hidden)
-                peak = _predict(overrides(layers, hidden, heads, tp, pp, batch, world, schedule, PEAK), world)
+                peak = (
+                    _predict(overrides(layers, hidden, heads, tp, pp, batch, world, schedule, PEAK), world)
+                    if with_peak
+                    else None
+                )
                 cfg = compose(overrides(layers, hidden, heads, tp, pp, batch, world, schedule))
                 p = _predict(cfg, world)
                 ratios.append(p["hardware_flops_per_token"] * batch * SEQ / flops)
                 tflops = flops / p["step_time_s"] / world / 1e12
                 rows.append([name, world, f"{tp} x {pp} x {world // (tp * pp)}", schedule, cfg.parallel.n_microbatches,
                              p["bubble"], p["peak_bytes"] / 1e9, p["step_time_s"], p["comm_time_s"],
-                             flops / peak["step_time_s"] / world / 1e12, tflops, paper,
+                             flops / peak["step_time_s"] / world / 1e12 if peak else None, tflops, paper,
                              f"{tflops / paper - 1:+.0%}"])  # fmt: skip
     return rows, ratios
 

@@ -93,14 +93,13 @@ def test_plan_gpu_prices_from_the_datasheet_on_any_machine_and_names_an_unknown_
 def test_megatrons_published_rows_are_forecast_within_15_percent():
     """Narayanan et al. (SC'21) Tables 1 and 2, as benchmarks/plan_megatron.py plans them on the
     A100 cluster's published figures: every row and schedule within 15% of the paper's TFLOP/s
-    per GPU, where a forecast at the datasheet peak is over 1.3 times it."""
+    per GPU (at the datasheet peak, 1.3-1.6 times it: docs/results/plan_megatron.md)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from plan_megatron import plan_rows
 
-    rows, _ = plan_rows()
+    rows, _ = plan_rows(with_peak=False)
     assert len(rows) == 8
     for row in rows:
-        peak_rate, forecast, paper = row[-4], row[-3], row[-2]
+        forecast, paper = row[-3], row[-2]
         assert abs(forecast / paper - 1) <= 0.15, row
-        assert peak_rate / paper > 1.3, row  # every FLOP at the datasheet peak (phase 3), for contrast
         assert math.isfinite(row[6]) and row[6] < 80, row  # fits an 80 GB A100
