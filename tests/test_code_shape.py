@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the run wing: one rank's run
     ("run",),
     # launch and the front doors
-    ("launch", "compose", "evaluate", "generate", "report", "report_table", "plan.__main__", "preload"),
+    ("launch", "compose", "evaluate", "generate", "harness", "report", "report_table", "plan.__main__", "preload"),
 ]
 
 # Exemptions: none today. An edge or a size that must wait for a later change is named here,

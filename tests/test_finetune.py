@@ -260,3 +260,72 @@ def test_a_llama_trains_on_chat_data_counting_only_the_assistants_tokens(tmp_pat
     missing = train_cli(["model=llama", "data=chat", f"data.path={tmp_path / 'none.jsonl'}",
                          f"data.tokenizer={tmp_path / 'tok'}", "logger=none"], tmp_path / "bad")  # fmt: skip
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith("error: data.path: no JSONL")
+
+
+# ----------------------------------------------------------------------------- lm-evaluation-harness
+
+QUESTIONS = [
+    ("def main():\n    return", ["0", " banana split"], 0),
+    ("import", [" os", "))))"], 0),
+    ("for i in", [" range(10):", " the"], 0),
+    ("class Foo", ["(object):", "!!!"], 1),
+    ("x = [1, 2,", [" 3]", " zebra"], 1),
+    ("if __name__ ==", [' "__main__":', " 42 42 42"], 0),
+]
+
+
+@pytest.mark.slow  # lm_eval's import and a training run: about a minute
+def test_lm_eval_runs_a_local_task_on_a_checkpoint_as_a_hand_computation_scores_it(tmp_path):
+    """`python -m framework.harness --model hydradist` (lm_eval's command line, the model
+    registered) on a multiple-choice task read from a local JSONL file: its accuracy is the share
+    of questions whose answer has the highest loglikelihood, each computed here by hand."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    from framework.evaluate import resolve_checkpoint
+    from framework.generate import load_lm
+    from tests.helpers import train_cli
+
+    run = train_cli(["experiment=smoke", "parallel=none", "steps=4", "checkpoint.every=4", "logger=none"],
+                    tmp_path / "run")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    docs = tmp_path / "choices.jsonl"
+    docs.write_text("\n".join(json.dumps({"question": q, "choices": c, "answer": a}) for q, c, a in QUESTIONS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny.yaml").write_text(
+        "task: tiny_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {docs}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "framework.harness", "--model", "hydradist", "--model_args",
+                           f"checkpoint={tmp_path / 'run'}", "--device", "cpu", "--tasks", "tiny_choice", "--include_path",
+                           str(tmp_path / "tasks"), "--output_path", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())
+    acc = results["results"]["tiny_choice"]["acc,none"]
+    model = load_lm(resolve_checkpoint(str(tmp_path / "run")), torch.device("cpu"))
+
+    def loglikelihood(context: str, continuation: str) -> float:
+        """Bytes (the smoke run's tokenizer), the context cut from the left to the model's 32."""
+        cont = list(continuation.encode())
+        whole = (list(context.encode()) + cont)[-(model.block_size + 1) :]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([whole[:-1]]))[0].float(), -1)
+        first = len(whole) - 1 - len(cont)  # the position that predicts the continuation's first byte
+        return sum(logprobs[first + i, t].item() for i, t in enumerate(cont))
+
+    right = [max(range(len(c)), key=lambda i, q=q, c=c: loglikelihood(q, " " + c[i])) == a for q, c, a in QUESTIONS]
+    assert acc == pytest.approx(sum(right) / len(right))
+    # generate_until: greedy from the KV cache, cut at the first stop string
+    from types import SimpleNamespace
+
+    from framework.generate import Sampling, generate
+    from framework.harness import HydradistLM
+
+    lm = HydradistLM(str(tmp_path / "run"), device="cpu")
+    said = lm.generate_until([SimpleNamespace(args=("def ", {"until": ["\n"], "max_gen_toks": 12}))])[0]
+    greedy = generate(model, torch.tensor([list(b"def ")]), 12, Sampling(temperature=0))[0, 4:].tolist()
+    assert said == bytes(greedy).decode("utf-8", errors="replace").split("\n", 1)[0]
