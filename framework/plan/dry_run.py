@@ -91,11 +91,11 @@ def dry_run(cfg: DictConfig, world: int, layout: Layout) -> list[RankReport]:
 
     n_blocks = len(blocks_of(meta_model(cfg), model_spec(cfg)))
     ranks = role_ranks(layout, n_blocks)
-    # each rank in a fresh process: torch keeps meshes and groups in globals keyed by their shape,
-    # which a second fake world of the same shape would find stale. Forked from the forkserver (which
-    # imported torch and never ran autograd), not from this process: a fork of a process whose
-    # autograd engine has started its threads cannot run backward
-    context = multiprocessing.get_context("forkserver")
+    # each rank in a fresh interpreter: torch keeps meshes and groups in globals keyed by their shape,
+    # which a second fake world of the same shape would find stale. Spawned, not forked: a fork of a
+    # process whose autograd engine has started its threads cannot run backward, and a forkserver
+    # would outlive the call (its exit waits on its forks)
+    context = multiprocessing.get_context("spawn")
     with context.Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
         return pool.starmap(_one_rank, [(cfg, world, layout, rank) for rank in ranks], chunksize=1)
 
