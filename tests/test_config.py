@@ -16,10 +16,10 @@ from tests.helpers import CONF, compose_config, write_tiny_llama_config
 MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors",
               "llama": "text", "gpt_smoke": "text"}  # fmt: skip
 DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp", "tokens": "llama",
-              "text_smoke": "gpt"}  # fmt: skip
+              "text_smoke": "gpt", "chat": "llama"}  # fmt: skip
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
-GROUPS = ["backend", "parallel", "precision", "memory", "data", "model", "optim", "logger"]
+GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger"]
 
 
 def choices(group: str) -> list[str]:
@@ -71,6 +71,12 @@ def test_every_group_choice_composes(group, name, tmp_path):
             (tmp_path / "t.txt").write_text("some text to tokenize " * 40)
             assert prepare([str(tmp_path / "t.txt"), str(tmp_path / "shards"), "--no-progress", "--workers", "1"]) == 0
             overrides.append(f"data.path={tmp_path / 'shards'}")
+        if name == "chat":  # a conversation and a tokenizer folder with its chat template
+            from tests.test_finetune import CONVERSATION, chat_folder
+
+            chat_folder(tmp_path / "tok")
+            (tmp_path / "c.jsonl").write_text(__import__("json").dumps({"messages": CONVERSATION}) + "\n")
+            overrides += [f"data.path={tmp_path / 'c.jsonl'}", f"data.tokenizer={tmp_path / 'tok'}"]
     if group == "parallel" and name in ("none", "dp"):
         overrides.append("launch.nproc_per_node=1")
     if group == "memory" and name == "offload":
