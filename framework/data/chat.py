@@ -18,8 +18,9 @@ import json
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
+from framework.data.datasets import PackedSequences
 from framework.loss import IGNORE_INDEX
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
@@ -116,14 +117,7 @@ class ChatSequences(Dataset):
         target[: len(counted)] = torch.where(counted, tokens[1 : len(ids)], IGNORE_INDEX)
         return (tokens[:-1],), target
 
-    @staticmethod
-    def collate(items: list[Batch]) -> Batch:
-        return (torch.stack([x[0][0] for x in items]),), torch.stack([x[1] for x in items])
-
-    @staticmethod
-    def tokens_in(batch: Batch) -> int:
-        return int((batch[1] != IGNORE_INDEX).sum())
-
-    @staticmethod
-    def slots_in(batch: Batch) -> int:
-        return batch[1].numel()
+    # fixed-length items with ignored targets: batched and counted as packed sequences are
+    collate = staticmethod(default_collate)
+    tokens_in = staticmethod(PackedSequences.tokens_in)
+    slots_in = staticmethod(PackedSequences.slots_in)
