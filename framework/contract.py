@@ -59,7 +59,7 @@ TP_STYLES = ("colwise", "rowwise", "output", "sequence_parallel", "gather_input"
 HF_STYLES = {"colwise_rep": "output", "colwise_gather_output": "output", "embedding_rowwise": "vocab_embedding"}
 # keys of the `model` group that configure the framework, not the model's factory
 RESERVED_KEYS = ("name", "task", "blocks", "tp_plan", "pretrained")
-LM_DATA = ("text", "varlen", "tokens", "chat")
+LM_DATA = ("text", "varlen", "tokens", "chat", "hf")
 
 
 class ContractError(ValueError):

@@ -75,7 +75,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     task = "lm"
-    trains_on = ("text", "varlen", "tokens", "chat")
+    trains_on = ("text", "varlen", "tokens", "chat", "hf")
     blocks_path = "blocks"
     # Tensor parallel (Megatron-style), in the model contract's plain strings (framework/contract.py):
     # q/k/v and the MLP's first linear split by output features (each rank computes whole heads and a

@@ -16,7 +16,7 @@ from tests.helpers import CONF, compose_config, write_tiny_llama_config
 MODEL_DATA = {"gpt": "text", "mlp": "vectors", "resnet": "images", "lstm": "varlen", "hf": "text", "custom": "vectors",
               "llama": "text", "gpt_smoke": "text"}  # fmt: skip
 DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "mlp", "custom": "mlp", "tokens": "llama",
-              "text_smoke": "gpt", "chat": "llama"}  # fmt: skip
+              "text_smoke": "gpt", "chat": "llama", "hf": "gpt"}  # fmt: skip
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
 GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger"]
@@ -77,6 +77,9 @@ def test_every_group_choice_composes(group, name, tmp_path):
             chat_folder(tmp_path / "tok")
             (tmp_path / "c.jsonl").write_text(__import__("json").dumps({"messages": CONVERSATION}) + "\n")
             overrides += [f"data.path={tmp_path / 'c.jsonl'}", f"data.tokenizer={tmp_path / 'tok'}"]
+        if name == "hf":  # a JSON-lines file of text rows
+            (tmp_path / "rows.jsonl").write_text('{"text": "a row of text"}\n' * 20)
+            overrides.append(f"data.path={tmp_path / 'rows.jsonl'}")
     if group == "parallel" and name in ("none", "dp"):
         overrides.append("launch.nproc_per_node=1")
     if group == "memory" and name == "offload":

@@ -64,7 +64,7 @@ def test_hf_llama_matches_one_process_under_every_strategy(llama, tmp_path):
 def _first_global_batch(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     from framework.data import build_data
 
-    parts = [next(build_data(cfg.data, r, 2, torch.device("cpu"), cfg.seed, "lm").batches(0, 0))[1] for r in range(2)]
+    parts = [next(build_data(cfg.data, (r, 2), torch.device("cpu"), cfg.seed, "lm").batches(0, 0))[1] for r in range(2)]
     return torch.cat([p[0][0] for p in parts]), torch.cat([p[1] for p in parts])
 
 

@@ -88,23 +88,22 @@ def test_a_save_agrees_on_its_folder_before_any_rank_writes(tmp_path, stale):
         assert sorted(os.listdir(tmp_path / "superseded-step-000015")) == ["rng-rank0.pt"]
 
 
-def test_token_budget_resume_is_checked_on_what_decides_the_batches():
-    """With 400 samples, 2 ranks x 200 tokens and 4 ranks x 100 tokens (the same tokens a step)
-    pack other global batches from the first one on; the resume check tells them apart."""
-    from framework.data import global_batch
-    from framework.data.samplers import TokenBudgetBatchSampler
+def test_token_budget_resumed_at_another_world_size_reads_every_sample_once():
+    """token_budget's global batches depend on the ranks (max_tokens x world); its position counts
+    samples of an order that does not, so 2 ranks x 200 tokens resumed at 4 ranks x 100 go on at
+    the next unread sample: the epoch reads each sample once, and the 4-rank part is what a 4-rank
+    sampler started at that position reads."""
+    from framework.data.samplers import token_budget_sampler
 
     lengths = [int(n) for n in torch.randint(8, 64, (400,), generator=torch.Generator().manual_seed(0))]
-
-    def first_global_batch(max_tokens: int, world: int) -> list[int]:
-        ranks = [
-            TokenBudgetBatchSampler(lengths, max_tokens, world, r, seed=0).epoch_batches()[0][r] for r in range(world)
-        ]
-        return sorted(i for rank in ranks for i in rank)
-
-    assert first_global_batch(200, 2) != first_global_batch(100, 4)
-    cfg = OmegaConf.create({"rank_batch_sizes": None, "sampler": "token_budget", "max_tokens": 200})
-    assert global_batch(cfg, 2) != global_batch(OmegaConf.merge(cfg, {"max_tokens": 100}), 4)
+    two = token_budget_sampler(lengths, 200, 2, 0, seed=0).global_batches()
+    first = [i for _, step in zip(range(6), two, strict=False) for share in step for i in share]
+    four = token_budget_sampler(lengths, 100, 4, 0, seed=0)
+    four.load_state_dict({"epoch": 0, "start": len(first)})
+    rest = [i for step in four.global_batches() for share in step for i in share]
+    assert len(first + rest) == len(set(first + rest)) and len(first + rest) > 400 - 4
+    for step in four.global_batches():  # within the budget, padded (token_budget's own rule, as in test_data)
+        assert max(len(share) for share in step) * max(lengths[i] for share in step for i in share) <= 2 * 100
 
 
 # ----------------------------------------------------------------------------- generate follows the run's tokenizer

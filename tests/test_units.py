@@ -6,6 +6,7 @@ import ast
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from omegaconf import OmegaConf
 
 from framework.config.schema import AdamWConfig, AmpConfig, OptimConfig, PrecisionConfig
 from framework.data.datasets import VarlenSequences, VarlenShape
-from framework.data.samplers import ResumableDistributedSampler
+from framework.data.samplers import BatchSizes, distributed_sampler, permutation
 from framework.measure.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes
 from framework.optim import build_optimizer, lr_factor
 from framework.precision import build_precision
@@ -173,34 +174,50 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_factor(55, cfg, 100) < lr_factor(20, cfg, 100)
 
 
+def distributed(n: int, world: int, rank: int, seed: int, batch: int = 4, drop_last: bool = True):
+    return distributed_sampler(partial(permutation, n, seed), world, rank, BatchSizes(batch * world), drop_last)
+
+
+def flat(batches) -> list[int]:
+    return [i for batch in batches for i in batch]
+
+
 @pytest.mark.parametrize("world,drop_last", [(1, False), (2, False), (3, False), (3, True)])
 def test_sampler_covers_every_sample_once_per_epoch(world, drop_last):
     n = 100
-    per_rank = [
-        list(ResumableDistributedSampler(range(n), num_replicas=world, rank=r, seed=1, drop_last=drop_last))
-        for r in range(world)
-    ]
-    everything = [i for indices in per_rank for i in indices]
-    if drop_last:  # documented: the tail that does not divide evenly is dropped
-        assert len(everything) == (n // world) * world and len(set(everything)) == len(everything)
-    else:  # documented: padded with repeats from the start so every rank gets as many
+    per_rank = [flat(distributed(n, world, r, seed=1, drop_last=drop_last)) for r in range(world)]
+    everything = flat(per_rank)
+    if drop_last:  # documented: the tail that does not fill a global batch is dropped
+        assert len(everything) == (n // (4 * world)) * 4 * world and len(set(everything)) == len(everything)
+    else:  # documented: the tail padded with repeats from the start so every rank gets as many
         assert set(everything) == set(range(n)) and len(everything) - n < world
+        assert len({len(p) for p in per_rank}) == 1
 
 
 def test_sampler_order_does_not_depend_on_world_size():
-    one = list(ResumableDistributedSampler(range(40), num_replicas=1, rank=0, seed=3))
-    two = [list(ResumableDistributedSampler(range(40), num_replicas=2, rank=r, seed=3)) for r in range(2)]
+    one = flat(distributed(40, 1, 0, seed=3, batch=8))
+    two = [flat(distributed(40, 2, r, seed=3)) for r in range(2)]
     assert [i for pair in zip(*two, strict=True) for i in pair] == one
 
 
-def test_resumed_sampler_continues_where_it_stopped():
-    sampler = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
-    sampler.set_epoch(3)
-    full = list(sampler)
-    resumed = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, seed=7)
-    resumed.load_state_dict({"epoch": 3, "start": 10})
-    assert list(resumed) == full[10:]
+def test_resumed_sampler_continues_where_it_stopped_in_samples_whatever_the_batch():
+    """The position counts samples of the epoch's order: a resume with another world size and
+    another batch reads the samples an uninterrupted run would read next."""
+    first = distributed(50, 2, 1, seed=7)
+    first.set_epoch(3)
+    full = list(first)
+    resumed = distributed(50, 2, 1, seed=7)
+    resumed.load_state_dict({"epoch": 3, "start": 16})
+    assert list(resumed) == full[2:]  # 16 samples: two global batches of 2 ranks x 4
     assert list(resumed) == full  # only the resumed epoch starts part-way
+    one = distributed(50, 1, 0, seed=7, batch=48)
+    one.set_epoch(3)
+    order = flat(one)
+    wider = [distributed(50, 3, r, seed=7, batch=2) for r in range(3)]
+    for s in wider:
+        s.load_state_dict({"epoch": 3, "start": 16})
+    batches = zip(*(list(s) for s in wider), strict=True)
+    assert [i for step in batches for share in zip(*step, strict=True) for i in share] == order[16:46]
 
 
 def test_varlen_lengths_are_long_tailed_and_labels_learnable():

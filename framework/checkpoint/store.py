@@ -125,7 +125,7 @@ class TrainerState:
     step: int
     scheduler: dict[str, Any]
     scaler: dict[str, Any]
-    data: dict[str, Any]  # {"epoch", "offset" (batches per rank consumed this epoch), "global_batch"}
+    data: dict[str, Any]  # {"epoch", "samples" (of the epoch's order read, all ranks), "size"}
     layout: dict[str, Any]  # {"parallel", "world_size", "dp_size"}: what the RNG files belong to
     counters: dict[str, Any] = field(default_factory=dict)  # e.g. nonfinite steps skipped so far
 

@@ -8,11 +8,13 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from framework.config.choices import ImageSource, Sampler, TransformsOn, VarlenSource
+from framework.config.choices import HFFormat, ImageSource, Sampler, TransformsOn, VarlenSource
 
 __all__ = [
+    "DATA_SCHEMAS",
     "ChatDataConfig",
     "CustomDataConfig",
+    "HFDataConfig",
     "ImagesDataConfig",
     "LoaderFields",
     "TextDataConfig",
@@ -41,6 +43,12 @@ class LoaderFields:
     pack_len: int = 128
     val_fraction: float = 0.0  # held out for validation: text, the corpus' tail; else samples/documents (seeded)
     val_path: str | None = None  # text: a separate file or folder to validate on (instead of val_fraction)
+    # curriculum, by optimizer step: [[step, value], ...] from step 0, each value in force from its step on
+    batch_schedule: list[list[int]] | None = None  # value: the global batch in samples (a batch ramp)
+    seq_len_schedule: list[list[int]] | None = None  # value: tokens per sequence, <= seq_len (a warm-up)
+    # a weighted mixture: [{path: A, weight: 0.7}, {path: B, weight: 0.3, label: b}], each entry's keys
+    # over this group's settings (framework/data/mixture.py); data.path is then not needed
+    sources: list[Any] | None = None
 
 
 @dataclass
@@ -61,6 +69,23 @@ class ChatDataConfig(LoaderFields):
     path: str = MISSING  # a JSONL file, one {"messages": [{"role": ..., "content": ...}, ...]} a line
     tokenizer: str = MISSING  # a folder with tokenizer.json and tokenizer_config.json (its chat_template)
     seq_len: int = 256  # each conversation cut to seq_len + 1 tokens and padded to it
+
+
+@dataclass
+class HFDataConfig(LoaderFields):
+    """Hugging Face `datasets` from local files or a saved dataset, never the network; each row one
+    sample of seq_len + 1 tokens, padded (framework/data/hf_data.py)."""
+
+    name: str = "hf"
+    path: str = MISSING  # a file, a folder of files, or a dataset saved with save_to_disk
+    format: HFFormat = HFFormat.auto  # auto: a saved dataset, else the files' suffix
+    text_column: str = "text"  # tokenized on the fly by data.tokenizer
+    tokens_column: str | None = None  # token ids used as they are (instead of text_column)
+    tokenizer: str = "bytes"  # bytes | <path to a tokenizer.json>
+    vocab_size: int | None = None  # tokens_column: the ids it holds (the model's vocabulary follows)
+    seq_len: int = 128
+    streaming: bool = False  # read as a stream, never whole: corpora larger than memory
+    shuffle_buffer: int = 1024  # streaming: rows permuted within windows of this many (seeded, resumable)
 
 
 @dataclass
@@ -119,3 +144,15 @@ class CustomDataConfig(LoaderFields):
     name: str = "custom"
     _target_: str = MISSING  # a Dataset class or factory, e.g. pkg.module.MyDataset
     seq_len: int | None = None  # lm data: tokens per sample, where the model checks its block size
+
+
+DATA_SCHEMAS = {
+    "text": TextDataConfig,
+    "images": ImagesDataConfig,
+    "vectors": VectorsDataConfig,
+    "varlen": VarlenDataConfig,
+    "custom": CustomDataConfig,
+    "tokens": TokensDataConfig,
+    "chat": ChatDataConfig,
+    "hf": HFDataConfig,
+}

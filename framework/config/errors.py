@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 def check_mandatory(cfg: DictConfig) -> None:
     """A value the config marks `???` (data=tokens' data.path, data=custom's data._target_) is
     named before any check reads it: omegaconf's own error is a traceback from wherever it was read."""
-    missing = list(_missing_keys(cfg))
+    mixture = OmegaConf.is_dict(cfg.get("data")) and cfg.data.get("sources")
+    missing = [k for k in _missing_keys(cfg) if not (mixture and k == "data.path")]  # each source has its own
     if missing:
         group = missing[0].split(".", 1)[0]
         choice = cfg[group].get("name") if OmegaConf.is_dict(cfg.get(group)) else None

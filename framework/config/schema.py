@@ -33,15 +33,7 @@ from framework.config.choices import (
     Verify,
     WandbMode,
 )
-from framework.config.data_schema import (
-    ChatDataConfig,
-    CustomDataConfig,
-    ImagesDataConfig,
-    TextDataConfig,
-    TokensDataConfig,
-    VarlenDataConfig,
-    VectorsDataConfig,
-)
+from framework.config.data_schema import DATA_SCHEMAS
 from framework.config.model_schema import (
     GPTConfig,
     HFConfig,
@@ -309,15 +301,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "precision": {"base": PrecisionConfig, "amp": AmpConfig},
     "memory": {"base": MemoryConfig, "checkpoint": CheckpointMemoryConfig},
     "peft": {"base": PeftConfig, "lora": LoraConfig},
-    "data": {
-        "text": TextDataConfig,
-        "images": ImagesDataConfig,
-        "vectors": VectorsDataConfig,
-        "varlen": VarlenDataConfig,
-        "custom": CustomDataConfig,
-        "tokens": TokensDataConfig,
-        "chat": ChatDataConfig,
-    },
+    "data": DATA_SCHEMAS,
     "model": {
         "base": ModelConfig,
         "gpt": GPTConfig,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from framework.data.datasets import (
     Batch,
@@ -21,10 +22,13 @@ from framework.data.datasets import (
 )
 from framework.data.images import DeviceAugment, ImageFiles
 from framework.data.samplers import (
-    LengthGroupedBatchSampler,
-    ResumableDistributedSampler,
-    TokenBudgetBatchSampler,
-    WeightedBatchSampler,
+    BatchSizes,
+    PositionedSampler,
+    distributed_sampler,
+    length_grouped_sampler,
+    permutation,
+    token_budget_sampler,
+    weighted_sampler,
 )
 from framework.data.split import document_split, held_out, text_region
 from framework.data.tokens import TokenShards, register_data_vocab, vocab_size_of  # noqa: F401 (re-exported)
@@ -48,6 +52,9 @@ USER_DATA_RESERVED = (
     "val_fraction",
     "val_path",
     "tokenizer",
+    "batch_schedule",
+    "seq_len_schedule",
+    "sources",
 )  # fmt: skip  (the loader's keys: the rest go to the dataset's factory)
 
 
@@ -57,6 +64,11 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
     Synthetic data depends on `seed` only, never on rank. `task` is what the model does with
     sequences: "lm" (gpt) or "classify" (lstm)."""
     fraction = cfg.get("val_fraction", 0.0)
+    if cfg.get("sources"):  # a weighted mixture (framework/data/mixture.py)
+        from framework.data.mixture import Mixture, source_configs
+
+        labels, weights, parts = zip(*source_configs(cfg), strict=True)
+        return Mixture([build_dataset(part, seed, task, split) for part in parts], list(labels), list(weights))
     if cfg.get("_target_"):  # the user's own: Hydra's instantiate, its keys beside _target_
         from hydra.utils import instantiate
 
@@ -65,6 +77,8 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
         return held_out(data, fraction, seed, split) if fraction else data
     if cfg.name == "tokens":  # the shards prepare set aside are the validation split
         return TokenShards(cfg.path, cfg.seq_len, "val" if split == "val" else cfg.split, cfg.pack)
+    if cfg.name == "hf":
+        return hf_dataset(cfg, seed, split)
     if cfg.name == "chat":
         from framework.data.chat import ChatSequences
 
@@ -95,6 +109,21 @@ def build_dataset(cfg: DictConfig, seed: int, task: str = "classify", split: str
     return held_out(data, held, seed, split) if held else data
 
 
+def hf_dataset(cfg: DictConfig, seed: int, split: str) -> Dataset:
+    """data=hf: rows of local files or a saved dataset (framework/data/hf_data.py); its validation
+    part data.val_path (read map-style), or map-style data's val_fraction held out."""
+    from framework.data.hf_data import HFRows, HFStream
+
+    if split == "val" and cfg.get("val_path"):
+        return HFRows(cfg, cfg.val_path)
+    if cfg.streaming:
+        if split == "val":
+            raise ValueError("data.val_fraction: a stream holds nothing out; set data.val_path to validate")
+        return HFStream(cfg, seed)
+    data = HFRows(cfg)
+    return held_out(data, cfg.val_fraction, seed, split) if cfg.val_fraction else data
+
+
 def user_data_problem(cfg: DictConfig) -> str | None:
     """Build the user's `data._target_` dataset once, before any worker starts: a constructor that
     raises (a missing file) is one line naming the call and the cause, not Hydra's wrapped repr
@@ -115,13 +144,14 @@ def user_data_problem(cfg: DictConfig) -> str | None:
 @dataclass
 class DataPipeline:
     dataset: Dataset
-    sampler: ResumableDistributedSampler | LengthGroupedBatchSampler | TokenBudgetBatchSampler | WeightedBatchSampler
+    sampler: PositionedSampler  # or a stream's StreamCursor (framework/data/hf_data.py)
     loader: DataLoader
-    global_batch: str  # what one step of all data-parallel ranks reads, e.g. "distributed: 64 samples"
     loader_seed: int
     device_transform: DeviceAugment | None = None  # batched preprocessing on the training device
+    seq_lens: BatchSizes | None = None  # data.seq_len_schedule: the sequence length of each step
+    source_counts: list[torch.Tensor] = field(default_factory=list)  # a mixture's, per batch handed out
     epoch: int = 0  # the position (see `position`)
-    offset: int = 0
+    samples: int = 0
 
     def prepare(self, batch: Batch, device: torch.device, non_blocking: bool | None = None) -> Batch:
         """Move a batch to the device and finish its preprocessing there (non-blocking by default
@@ -132,31 +162,47 @@ class DataPipeline:
             inputs = (self.device_transform(inputs[0]), *inputs[1:])
         return inputs, target
 
-    def batches(self, epoch: int = 0, offset: int = 0) -> Iterator[tuple[int, Batch]]:
-        """Endless (epoch, batch) pairs, from batch `offset` of `epoch` on (a resumed run: the
-        sampler seeks there without loading the batches before it). `position` is where the
-        batches handed out so far end. Each epoch is shuffled from (seed, epoch), identically on
-        every rank, and the loader's worker seeds are drawn from (seed, rank, epoch): an epoch
-        reads the same whether the run got there directly or resumed into it."""
-        unit = self.loader.batch_size if isinstance(self.sampler, ResumableDistributedSampler) else 1
-        self.sampler.load_state_dict({"epoch": epoch, "start": offset * unit})
-        self.epoch, self.offset = epoch, offset
+    def batches(self, epoch: int = 0, samples: int = 0, step: int = 0) -> Iterator[tuple[int, Batch]]:
+        """Endless (epoch, batch) pairs, from sample `samples` of `epoch`'s order on, the batch
+        sizes those of optimizer step `step` on (a resumed run: the sampler seeks there without
+        loading the samples before it). `position` is where the batches handed out so far end.
+        Each epoch's order comes from (seed, epoch), identically on every rank, and the loader's
+        worker seeds from (seed, rank, epoch): an epoch reads the same whether the run got there
+        directly or resumed into it."""
+        accumulation = self.sampler.sizes.accumulation
+        micro = step * accumulation
+        self.sampler.load_state_dict({"epoch": epoch, "start": samples, "micro": micro})
+        self.epoch, self.samples = epoch, samples
         while True:
             self.loader.generator.manual_seed(self.loader_seed + 1_000_003 * self.epoch)
             for batch in self.loader:
-                self.offset += 1
+                self.samples = self.sampler.consumed(micro)
+                if hasattr(self.dataset, "counts"):  # a mixture: samples and tokens of each source
+                    self.source_counts.append(self.dataset.counts(self.sampler.last, batch))
+                if self.seq_lens is not None:
+                    batch = trim(batch, self.seq_lens.of_step(micro // accumulation))
+                micro += 1
                 yield self.epoch, batch
-            self.epoch, self.offset = self.epoch + 1, 0
-            self.sampler.set_epoch(self.epoch)
+            self.epoch, self.samples = self.epoch + 1, 0
+            self.sampler.load_state_dict({"epoch": self.epoch, "start": 0, "micro": micro})
 
-    def position(self) -> dict[str, int | str]:
-        """Where the batches handed out so far end: what a checkpoint stores. The offset counts
-        this rank's batches, which is also the global batches: a checkpoint resumes at another
-        world size when the global batch (`global_batch`) is the same."""
-        return {"epoch": self.epoch, "offset": self.offset, "global_batch": self.global_batch}
+    def position(self) -> dict[str, int]:
+        """Where the batches handed out so far end, in samples of the epoch's order (all ranks):
+        what a checkpoint stores. The order does not depend on the world size or the batch, so a
+        run resumes from it with any of them. `size` (the samples an epoch orders) tells a
+        resume whether the data is still the one the position counts."""
+        size = len(self.dataset) if hasattr(self.dataset, "__len__") else None  # a stream: unknown
+        return {"epoch": self.epoch, "samples": self.samples, "size": size}
 
     def tokens_in(self, batch: Batch) -> int | None:
         return self.dataset.tokens_in(batch)
+
+    def take_source_counts(self, batches: int) -> torch.Tensor | None:
+        """A mixture's samples and tokens of each source in this rank's next `batches` batches."""
+        if not self.source_counts:
+            return None
+        taken, self.source_counts = self.source_counts[:batches], self.source_counts[batches:]
+        return torch.stack(taken).sum(0)
 
     def slots_in(self, batch: Batch) -> int | None:
         """Positions computed on, padding included (None for data without tokens)."""
@@ -164,53 +210,67 @@ class DataPipeline:
         return fn(batch) if fn is not None else None
 
 
-def build_sampler(cfg: DictConfig, dataset: Dataset, dp_rank: int, dp_size: int, seed: int):
+def batch_sizes(cfg: DictConfig, dp_size: int, accumulation: int = 1) -> BatchSizes:
+    """The global micro-batch of each micro-batch: data.batch_size x ranks, or data.batch_schedule's."""
+    schedule = tuple((int(step), int(value)) for step, value in cfg.get("batch_schedule") or ())
+    return BatchSizes(cfg.batch_size * dp_size, schedule, accumulation)
+
+
+def build_sampler(cfg: DictConfig, dataset: Dataset, dp_rank: int, dp_size: int, seed: int,
+                  accumulation: int = 1) -> PositionedSampler:  # fmt: skip
     lengths = getattr(dataset, "lengths", None)
     if cfg.rank_batch_sizes:
-        return WeightedBatchSampler(len(dataset), list(cfg.rank_batch_sizes), dp_rank, seed, cfg.shuffle)
-    if cfg.sampler == "length_grouped":
-        return LengthGroupedBatchSampler(lengths.tolist(), cfg.batch_size, dp_size, dp_rank, seed, cfg.shuffle)
+        return weighted_sampler(len(dataset), list(cfg.rank_batch_sizes), dp_rank, seed, cfg.shuffle)
     if cfg.sampler == "token_budget":
-        return TokenBudgetBatchSampler(lengths.tolist(), cfg.max_tokens, dp_size, dp_rank, seed, cfg.shuffle)
-    return ResumableDistributedSampler(
-        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=cfg.shuffle, seed=seed, drop_last=cfg.drop_last
-    )
+        return token_budget_sampler(lengths.tolist(), cfg.max_tokens, dp_size, dp_rank, seed, cfg.shuffle)
+    sizes = batch_sizes(cfg, dp_size, accumulation)
+    if cfg.get("sources"):  # a mixture's own order, dealt as the permutation is
+        order = partial(dataset.order, seed, shuffle=cfg.shuffle)
+    else:
+        order = partial(permutation, len(dataset), seed, shuffle=cfg.shuffle)
+    if cfg.sampler == "length_grouped":
+        return length_grouped_sampler(lengths.tolist(), dp_size, dp_rank, seed, sizes, cfg.shuffle)
+    return distributed_sampler(order, dp_size, dp_rank, sizes, cfg.drop_last)
 
 
-def build_data(
-    cfg: DictConfig, dp_rank: int, dp_size: int, device: torch.device, seed: int, task: str = "classify"
-) -> DataPipeline:
+def build_data(cfg: DictConfig, dp: tuple[int, int], device: torch.device, seed: int, task: str = "classify",
+               accumulation: int = 1) -> DataPipeline:  # fmt: skip
     """Dataset -> distributed sampler -> DataLoader.
 
     A single process uses the same sampler with one replica, so the order of samples depends on
-    the seed alone, not on the world size: data-parallel rank r of w reads positions r, r+w, ...
-    of one shared permutation, and the ranks of a step together read the samples one process
-    would. Ranks that share a batch (tensor- and pipeline-parallel peers) share a dp rank.
+    the seed alone, not on the world size: the data-parallel ranks of a step together read the
+    samples one process would (framework/data/samplers.py). `dp`: (data-parallel rank, ranks);
+    ranks that share a batch (tensor- and pipeline-parallel peers) share a dp rank.
+    `accumulation`: micro-batches a step (the clock of data.batch_schedule).
     """
+    dp_rank, dp_size = dp
     dataset = build_dataset(cfg, seed, task)
-    sampler = build_sampler(cfg, dataset, dp_rank, dp_size, seed)
-    batched = not isinstance(sampler, ResumableDistributedSampler)
-    if batched:  # the sampler makes the batches (their sizes may differ)
-        batching = {"batch_sampler": sampler}
+    if isinstance(dataset, IterableDataset):  # a stream positions itself (framework/data/hf_data.py)
+        sampler = dataset.cursor(dp_rank, dp_size, batch_sizes(cfg, dp_size, accumulation))
+        batching = {"batch_size": None}  # each worker yields whole micro-batches
     else:
-        batching = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": cfg.drop_last}
+        sampler = build_sampler(cfg, dataset, dp_rank, dp_size, seed, accumulation)
+        batching = {"batch_sampler": sampler, "collate_fn": dataset.collate}
+        if next(sampler.global_batches(), None) is None:
+            raise ValueError(f"data.batch_size: {cfg.batch_size} x {dp_size} data-parallel ranks is more than the "
+                             f"{len(dataset)} samples of an epoch")  # fmt: skip
     workers, pin = loader_settings(cfg.num_workers, cfg.pin_memory, device.type, usable_cores(),
                                    torch.cuda.device_count() if device.type == "cuda" else 0)  # fmt: skip
     loader = DataLoader(
         dataset,
-        collate_fn=dataset.collate,
         num_workers=workers,
         pin_memory=pin,
-        persistent_workers=cfg.persistent_workers and workers > 0,
+        persistent_workers=cfg.persistent_workers and workers > 0 and "batch_sampler" in batching,  # a stream: anew
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         generator=torch.Generator(),  # seeded per epoch by DataPipeline.batches
         **batching,
     )
-    if len(loader) == 0:
-        raise ValueError(f"data.batch_size: {cfg.batch_size} is more than the samples each rank gets per epoch")
     on_device = cfg.name == "images" and cfg.source != "synthetic" and cfg.transforms_on == "device"
     transform = DeviceAugment(cfg.augment, seed + dp_rank, device) if on_device else None
-    return DataPipeline(dataset, sampler, loader, global_batch(cfg, dp_size), seed + dp_rank, transform)
+    lengths = tuple((int(step), int(n)) for step, n in cfg.get("seq_len_schedule") or ())
+    return DataPipeline(
+        dataset, sampler, loader, seed + dp_rank, transform, BatchSizes(0, lengths) if lengths else None
+    )
 
 
 def loader_settings(num_workers: int | str, pin_memory: bool | str, device_type: str, cpus: int,
@@ -225,16 +285,14 @@ def loader_settings(num_workers: int | str, pin_memory: bool | str, device_type:
     return int(num_workers), cuda and pin_memory in ("auto", True)
 
 
-def global_batch(cfg: DictConfig, dp_size: int) -> str:
-    """What decides the samples of one step of all data-parallel ranks: two runs that agree on it
-    read the same samples at step s, at any world size. token_budget packs each global batch by
-    the padded cost per rank (a rank's share of the samples x the longest), so its batches depend
-    on the ranks as well as on max_tokens x ranks."""
-    if cfg.rank_batch_sizes:
-        return f"rank_batch_sizes: {sum(cfg.rank_batch_sizes)} samples"
-    if cfg.sampler == "token_budget":
-        return f"token_budget: {cfg.max_tokens} tokens x {dp_size} data-parallel ranks"
-    return f"{cfg.sampler}: {cfg.batch_size * dp_size} samples"
+def trim(batch: Batch, length: int) -> Batch:
+    """The batch's sequences cut to their first `length` positions (data.seq_len_schedule)."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[:, :length].contiguous() if t.dim() >= 2 else t
+
+    inputs, target = batch
+    return tuple(cut(t) for t in inputs), cut(target)
 
 
 def to_device(batch: Batch, device: torch.device, non_blocking: bool = False, host: tuple[int, ...] = ()) -> Batch:

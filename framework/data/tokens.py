@@ -88,12 +88,18 @@ class TokenShards(Dataset):
 def vocab_size_of(cfg) -> int | None:
     """The ids the data holds (its tokenizer's vocabulary): what a model's vocab_size follows
     when not set. None for data without tokens."""
+    if cfg.get("sources"):  # a mixture: its sources share a tokenizer (checked), the first's
+        from framework.data.mixture import source_configs
+
+        return vocab_size_of(source_configs(cfg)[0][2])
     if cfg.name == "tokens":
         return read_manifest(cfg.path)["vocab_size"]
     if cfg.name == "text":
         return 256 if cfg.tokenizer == "bytes" else load_tokenizer(cfg.tokenizer).vocab_size
     if cfg.name == "chat":
         return load_tokenizer(str(Path(cfg.tokenizer) / "tokenizer.json")).vocab_size
+    if cfg.name == "hf" and cfg.tokens_column is None:
+        return 256 if cfg.tokenizer == "bytes" else load_tokenizer(cfg.tokenizer).vocab_size
     return cfg.get("vocab_size")
 
 
@@ -116,7 +122,22 @@ def _data_vocab(*, _root_) -> int | None:
 def config_problem(cfg) -> tuple[str, str] | None:
     """(key, message) for the first setting of tokens, tokenizers or a pretrained model's
     vocabulary that cannot run, else None (framework.config.validate raises it)."""
-    d = cfg.data
+    problem = data_problem(cfg.data)
+    return problem or vocab_problem(cfg)
+
+
+def data_problem(d) -> tuple[str, str] | None:
+    """The data's own settings (each source's, for a mixture)."""
+    if d.get("sources"):
+        from framework.data.mixture import source_configs
+
+        sources = source_configs(d)
+        for k, (_, _, source) in enumerate(sources):
+            if problem := data_problem(source):
+                return f"data.sources[{k}].{problem[0].split('.', 1)[1]}", problem[1]
+        if len({vocab_size_of(source) for _, _, source in sources}) > 1:
+            return "data.sources", "the sources hold different vocabularies; mix data of one tokenizer"
+        return None
     if d.name == "tokens":
         if not (Path(d.path) / "index.json").is_file():
             return (
@@ -136,6 +157,8 @@ def config_problem(cfg) -> tuple[str, str] | None:
                     "data.tokenizer",
                     f"no {name} in {d.tokenizer!r} (a folder with the tokenizer and its chat_template)",
                 )
+    if d.name == "hf" and (problem := hf_problem(d)):
+        return problem
     if d.name == "text" and d.tokenizer == "bpe":
         return (
             "data.tokenizer",
@@ -143,11 +166,17 @@ def config_problem(cfg) -> tuple[str, str] | None:
         )
     if d.name == "text" and d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
         return "data.tokenizer", f"no tokenizer.json at {d.tokenizer!r}; allowed: bytes, a tokenizer.json path"
+    return None
+
+
+def vocab_problem(cfg) -> tuple[str, str] | None:
+    """The model's vocabulary holds the data's ids."""
+    d = cfg.data
     folder = cfg.model.get("pretrained")
     if folder is None:
         vocab, data_vocab = (
             cfg.model.get("vocab_size"),
-            vocab_size_of(d) if d.name in ("text", "tokens", "chat") else None,
+            vocab_size_of(d) if d.name in ("text", "tokens", "chat", "hf") else None,
         )
         if vocab is not None and data_vocab is not None and data_vocab > vocab:
             return "model.vocab_size", f"got {vocab}; the data's tokenizer has {data_vocab} ids (null: follow it)"
@@ -161,4 +190,24 @@ def config_problem(cfg) -> tuple[str, str] | None:
             "data.tokenizer",
             f"the data's tokenizer has {data_vocab} ids, more than the model's vocabulary of {vocab}",
         )
+    return None
+
+
+def hf_problem(d) -> tuple[str, str] | None:
+    """data=hf: the path holds data of a known format, with the column to read, and a tokenizer."""
+    from framework.data.hf_data import columns_of
+
+    if not Path(d.path).exists():
+        return "data.path", f"no file or folder at {d.path!r} (local files or a save_to_disk folder; nothing downloads)"
+    try:
+        columns = columns_of(d.path, d.format)
+    except (ValueError, FileNotFoundError) as err:
+        return str(err).split(": ", 1)[0], str(err).split(": ", 1)[1]
+    key, column = ("data.tokens_column", d.tokens_column) if d.tokens_column else ("data.text_column", d.text_column)
+    if column not in columns:
+        return key, f"no column {column!r} in {d.path}; its columns: {', '.join(columns)}"
+    if d.tokens_column is None and d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
+        return "data.tokenizer", f"no tokenizer.json at {d.tokenizer!r}; allowed: bytes, a tokenizer.json path"
+    if d.tokens_column is not None and d.vocab_size is None:
+        return "data.vocab_size", "a tokens_column needs the ids it holds (data.vocab_size=N): the model's follows"
     return None

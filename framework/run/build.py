@@ -52,7 +52,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, par.decay)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
-    data = build_data(cfg.data, par.dp_rank, par.dp_size, info.device, cfg.seed, spec.task)
+    data = build_data(cfg.data, (par.dp_rank, par.dp_size), info.device, cfg.seed, spec.task, cfg.accumulation_steps)
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
@@ -93,14 +93,7 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
     """Continue from checkpoint `path`: model and optimizer (resharded to this layout), the LR
     schedule, the loss scaler, the data position and, on the same layout, every rank's RNG."""
     state, rng = checkpoint.load(path, parts.par.module, parts.optimizer, info.rank, parts.par.tie_names)
-    data = parts.data
-    if state.data["global_batch"] != data.global_batch:
-        raise ValueError(
-            f"checkpoint.resume: {path} was saved reading {state.data['global_batch']!r} per step "
-            f"(parallel={state.layout['parallel']} at {state.layout['world_size']} ranks); this run reads "
-            f"{data.global_batch!r}, so the data position cannot map. Keep the global batch: data.batch_size "
-            "(or max_tokens, rank_batch_sizes) x data-parallel ranks"
-        )
+    data_position(state.data, parts.data, path)
     parts.scheduler.load_state_dict(state.scheduler)
     if state.scaler and parts.precision.scaler.is_enabled():
         parts.precision.scaler.load_state_dict(state.scaler)
@@ -111,10 +104,22 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
         seed_everything(hash((state.step, info.rank)) % 2**31)
     return Resumed(
         step=state.step,
-        data_position=(state.data["epoch"], state.data["offset"]),
+        data_position=(state.data["epoch"], state.data["samples"]),
         skipped_steps=state.counters.get("nonfinite_skipped", 0),
         eval_state=state.counters.get("eval", {}),  # the best evaluation so far, for monitor and patience
     )
+
+
+def data_position(saved: dict, data, path: str) -> None:
+    """Refuse, in one line, a resume whose data position cannot map: the position counts samples
+    of an epoch's order, which depends on the data (its size) and the seed alone."""
+    if "samples" not in saved:
+        raise ValueError(f"checkpoint.resume: {path} counts its data position in batches (saved by an earlier "
+                         "version); resume it with the global batch it was saved with, in that version")  # fmt: skip
+    if saved.get("size") not in (None, len(data.dataset)):
+        raise ValueError(f"checkpoint.resume: {path} was saved reading {saved['size']} samples an epoch; this run's "
+                         f"data has {len(data.dataset)}, so its position (sample {saved['samples']} of epoch "
+                         f"{saved['epoch']}) does not map. Resume on the same data")  # fmt: skip
 
 
 def build_measurements(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Measurements:

@@ -107,6 +107,8 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
             stats.startup_s = time.time() - (stats.started if stats.started is not None else time.time())
         stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
         stats.losses.append(figures.loss)
+        if figures.sources:
+            stats.sources.append(figures.sources)
         stats.skipped_steps += not figures.applied
         if counts_data:
             stats.work.append(entry.work)
@@ -135,6 +137,15 @@ def log_step(entry: Entry, stats: RunStats, parts: Parts, peak: float | None, fi
         "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
         "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
     }
+    if figures.sources:  # a mixture: what each source gave this step (framework/data/mixture.py)
+        record["sources"] = source_figures(parts.data.dataset.labels, figures.sources)
     record |= figures.val or {}  # an evaluation after this step: val_loss, val_perplexity | val_accuracy
     files.log_step(record)
-    tracker.log(tracker_names(record), step=step + 1)
+    flat = {f"sources/{label}/{k}": v for label, kv in record.pop("sources", {}).items() for k, v in kv.items()}
+    tracker.log(tracker_names(record) | flat, step=step + 1)
+
+
+def source_figures(labels: list[str], counts: tuple[float, ...]) -> dict[str, dict[str, int]]:
+    """{label: {"samples", "tokens"}} of a mixture's counts (samples of each source, then tokens)."""
+    n = len(labels)
+    return {label: {"samples": round(counts[k]), "tokens": round(counts[n + k])} for k, label in enumerate(labels)}

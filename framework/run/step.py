@@ -38,7 +38,7 @@ class Resumed:
     """Where a run goes on from: its checkpoint's state (a fresh run: the start)."""
 
     step: int = 0  # optimizer steps done
-    data_position: tuple[int, int] = (0, 0)  # (epoch, batches of it consumed)
+    data_position: tuple[int, int] = (0, 0)  # (epoch, samples of its order read: framework/data/samplers.py)
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
     eval_state: dict = field(default_factory=dict)  # best val_loss and its step, evaluations since
     verify_s: float = 0.0  # seconds spent verifying checkpoints before resuming
@@ -59,7 +59,7 @@ class PendingStep:
     """A step just run, whose figures still wait on the device (framework.run.ledger settles them:
     reading them is a host sync, done once per logged step)."""
 
-    values: torch.Tensor  # loss sum, loss terms, tokens, samples, signalled, grad norm, applied, loss scale
+    values: torch.Tensor  # loss sum, terms, tokens, samples, signalled, grad norm, applied, loss scale[, sources]
     sampled: bool
     started: float  # the host clock when the step began (its batches' reading included)
 
@@ -78,11 +78,12 @@ class StepFigures:
     applied: bool  # the update was applied (not skipped for non-finite gradients)
     loss_scale: float | None  # amp: the scaler's scale after this step's update
     val: dict | None = None  # an evaluation after this step (run after its window's sync: not in its time)
+    sources: tuple[float, ...] = ()  # a mixture: samples of each source, then tokens of each (all ranks)
 
     @classmethod
     def settled(cls, pending: PendingStep, values: list[float], seconds: float, sequence_data: bool) -> StepFigures:
         """The figures from `pending`'s values, read (with the other waiting steps') in one sync."""
-        loss_sum, terms, tokens, samples, signalled, grad_norm, applied, scale = values
+        loss_sum, terms, tokens, samples, signalled, grad_norm, applied, scale = values[:8]
         return cls(
             loss=loss_sum / terms,
             tokens=round(tokens) if sequence_data else None,
@@ -93,6 +94,7 @@ class StepFigures:
             sampled=pending.sampled,
             applied=applied > 0,
             loss_scale=scale if math.isfinite(scale) else None,
+            sources=tuple(round(v) for v in values[8:]),
         )
 
 
@@ -139,10 +141,10 @@ def step_elements(cfg: DictConfig, info: DistInfo, parts: Parts, step_batches: l
     """The step's loss terms over all data-parallel ranks. Fixed-size data knows it from the
     config; variable-length (and the user's own) data counts it with one small all-reduce (a
     device tensor: the loss is scaled by it without a host sync)."""
-    packed_tokens = cfg.data.name == "tokens" and cfg.data.pack  # document boundaries: not counted
-    if (
-        cfg.data.name not in ("varlen", "custom") and not packed_tokens
-    ):  # every target counts: seq_len per sample (text), or 1
+    # every target counts (seq_len a sample, or 1) where the data has no ignored targets and the
+    # batch is the config's; else (padding, document boundaries, prompts, a curriculum) counted
+    full = cfg.data.name in ("text", "images", "vectors") or (cfg.data.name == "tokens" and not cfg.data.pack)
+    if full and not (cfg.data.get("batch_schedule") or cfg.data.get("seq_len_schedule")):
         per_sample = cfg.data.seq_len if parts.task == "lm" else 1
         sizes = cfg.data.rank_batch_sizes or [cfg.data.batch_size] * parts.par.dp_size
         return sum(sizes) * len(step_batches) * per_sample
@@ -195,11 +197,14 @@ def reduce_step_figures(
     else:
         weight = terms = float(par.holds_loss)
     counts = host_values([terms, tokens, samples, float(signalled)], info.device)
-    totals = all_reduce_sum(torch.cat([(step_loss.float() * weight).reshape(1), counts]), info)
+    sources = data.take_source_counts(len(step_batches))  # a mixture's, rides on the same all-reduce
+    sources = host_values((sources * counting).tolist(), info.device) if sources is not None else counts[:0]
+    totals = all_reduce_sum(torch.cat([(step_loss.float() * weight).reshape(1), counts, sources]), info)
+    totals, sources = totals[:5], totals[5:]
     scaler = parts.precision.scaler
     scale = scaler._scale.reshape(1).float() if scaler.is_enabled() else totals.new_full((1,), math.nan)
     if isinstance(applied, torch.Tensor):  # amp: a device bool, read with the rest
         applied = applied.reshape(1).to(totals.dtype)
     else:
         applied = totals.new_full((1,), float(applied))
-    return torch.cat([totals, grad_norm.detach().float().reshape(1).to(totals.device), applied, scale])
+    return torch.cat([totals, grad_norm.detach().float().reshape(1).to(totals.device), applied, scale, sources])

@@ -43,6 +43,7 @@ class RunStats:
     rss_baseline_bytes: int | None = None  # after imports and process-group set-up, before the model
     started: float | None = None  # when the process started (time.time()), for startup_s; None: unknown
     plan_auto: dict[str, Any] | None = None  # parallel=auto: the planner's record of its choice, for plan.auto
+    sources: list[tuple[float, ...]] = field(default_factory=list)  # a mixture's counts of each logged step
 
 
 class Given(NamedTuple):
@@ -105,6 +106,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         # the rank that communicates most (pipeline stages differ), per optimizer step
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "load_balance": balance,
+        "sources": mixture_figures(parts.data.dataset, stats.sources),
     }
     summary["plan"] = plan_check(cfg, info.world_size, summary, stats.plan_auto) if info.is_main else None  # rank 0's
     return summary
@@ -242,3 +244,15 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tra
             f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
             flush=True,
         )
+
+
+def mixture_figures(dataset: Any, counts: list[tuple[float, ...]]) -> dict[str, dict[str, Any]] | None:
+    """A mixture's samples and tokens of each source over the run, and its share of the samples
+    beside its weight's (None for other data)."""
+    if not counts:
+        return None
+    n, weights = len(dataset.labels), dataset.weights
+    total = [sum(step[k] for step in counts) for k in range(2 * n)]
+    samples = sum(total[:n]) or 1
+    return {label: {"samples": round(total[k]), "tokens": round(total[n + k]), "share": total[k] / samples,
+                    "weight": weights[k] / sum(weights)} for k, label in enumerate(dataset.labels)}  # fmt: skip

@@ -145,7 +145,7 @@ class Trainer:
         cfg, info, parts, stats = self.cfg, self.info, self.parts, self.stats
         sequence_data = cfg.data.name in ("text", "varlen") or parts.task == "lm"  # report tokens/s
         self.evaluator.at_start(self.tracker)
-        batches, ledger = parts.data.batches(*self.resumed.data_position), Ledger(sequence_data)
+        batches, ledger = parts.data.batches(*self.resumed.data_position, self.resumed.step), Ledger(sequence_data)
         progress = tqdm(  # rank 0 only
             total=cfg.steps, initial=self.resumed.step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
         )
