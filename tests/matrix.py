@@ -201,6 +201,9 @@ def data_of(choice: str, shape: list[str]) -> str:
     return (getattr(declared, "trains_on", None) or LM_DATA)[0]
 
 
+HF_STREAM = ("data=hf", "data.path={rows}", "data.streaming=true", "data.seq_len=16")
+HF_MIXTURE = ("data=hf", "data.sources=[{{path: {rows}, weight: 0.7}}, {{path: {rows2}, weight: 0.3}}]",
+              "data.batch_schedule=[[0,4],[2,8]]", "data.seq_len=16")  # fmt: skip
 TOP_FEATURES = [
     # the reference accumulates too: a model whose forward reads the whole micro-batch (BatchNorm)
     # computes other statistics on half a batch, in one process as under any strategy
@@ -210,6 +213,10 @@ TOP_FEATURES = [
         "eval.every=2", ("eval.every=2", "eval.steps=2", "data.val_fraction=0.1"), reference=("data.val_fraction=0.1",)
     ),
     Value("resume at another world size", ("resume",)),
+    # data at scale (features that set data= replace the model's data): a streamed Hugging Face
+    # dataset; a 0.7/0.3 mixture of two with a batch ramp (4 samples a step, then 8 from step 2)
+    Value("data=hf streamed", HF_STREAM, reference=HF_STREAM),
+    Value("data.sources, batch ramp", HF_MIXTURE, reference=HF_MIXTURE),
     Value("checkpoint.export=true", ("checkpoint.export=true",)),
 ]
 

@@ -32,12 +32,31 @@ def prepare(folder: Path) -> dict[str, str]:
     from tests.test_own_model import TINY
 
     hf = write_tiny_llama_config(folder / "hf", num_hidden_layers=4)
+    rows = write_rows(folder / "rows", 160, "parquet")
+    rows2 = write_rows(folder / "rows2.jsonl", 80, "json")
     user = folder / "user"
     user.mkdir(exist_ok=True)
     (user / "matrix_user.py").write_text(TINY)
     if str(user) not in sys.path:
         sys.path.insert(0, str(user))
-    return {"hf": str(hf), "user": str(user)}
+    return {"hf": str(hf), "user": str(user), "rows": str(rows), "rows2": str(rows2)}
+
+
+def write_rows(path: Path, n: int, fmt: str) -> Path:
+    """Rows of text for data=hf: a parquet folder of two files, or a JSON-lines file."""
+    import json
+
+    texts = [f"row {i}: " + "the quick brown fox jumps over the lazy dog "[: 8 + i % 30] for i in range(n)]
+    if fmt == "json":
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        return path
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.mkdir(exist_ok=True)
+    for k in range(2):
+        pq.write_table(pa.table({"text": texts[k::2]}), path / f"part-{k}.parquet")
+    return path
 
 
 def _fill(overrides, folders: dict[str, str]) -> list[str]:
@@ -48,6 +67,7 @@ def compose_cell(overrides: list[str], world: int) -> dict[str, Any]:
     """Composed and validated for `world` workers, each data-parallel rank's micro-batch set so the
     global batch is GLOBAL_BATCH (as train.py would; raises ConfigError for a refusal)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
 
     from framework.config import compose, validate
     from framework.config.model import model_dims_of
@@ -56,8 +76,8 @@ def compose_cell(overrides: list[str], world: int) -> dict[str, Any]:
     cfg = compose(on_cpu([*BASE, *overrides, f"launch.nproc_per_node={world}"]))
     try:
         dp = ParallelDims.from_config(cfg.parallel, world, *model_dims_of(cfg)).dp
-    except DimsError:
-        dp = 1  # validation names the problem
+    except (DimsError, InterpolationResolutionError):
+        dp = 1  # validation names the problem (a model that does not take this data: its keys do not resolve)
     cfg.data.batch_size = max(1, GLOBAL_BATCH // (dp * cfg.accumulation_steps))
     validate(cfg)
     return OmegaConf.to_container(cfg, resolve=True)
@@ -65,11 +85,17 @@ def compose_cell(overrides: list[str], world: int) -> dict[str, Any]:
 
 def cell_overrides(cell: Cell, folders: dict[str, str]) -> list[str]:
     feature = [o for o in cell.feature.overrides if o != "resume"]
-    return _fill([*cell.model.overrides, *cell.strategy.overrides, *feature], folders)
+    return _fill([*model_part(cell), *cell.strategy.overrides, *feature], folders)
 
 
 def reference_overrides(cell: Cell, folders: dict[str, str]) -> list[str]:
-    return _fill([*cell.model.overrides, "parallel=none", *cell.feature.reference], folders)
+    return _fill([*model_part(cell), "parallel=none", *cell.feature.reference], folders)
+
+
+def model_part(cell: Cell) -> list[str]:
+    """The model's overrides; its data's only where the feature sets no data of its own."""
+    own_data = any(o.startswith("data=") for o in cell.feature.overrides)
+    return [o for o in cell.model.overrides if not (own_data and o.startswith("data"))]
 
 
 def key_of(overrides: list[str]) -> str:
@@ -85,7 +111,7 @@ def save_plan(cell: Cell, folders: dict[str, str]) -> tuple[list[str], int]:
     strategy of several; ddp at 2 for one of one process), on the schedule of the whole run."""
     other = ["parallel=none"] if cell.strategy.world > 1 else ["parallel=ddp"]
     extra = [f"steps={SAVED_AT}", f"optim.schedule_steps={STEPS}", f"checkpoint.every={SAVED_AT}"]
-    return _fill([*cell.model.overrides, *cell.feature.reference], folders) + other + extra, (
+    return _fill([*model_part(cell), *cell.feature.reference], folders) + other + extra, (
         1 if cell.strategy.world > 1 else 2
     )
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from framework.loss import IGNORE_INDEX
 
@@ -59,8 +59,9 @@ class Mixture(Dataset):
         for d in datasets:
             self.offsets.append(self.offsets[-1] + len(d))
         self._blend = blend([len(d) for d in datasets], weights)
-        first = datasets[0]
-        self.collate, self.tokens_in = first.collate, first.tokens_in
+        first = datasets[0]  # the sources are one kind of data: batched and counted alike
+        self.collate = getattr(first, "collate", default_collate)
+        self.tokens_in = getattr(first, "tokens_in", _no_tokens)
         if hasattr(first, "slots_in"):
             self.slots_in = first.slots_in
 
@@ -98,3 +99,7 @@ class Mixture(Dataset):
             out[k] += 1
             out[len(self.datasets) + k] += n
         return out
+
+
+def _no_tokens(batch: Any) -> None:
+    return None

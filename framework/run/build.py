@@ -116,9 +116,10 @@ def data_position(saved: dict, data, path: str) -> None:
     if "samples" not in saved:
         raise ValueError(f"checkpoint.resume: {path} counts its data position in batches (saved by an earlier "
                          "version); resume it with the global batch it was saved with, in that version")  # fmt: skip
-    if saved.get("size") not in (None, len(data.dataset)):
-        raise ValueError(f"checkpoint.resume: {path} was saved reading {saved['size']} samples an epoch; this run's "
-                         f"data has {len(data.dataset)}, so its position (sample {saved['samples']} of epoch "
+    size = data.position()["size"]  # None for a stream (its size is unknown)
+    if saved.get("size") != size:
+        raise ValueError(f"checkpoint.resume: {path} was saved reading {saved.get('size')} samples an epoch; this "
+                         f"run's data has {size}, so its position (sample {saved['samples']} of epoch "
                          f"{saved['epoch']}) does not map. Resume on the same data")  # fmt: skip
 
 
