@@ -8,10 +8,16 @@
     temporary folder first.
 (b) gpt on varlen data (long-tailed lengths) at world size 2: load imbalance (busiest rank's
     tokens / mean, per step), padding waste and tokens/s for each batching.
+(c) data=hf streamed: a parquet corpus of 2.5 GB of text (more than 3x the streaming process's
+    peak RSS) read through the pipeline in a fresh process, its RSS as the corpus goes by, and the
+    tokens/s the loader delivers beside what the default gpt (`python train.py`) trains on.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +85,69 @@ def varlen_table() -> None:
     )
 
 
+CORPUS_GB, ROW_BYTES, FILES = 2.5, 2048, 25
+STREAM = """
+import json, resource, sys, time, torch
+from framework.data import build_data
+from tests.helpers import compose_config
+cfg = compose_config(["model=gpt", "data=hf", "data.path=" + sys.argv[1], "data.streaming=true", "data.seq_len=256",
+                      "data.batch_size=64", "data.num_workers=0", "data.shuffle_buffer=1024"])
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+batches, rows, t0, marks = build_data(cfg.data, (0, 1), torch.device("cpu"), 0, "lm").batches(), 0, time.perf_counter(), []
+start_rss = rss()
+for epoch, (inputs, target) in batches:
+    if epoch:
+        break
+    rows += inputs[0].size(0)
+    if rows % (64 * 400) == 0:
+        marks.append([rows, rss()])
+seconds = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"rows": rows, "seconds": seconds, "marks": marks, "start_rss": start_rss, "peak": peak}))
+"""
+
+
+def write_corpus(folder: Path) -> int:
+    """FILES parquet files of random lowercase words, ROW_BYTES a row, CORPUS_GB of text in all."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng, letters = np.random.default_rng(0), np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
+    rows_per_file = int(CORPUS_GB * 1e9 / ROW_BYTES / FILES)
+    for f in range(FILES):
+        text = letters[rng.integers(0, len(letters), rows_per_file * ROW_BYTES)].tobytes()
+        rows = [text[i : i + ROW_BYTES].decode() for i in range(0, len(text), ROW_BYTES)]
+        pq.write_table(pa.table({"text": rows}), folder / f"part-{f:03d}.parquet")
+    return rows_per_file * FILES
+
+
+def stream_table() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        total = write_corpus(Path(tmp))
+        root = Path(__file__).resolve().parents[1]
+        out = subprocess.run([sys.executable, "-c", STREAM, tmp], capture_output=True, text=True, cwd=root,
+                             env={"PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        subprocess.run([sys.executable, str(root / "train.py"), "steps=30", "logger=none", "progress=false",
+                        f"hydra.run.dir={tmp}/gpt"], capture_output=True, text=True, cwd=tmp, check=True)  # fmt: skip
+        consumed = json.loads((Path(tmp) / "gpt" / "summary.json").read_text())["throughput"]["tokens_per_s"]
+    assert got["rows"] >= total - 64, got["rows"]  # the whole corpus went by (less the last partial batch)
+    print(f"\n(c) data=hf streamed: {total * ROW_BYTES / 1e9:.2f} GB of text in {FILES} parquet files, rows of "
+          f"{ROW_BYTES} bytes, seq_len 256, batch 64, one process, no loader workers\n")  # fmt: skip
+    marks = [m for k, m in enumerate(got["marks"]) if k % max(1, len(got["marks"]) // 8) == 0] + got["marks"][-1:]
+    rows = [[f"{m[0] * ROW_BYTES / 1e9:.2f}", f"{m[0] * ROW_BYTES / (total * ROW_BYTES):.0%}", m[1] / 2**20]
+            for m in marks]  # fmt: skip
+    print(table(["GB of the corpus read", "share", "RSS MiB"], rows))
+    corpus_x = total * ROW_BYTES / got["peak"]
+    delivered = got["rows"] * 256 / got["seconds"]
+    print(f"\nPeak RSS {got['peak'] / 2**20:.0f} MiB (at start {got['start_rss'] / 2**20:.0f} MiB): the corpus is "
+          f"{corpus_x:.1f}x the peak. The loader delivered {delivered:,.0f} tokens/s; the default gpt "
+          f"(`python train.py`, 2 ranks) trains on {consumed:,.0f} tokens/s: {delivered / consumed:.0f}x.")  # fmt: skip
+
+
 if __name__ == "__main__":
     with recorded("data"):
         loader_table()
         varlen_table()
+        stream_table()

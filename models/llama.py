@@ -27,6 +27,7 @@ from models.init import Rule, fill_
 from models.kv_cache import attend
 from models.llama_args import FLAVORS, LlamaArgs
 from models.llama_hf import args_from_hf_config, from_hf_name
+from models.moe import MoE, MoEArgs
 
 
 def rope_frequencies(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -144,7 +145,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        if args.moe.experts:
+            self.feed_forward = MoE(args.dim, args.ffn_hidden, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), doc_ids)
@@ -164,6 +168,9 @@ def llama_args(flavor: str = "debug", hf_config: str | None = None, **overrides)
     unknown = set(overrides) - known
     if unknown:
         raise TypeError(f"Llama: unknown arguments {sorted(unknown)}")
+    moe = overrides.get("moe")
+    if moe is not None and not isinstance(moe, MoEArgs):  # model.moe.*: over the flavour's experts
+        overrides["moe"] = replace(base.moe, **{k: v for k, v in dict(moe).items() if v is not None})
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -194,6 +201,8 @@ class Llama(nn.Module):
     def __init__(self, flavor: str = "debug", hf_config: str | None = None, **overrides):
         super().__init__()
         self.args = args = llama_args(flavor, hf_config, **overrides)
+        if args.moe.experts:  # routed experts are not split by tensor parallel (yet): no plan
+            self.tp_plan = {}
         # what the contract checks tensor-parallel degrees against (they must split whole heads): the
         # key/value heads, which under GQA are fewer than the query heads and divide them
         self.n_heads = args.n_kv_heads
@@ -218,7 +227,7 @@ class Llama(nn.Module):
         down by depth (GPT-2)."""
         if dim == 1:
             return "ones", 0.0
-        deep = name.endswith(("wo.weight", "w2.weight"))
+        deep = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
         return "normal", 0.02 / math.sqrt(2 * self.args.n_layers) if deep else 0.02
 
     def reset_parameters(self) -> None:
@@ -245,10 +254,17 @@ class Llama(nn.Module):
         2 per block weight and 4·H·Q·T, less the last projection (w2), which non-reentrant
         checkpointing does not rerun."""
         a = self.args
-        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
         attn_width = a.n_heads * a.head_dim
-        model_flops = 6 * sum(m.weight.numel() for m in linears) + 12 * a.n_layers * attn_width * seq_len
+        model_flops = 6 * active_weights(self) + 12 * a.n_layers * attn_width * seq_len
         block = self.layers[0]
-        block_weights = sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
-        rerun = block_weights - block.feed_forward.w2.weight.numel()
+        rerun = active_weights(block) - (0 if a.moe.experts else block.feed_forward.w2.weight.numel())
         return model_flops + recomputed_blocks * (2 * rerun + 4 * attn_width * seq_len)
+
+
+def active_weights(module: nn.Module) -> int:
+    """Matmul weights a token goes through: every nn.Linear's (the router's and a shared expert's
+    included), and of each routed MoE layer its top_k experts' (active, not total, parameters)."""
+    dense = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    routed = sum(m.args.top_k * sum(p[0].numel() for p in (m.experts.w1, m.experts.w2, m.experts.w3))
+                 for m in module.modules() if isinstance(m, MoE))  # fmt: skip
+    return dense + routed

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from models.moe import MoEArgs
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class LlamaArgs:
     rope_original_max_pos: int = 8192
     max_seq_len: int = 8192
     tie_embeddings: bool = False
+    moe: MoEArgs = field(default_factory=MoEArgs)  # routed experts in every block's MLP (0 experts: dense)
 
     @property
     def head_dim(self) -> int:
@@ -34,6 +37,31 @@ _LLAMA31 = {"rope_factor": 8.0, "rope_theta": 500000.0}
 # GPT-2-small shape in Llama form (12 x 768), a size that trains on one GPU.
 FLAVORS: dict[str, LlamaArgs] = {
     "debug": LlamaArgs(),
+    # mixtures of experts: a small one, and published shapes for the planner (Mixtral 8x7B:
+    # 8 experts, 2 active; Qwen3-30B-A3B: 128 experts of 768, 8 active, softmax, no shared one)
+    "debug_moe": LlamaArgs(moe=MoEArgs(experts=4, top_k=2)),
+    "mixtral_8x7b": LlamaArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        ffn_hidden=14336,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        moe=MoEArgs(experts=8, top_k=2),
+    ),
+    "qwen3_30b_a3b": LlamaArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab_size=151936,
+        ffn_hidden=6144,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        moe=MoEArgs(experts=128, top_k=8, hidden=768),
+    ),
     "150m": LlamaArgs(
         dim=768,
         n_layers=12,

@@ -6,7 +6,8 @@
   instead takes every pair of the mesh's degree axes at 2 (world 4). A strategy without a schema
   of its own (none, dp) runs one process, the others two.
 - models: every conf/model/*.yaml but a preset of another (gpt_smoke extends gpt), each MODEL_KNOBS
-  field of its schema both ways (llama's tie_embeddings), at its smallest shape (SHAPES; a new
+  field of its schema both ways (llama's tie_embeddings) and MODEL_VARIANTS (llama with routed
+  experts), at its smallest shape (SHAPES; a new
   model without an entry runs its defaults) on the first data its class declares (`trains_on`;
   none declared: the contract's language-model data).
 - features: every non-default choice of FEATURE_GROUPS (precision, memory, peft) and the top-level
@@ -31,6 +32,9 @@ SKIP_STRATEGIES = {"auto": "the planner: it runs one of the other strategies"}
 KNOBS = ("version", "reshard_after_forward", "sequence_parallel", "loss_parallel", "schedule")
 INT_KNOBS = {"version": (2, 1)}  # validate.py's allowed FSDP versions (the default first)
 MODEL_KNOBS = ("tie_embeddings",)
+# rows of a model beside its knobs': a Llama with routed experts, dropless, bias balancing (its loads
+# summed over every rank, so every strategy routes as one process does)
+MODEL_VARIANTS = {"llama": [("llama(moe)", ("model.moe.experts=4", "model.moe.top_k=2", "model.moe.balance=bias"))]}
 FEATURE_GROUPS = ("precision", "memory", "peft")
 REFERENCED_GROUPS = ("precision", "peft")  # the one-process reference runs the same choice
 # {model choice: overrides for its smallest shape}; {hf} and {user} are the test's folders
@@ -180,6 +184,7 @@ def models() -> list[Value]:
         shape += [f"data={data}", *DATA_SHAPES.get(data, [])]
         for name, settings in _variants("model", GROUP_SCHEMAS["model"].get(choice), MODEL_KNOBS):
             out.append(Value(name.replace("model", choice, 1), (*shape, *settings)))
+        out += [Value(name, (*shape, *settings)) for name, settings in MODEL_VARIANTS.get(choice, [])]
     return out
 
 

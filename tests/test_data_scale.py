@@ -137,6 +137,10 @@ def test_the_curriculum_takes_effect_at_its_steps(curriculum):
     """Tokens a step: 4 x 8, 4 x 8, 4 x 16 (the length from step 3), then 8 x 16 (the batch from 4)."""
     tokens = [round(m["tokens_per_s"] * m["step_time_s"]) for m in curriculum["full"]]
     assert tokens == [32, 32, 64, 128, 128, 128]
+    # MFU counts a token's FLOPs at the length in force: attention over 16 positions costs more than over 8
+    per_token = [m["mfu"] / m["tokens_per_s"] for m in curriculum["full"]]
+    assert per_token[0] == pytest.approx(per_token[1]) and per_token[2] == pytest.approx(per_token[5])
+    assert per_token[2] > per_token[0] * 1.001
 
 
 def test_a_stream_on_two_ranks_and_workers_trains_as_one_process(curriculum):

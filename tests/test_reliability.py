@@ -203,7 +203,7 @@ SLOW = pytest.mark.slow  # covered by `make test-all`; the default run keeps one
 )
 def test_resume_across_an_epoch_boundary_is_bitwise(tmp_path, case):
     """A checkpoint taken after the first epoch ended resumes to the uninterrupted run's losses
-    exactly: the data position (epoch, offset), LR schedule, loss scaler and every rank's
+    exactly: the data position (epoch, samples read), LR schedule, loss scaler and every rank's
     random generators (device-side augmentation's included) are all in the checkpoint."""
     args = [*EPOCH_CASES[case], "steps=10", "checkpoint.every=6", "optim.warmup_steps=3"]
     if case == "amp_device_augment":

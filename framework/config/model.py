@@ -92,6 +92,7 @@ def check_model(cfg: DictConfig) -> None:
         problem = check_pretrained_folder(cfg.model.pretrained)
         if problem:
             raise ConfigError("model.pretrained", problem)
+    _check_moe_settings(cfg.model.get("moe"))
     model, spec = _meta(cfg)
     data = cfg.data.name
     trains_on = spec.trains_on or (LM_DATA if spec.task == "lm" else None)
@@ -106,6 +107,40 @@ def check_model(cfg: DictConfig) -> None:
             "(declare blocks_path or set model.blocks=<path>). Use memory=none",
         )
     _check_peft(cfg, model, spec.blocks)
+    _check_moe(cfg, model, spec.blocks)
+
+
+def _check_moe_settings(moe) -> None:
+    """model.moe's own values, before the model builds with them."""
+    if not moe:
+        return
+    for key, low in (("experts", 0), ("top_k", 1), ("shared_experts", 0), ("hidden", 1)):
+        if moe.get(key) is not None and moe[key] < low:
+            raise ConfigError(f"model.moe.{key}", f"got {moe[key]}; must be an integer >= {low}")
+    for key, allowed in (("score", ("softmax", "sigmoid")), ("balance", ("aux_loss", "bias", "none"))):
+        if moe.get(key) is not None and moe[key] not in allowed:
+            raise ConfigError(f"model.moe.{key}", f"got {moe[key]!r}; allowed: {', '.join(allowed)}")
+    if moe.get("capacity_factor") is not None and not moe.capacity_factor > 0:
+        raise ConfigError("model.moe.capacity_factor", f"got {moe.capacity_factor}; > 0, or null: dropless")
+
+
+def _check_moe(cfg: DictConfig, model, blocks: str | None) -> None:
+    """Routed experts (models/moe.py): top_k within the experts; the strategies they run under."""
+    from framework.moe import routed_layers
+
+    layers = routed_layers(model, blocks or "")
+    if not layers:
+        return
+    args = layers[0][1].args
+    if args.top_k > args.experts:
+        raise ConfigError("model.moe.top_k", f"got {args.top_k}; at most model.moe.experts={args.experts}")
+    if (cfg.parallel.get("tp") or 1) != 1:
+        raise ConfigError("parallel.tp", "routed experts under tensor parallelism are not built yet (expert "
+                          "parallelism neither); train a mixture of experts with ddp, fsdp, pp or cp")  # fmt: skip
+    if cfg.checkpoint.get("export") or cfg.model.get("pretrained"):
+        key = "checkpoint.export" if cfg.checkpoint.get("export") else "model.pretrained"
+        raise ConfigError(key, "routed experts have no Hugging Face layout here yet (Mixtral's is not built); "
+                          "train them from scratch, their checkpoints are DCP")  # fmt: skip
 
 
 def _check_peft(cfg: DictConfig, model, blocks: str | None) -> None:

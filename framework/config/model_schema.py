@@ -36,6 +36,21 @@ class GPTConfig(ModelConfig):
 
 
 @dataclass
+class MoEConfig:
+    """model.moe (models/moe.py); null: the flavour's (debug_moe, mixtral_8x7b, qwen3_30b_a3b)."""
+
+    experts: int | None = None  # routed experts in every block's MLP (0: dense)
+    top_k: int | None = None  # experts each token goes to
+    shared_experts: int | None = None  # 0 or more experts every token goes through
+    hidden: int | None = None  # each expert's hidden width (null: the model's ffn_hidden)
+    score: str | None = None  # softmax | sigmoid (DeepSeek-V3: the chosen weights normalised)
+    balance: str | None = None  # aux_loss | bias (DeepSeek-V3's, loss-free) | none
+    aux_loss_coef: float | None = None  # balance=aux_loss: its weight (0.01)
+    bias_rate: float | None = None  # balance=bias: each update's step (1e-3)
+    capacity_factor: float | None = None  # null: dropless; else tokens an expert takes at most, x its share
+
+
+@dataclass
 class LlamaConfig(ModelConfig):
     """model=llama (models/llama.py). Null shape keys: the flavour's (or, with model.pretrained,
     the folder's config.json)."""
@@ -55,6 +70,7 @@ class LlamaConfig(ModelConfig):
     rope_factor: float | None = None  # Llama-3.1 rope scaling factor (null: the flavour's)
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)  # routed experts (model.moe.experts=4 model.moe.top_k=2)
 
 
 @dataclass

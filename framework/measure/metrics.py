@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -92,6 +92,11 @@ class Flops:
     model: float | None
     hardware: float | None
     devices: int
+    by_length: dict[int, float] = field(default_factory=dict)  # data.seq_len_schedule: the model's at each length
+
+    def model_at(self, length: int | None) -> float | None:
+        """The model's FLOPs per token at a sequence length of the schedule (else at data.seq_len)."""
+        return self.by_length.get(length, self.model)
 
 
 def recomputed_blocks(cfg: Any, n_blocks: int) -> int:
@@ -135,7 +140,9 @@ def count_flops(meta_model: torch.nn.Module, spec: Any, cfg: Any, devices: int) 
 
     recomputed = recomputed_blocks(cfg, len(blocks_of(meta_model, spec)))
     counted = model_flops(meta_model, spec, cfg.data.get("seq_len"), recomputed)
-    return Flops(*(counted or (None, None)), devices)
+    lengths = {int(n) for _, n in cfg.data.get("seq_len_schedule") or ()} if counted else set()
+    by_length = {n: model_flops(meta_model, spec, n)[0] for n in sorted(lengths)}
+    return Flops(*(counted or (None, None)), devices, by_length)
 
 
 def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, devices: int) -> float | None:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from framework.checkpoint import store as checkpoint
 from framework.checkpoint.resume import choose as choose_resume
-from framework.contract import build_model, spec_of
+from framework.contract import blocks_of, build_model, spec_of
 from framework.data import build_data
 from framework.data.datasets import truncation_line
 from framework.dist import DistInfo, restart_count
@@ -26,6 +26,7 @@ from framework.measure.memory import SavedActivationMeter
 from framework.measure.metrics import ForwardTimer, count_flops, peak_flops
 from framework.measure.peak import PeakProbe
 from framework.measure.profiling import build_profiler
+from framework.moe import routed_layers
 from framework.optim import build_optimizer, build_scheduler, resumed_schedule
 from framework.parallel import Parallelized, parallelize
 from framework.parallel.dims import Strategy
@@ -48,6 +49,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     spec = spec_of(meta, cfg.model)
     apply_peft(meta, cfg.get("peft"), spec.blocks, cfg.seed)  # peft=lora: adapters, the rest frozen
     flops = count_flops(meta, spec, cfg, Strategy.of(cfg.parallel).devices(info.world_size))
+    meta_layers, n_blocks = routed_layers(meta, spec.blocks or ""), len(blocks_of(meta, spec))
     par = parallelize(meta, spec, cfg, info)
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, par.decay)
@@ -56,7 +58,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
-    return Parts(flops, par, optimizer, scheduler, data, precision, spec.task)
+    return Parts(flops, par, optimizer, scheduler, data, precision, spec.task, moe_shape(meta_layers, spec, n_blocks))
 
 
 def resume(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Resumed:
@@ -108,6 +110,11 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
         skipped_steps=state.counters.get("nonfinite_skipped", 0),
         eval_state=state.counters.get("eval", {}),  # the best evaluation so far, for monitor and patience
     )
+
+
+def moe_shape(layers: list, spec, n_blocks: int) -> tuple[str, int, int] | None:
+    """(blocks path, blocks, experts) of a model with routed experts (framework/moe.py), else None."""
+    return (spec.blocks, n_blocks, layers[0][1].args.experts) if layers else None
 
 
 def data_position(saved: dict, data, path: str) -> None:

@@ -109,6 +109,8 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
         stats.losses.append(figures.loss)
         if figures.sources:
             stats.sources.append(figures.sources)
+        if figures.moe:
+            stats.moe.append(figures.moe)
         stats.skipped_steps += not figures.applied
         if counts_data:
             stats.work.append(entry.work)
@@ -130,19 +132,27 @@ def log_step(entry: Entry, stats: RunStats, parts: Parts, peak: float | None, fi
         "step_time_s": seconds,
         "samples_per_s": figures.samples / seconds,
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu(parts.flops.model, tokens_per_s, peak, parts.flops.devices),
+        "mfu": mfu(parts.flops.model_at(length_at(parts, step)), tokens_per_s, peak, parts.flops.devices),
         "epoch": entry.epoch,
         "loss_scale": figures.loss_scale,
         "skipped": not figures.applied,  # non-finite gradients: the update was not applied
         "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
         "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
     }
+    record |= figures.moe or {}  # routed experts: load imbalance, auxiliary loss, dropped tokens
     if figures.sources:  # a mixture: what each source gave this step (framework/data/mixture.py)
         record["sources"] = source_figures(parts.data.dataset.labels, figures.sources)
     record |= figures.val or {}  # an evaluation after this step: val_loss, val_perplexity | val_accuracy
     files.log_step(record)
     flat = {f"sources/{label}/{k}": v for label, kv in record.pop("sources", {}).items() for k, v in kv.items()}
+    flat |= {f"moe/tokens_expert{e}": n for e, n in enumerate(record.pop("moe_tokens_per_expert", []))}
     tracker.log(tracker_names(record) | flat, step=step + 1)
+
+
+def length_at(parts: Parts, step: int) -> int | None:
+    """The sequence length data.seq_len_schedule puts in force at `step` (None: no schedule)."""
+    lengths = parts.data.seq_lens
+    return lengths.of_step(step) if lengths is not None else None
 
 
 def source_figures(labels: list[str], counts: tuple[float, ...]) -> dict[str, dict[str, int]]:

@@ -31,6 +31,7 @@ class Parts:
     data: DataPipeline
     precision: Precision
     task: str = "lm"  # the model's (framework/contract.py): lm | classify
+    moe: tuple[str, int, int] | None = None  # routed experts: (blocks path, blocks, experts) (framework/moe.py)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class PendingStep:
     values: torch.Tensor  # loss sum, terms, tokens, samples, signalled, grad norm, applied, loss scale[, sources]
     sampled: bool
     started: float  # the host clock when the step began (its batches' reading included)
+    moe: dict | None = None  # routed experts' figures of the step (framework/moe.py)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class StepFigures:
     loss_scale: float | None  # amp: the scaler's scale after this step's update
     val: dict | None = None  # an evaluation after this step (run after its window's sync: not in its time)
     sources: tuple[float, ...] = ()  # a mixture: samples of each source, then tokens of each (all ranks)
+    moe: dict | None = None  # routed experts: load imbalance, auxiliary loss, dropped tokens
 
     @classmethod
     def settled(cls, pending: PendingStep, values: list[float], seconds: float, sequence_data: bool) -> StepFigures:
@@ -95,6 +98,7 @@ class StepFigures:
             applied=applied > 0,
             loss_scale=scale if math.isfinite(scale) else None,
             sources=tuple(round(v) for v in values[8:]),
+            moe=pending.moe,
         )
 
 

@@ -44,6 +44,7 @@ class RunStats:
     started: float | None = None  # when the process started (time.time()), for startup_s; None: unknown
     plan_auto: dict[str, Any] | None = None  # parallel=auto: the planner's record of its choice, for plan.auto
     sources: list[tuple[float, ...]] = field(default_factory=list)  # a mixture's counts of each logged step
+    moe: list[dict[str, Any]] = field(default_factory=list)  # routed experts' figures of each step
 
 
 class Given(NamedTuple):
@@ -107,6 +108,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "load_balance": balance,
         "sources": mixture_figures(parts.data.dataset, stats.sources),
+        "moe": routed_figures(stats.moe),
     }
     summary["plan"] = plan_check(cfg, info.world_size, summary, stats.plan_auto) if info.is_main else None  # rank 0's
     return summary
@@ -256,3 +258,15 @@ def mixture_figures(dataset: Any, counts: list[tuple[float, ...]]) -> dict[str, 
     samples = sum(total[:n]) or 1
     return {label: {"samples": round(total[k]), "tokens": round(total[n + k]), "share": total[k] / samples,
                     "weight": weights[k] / sum(weights)} for k, label in enumerate(dataset.labels)}  # fmt: skip
+
+
+def routed_figures(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Routed experts over the run: load imbalance (mean, first and last step), the mean
+    auxiliary loss, tokens dropped and the tokens each expert got (None for a dense model)."""
+    if not steps:
+        return None
+    imbalance = [s["moe_load_imbalance"] for s in steps]
+    return {"load_imbalance": sum(imbalance) / len(imbalance), "load_imbalance_first": imbalance[0],
+            "load_imbalance_last": imbalance[-1], "aux_loss": sum(s["moe_aux_loss"] for s in steps) / len(steps),
+            "dropped_tokens": sum(s["moe_dropped_tokens"] for s in steps),
+            "tokens_per_expert": [sum(t) for t in zip(*(s["moe_tokens_per_expert"] for s in steps), strict=True)]}  # fmt: skip

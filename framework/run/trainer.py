@@ -27,6 +27,7 @@ from framework.measure.memory import (
     reset_peaks,
     set_host_allocator,
 )
+from framework.moe import routed_layers, set_aux_scale, step_figures
 from framework.parallel.dims import Strategy
 from framework.run.build import build, build_measurements, generators, layout, resume
 from framework.run.evaluation import Evaluator
@@ -135,11 +136,14 @@ class Trainer:
     measure: Measurements = field(init=False)
     saver: Checkpointer = field(init=False)
     evaluator: Evaluator = field(init=False)
+    routed: list = field(init=False, default_factory=list)  # routed MoE layers of this rank, by block
 
     def __post_init__(self):
         self.measure = build_measurements(self.cfg, self.info, self.parts, self.files.run_dir)
         self.saver = Checkpointer(checkpoint_root(self.cfg, self.files.run_dir), self.info.rank, self.cfg.checkpoint)
         self.evaluator = self.build_evaluator()
+        moe = self.parts.moe
+        self.routed = routed_layers(self.parts.par.module, moe[0]) if moe else []  # framework/moe.py
 
     def loop(self, choices: dict[str, str]) -> dict[str, Any]:
         cfg, info, parts, stats = self.cfg, self.info, self.parts, self.stats
@@ -187,7 +191,8 @@ class Trainer:
             self.guard.shorten_timeout(cfg.backend.step_timeout_s)
         progress.update(1)
         self.measure.profiler.step()
-        ledger.add(PendingStep(values, sampled, started), step, work.batches, self.parts.data)
+        moe = step_figures(self.routed, *self.parts.moe[1:], info) if self.routed else None
+        ledger.add(PendingStep(values, sampled, started, moe), step, work.batches, self.parts.data)
         evaluates = self.evaluator.due(step + 1)
         if not (syncs_after(cfg, step, start) or evaluates):
             return False  # its figures wait on the device (framework.run.ledger): no host sync
@@ -207,6 +212,12 @@ class Trainer:
         non-finite gradients under nonfinite=skip, or by amp's scaler); returns the step's figures,
         waiting on the device (framework.run.step.reduce_step_figures)."""
         cfg, info, parts = self.cfg, self.info, self.parts
+        if self.routed:  # the auxiliary loss's gradient: a micro-batch's share of the step, amp's scale
+            share = 1.0 if parts.par.pipeline is not None else 1.0 / len(work.batches)  # pipelines average
+            scaler = parts.precision.scaler
+            if scaler.is_enabled() and scaler._scale is None:  # made at its first use, which is after this
+                scaler._lazy_init_scale_growth_tracker(info.device)
+            set_aux_scale(self.routed, scaler._scale * share if scaler.is_enabled() else share)
         with self.measure.sampled_step(work.sampled) as counter:
             step_loss = forward_backward(cfg, info, parts, work, self.measure)
             update = optimizer_step(parts, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")

@@ -1,0 +1,164 @@
+"""A routed mixture-of-experts feed-forward, in plain single-device code (no torch.distributed).
+
+- A router scores every token against every expert: softmax (Mixtral, Switch), or sigmoid with
+  the chosen weights normalised over the top-k (DeepSeek-V3). Each token goes to its top_k experts.
+- The experts are SwiGLU MLPs held as one grouped weight per projection (w1 and w3: experts x
+  hidden x dim, w2: experts x dim x hidden; each expert's slice in nn.Linear's layout), run over
+  the tokens sorted by expert.
+- Token-choice routing is dropless by default: every token reaches its experts, however many
+  choose one. With a capacity factor each expert takes at most ceil(factor x tokens x top_k /
+  experts) of its tokens, in token order; the rest of that expert's share is dropped (the
+  residual carries the token on).
+- An optional shared expert (DeepSeek, Qwen-MoE) that every token goes through.
+- Balancing: `aux_loss` (Switch/Mixtral: experts x sum_e f_e x P_e, f_e the share of the
+  assignments expert e got and P_e its mean router probability, times `aux_loss_coef`), added to
+  the training loss through the backward pass (its gradient joins the activations', so it works
+  under any strategy, pipelines included); `bias` (DeepSeek-V3's auxiliary-loss-free balancing:
+  a per-expert bias added to the scores for choosing only, moved by `bias_rate` towards the less
+  loaded experts after each step, from the loads of the whole step on every rank: the framework's
+  `moe` hook); or `none`.
+
+Each layer keeps what it routed since the framework last read it (`stats`: tokens each expert got,
+tokens dropped, the auxiliary loss), which the framework turns into `moe_load_imbalance`,
+`moe_dropped_tokens` and `moe_aux_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    experts: int = 0  # routed experts; 0: a dense model
+    top_k: int = 2
+    shared_experts: int = 0  # 0 or 1: an expert every token goes through
+    hidden: int | None = None  # each expert's hidden width (None: the model's ffn_hidden)
+    score: str = "softmax"  # softmax | sigmoid
+    balance: str = "aux_loss"  # aux_loss | bias | none
+    aux_loss_coef: float = 0.01
+    bias_rate: float = 1e-3
+    capacity_factor: float | None = None  # None: dropless
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on the activations; in backward, the auxiliary loss's gradient (x `scale`: the
+    framework's share of one micro-batch in the step, and amp's loss scale) joins theirs."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(grad.dtype), None
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: tokens sorted by expert, counts[e] of them expert e's."""
+        out, start = [], 0
+        for e, n in enumerate(counts):
+            h = x[start : start + n]
+            out.append((F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t())
+            start += n
+        return torch.cat(out) if out else x[:0]
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.experts, bias=False)
+        self.experts = GroupedExperts(args.experts, dim, args.hidden or hidden)
+        self.shared = None
+        if args.shared_experts:
+            from models.llama import FeedForward
+
+            self.shared = FeedForward(dim, (args.hidden or hidden) * args.shared_experts)
+        self.register_buffer("expert_bias", torch.zeros(args.experts))  # balance=bias (checkpointed)
+        self.aux_scale = torch.ones((), device="cpu")  # set by the framework each step (framework/moe.py)
+        self.reset_stats()
+
+    def init_buffers(self) -> None:  # after a meta-device build (framework.modules.materialize_model)
+        self.expert_bias.zero_()
+
+    def reset_stats(self) -> None:
+        self.stats = {"tokens": torch.zeros(self.args.experts, device="cpu"), "dropped": 0.0, "aux": 0.0, "calls": 0}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen experts (N, k), their weights (N, k), every score (N, E)) of tokens x (N, D)."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.args.score == "softmax" else logits.sigmoid()
+        biased = scores + self.expert_bias if self.args.balance == "bias" else scores
+        chosen = biased.topk(self.args.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.args.score == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
+        return chosen, weights, scores
+
+    def kept(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Which of the (N x k) assignments an expert takes: all (dropless), or the first
+        `capacity` of each expert's in token order."""
+        flat = chosen.flatten()
+        if self.args.capacity_factor is None:
+            return torch.ones_like(flat, dtype=torch.bool)
+        capacity = math.ceil(self.args.capacity_factor * chosen.shape[0] * self.args.top_k / self.args.experts)
+        one_hot = F.one_hot(flat, self.args.experts)
+        rank_in_expert = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # its place in its expert's queue
+        return rank_in_expert < capacity
+
+    def dispatch(self, chosen: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The kept assignments' order sorted by expert, and each expert's count. On the meta
+        device (the framework traces shapes there) the routing is unknown: an even split."""
+        flat, n = chosen.flatten(), int(chosen.numel())
+        if chosen.is_meta:
+            even = [n // self.args.experts + (e < n % self.args.experts) for e in range(self.args.experts)]
+            return torch.arange(n, device=chosen.device), even
+        order = torch.argsort(torch.where(keep, flat, self.args.experts), stable=True)[: int(keep.sum())]
+        return order, torch.bincount(flat[keep], minlength=self.args.experts).tolist()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        chosen, weights, scores = self.route(x)
+        keep = self.kept(chosen)
+        order, counts = self.dispatch(chosen, keep)
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.args.top_k)[order]
+        routed = self.experts(x[tokens], counts) * weights.flatten()[order, None].to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, tokens, routed)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        aux = self.aux_loss(chosen.flatten(), scores)
+        if not x.is_meta:
+            self.record(torch.bincount(chosen.flatten(), minlength=self.args.experts), int((~keep).sum()), aux)
+        if self.args.balance == "aux_loss" and self.training and torch.is_grad_enabled():
+            out = AuxLoss.apply(out, aux, self.aux_scale.to(x.device))
+        return out.reshape(shape)
+
+    def aux_loss(self, flat: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """coef x experts x sum_e f_e P_e (f_e: share of the assignments, P_e: mean probability)."""
+        ones = torch.ones(flat.shape, device=flat.device)  # scatter_add, not bincount: it runs on meta too
+        f = torch.zeros(self.args.experts, device=flat.device).scatter_add_(0, flat, ones) / flat.numel()
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        return self.args.aux_loss_coef * self.args.experts * (f * p).sum()
+
+    def record(self, counts: torch.Tensor, dropped: int, aux: torch.Tensor) -> None:
+        """Add one forward's routing to `stats` (the host already waited on `counts`, for the split)."""
+        s = self.stats
+        s["tokens"] = s["tokens"] + counts.detach().float().cpu()
+        s["dropped"] += dropped
+        s["aux"] += float(aux.detach())
+        s["calls"] += 1

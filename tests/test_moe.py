@@ -1,0 +1,144 @@
+"""Mixture of experts (models/moe.py, framework/moe.py): the routed layer against a token-by-token
+computation, dropped tokens and load imbalance against hand counts, the auxiliary loss's
+gradient, and a Llama with experts through the training loop. Its parity with one process under
+every strategy is the compatibility matrix's (tests/matrix.py: the llama(moe) row)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.dist import DistInfo
+from framework.moe import routed_layers, set_aux_scale, step_figures
+from models.llama import Llama
+from models.moe import MoE, MoEArgs
+from tests.helpers import read_metrics, read_summary, train_cli
+
+SHAPE = {"dim": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "vocab_size": 64}
+ONE = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend=None)
+
+
+def layer(**moe) -> MoE:
+    torch.manual_seed(0)
+    m = MoE(8, 16, MoEArgs(**{"experts": 4, "top_k": 2, **moe}))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def by_hand(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through its top_k experts one at a time, weighted (softmax over all experts)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        scores = m.gate(x[t]).softmax(-1)
+        for e in scores.topk(m.args.top_k).indices.tolist():
+            w1, w2, w3 = m.experts.w1[e], m.experts.w2[e], m.experts.w3[e]
+            out[t] += scores[e] * (w2 @ (F.silu(w1 @ x[t]) * (w3 @ x[t])))
+    return out
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_a_dropless_layer_equals_each_token_through_its_experts(shared):
+    m, x = layer(shared_experts=shared), torch.randn(24, 8, generator=torch.Generator().manual_seed(1))
+    want = by_hand(m, x) + (m.shared(x) if shared else 0)
+    assert torch.allclose(m(x[None])[0], want, atol=1e-5)
+    assert m.stats["dropped"] == 0 and m.stats["tokens"].sum() == 24 * 2
+
+
+def test_capacity_drops_what_a_hand_count_drops():
+    """The gate sends every token to experts 0 and 1 (2 of 4): each expert takes at most
+    ceil(1.0 x 24 tokens x 2 / 4) = 12, in token order, so 12 + 12 of the 48 assignments drop,
+    and a dropped token's share of that expert is missing from its output."""
+    m, x = layer(capacity_factor=1.0), torch.randn(24, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        m.gate.weight.zero_()
+        m.gate.weight[0, 0], m.gate.weight[1, 0] = 50.0, 40.0
+        x[:, 0] = 1.0
+    out = m(x[None])[0]
+    assert m.stats["dropped"] == 24 and m.stats["tokens"].tolist() == [24, 24, 0, 0]
+    assert torch.allclose(out[:12], by_hand(m, x[:12]), atol=1e-5)  # the first 12 tokens: both experts
+    assert torch.allclose(out[12:], torch.zeros_like(out[12:]), atol=1e-6)  # the rest: dropped by both
+
+
+def test_load_imbalance_and_bias_balancing_follow_a_hand_count():
+    """Two blocks' counts read into the step's figures: the imbalance is the mean over blocks of
+    max/mean; balance=bias moves each expert's bias by rate x sign(mean - load)."""
+    model = Llama("debug", **SHAPE, moe={"experts": 4, "top_k": 2, "balance": "bias", "bias_rate": 0.5})
+    tokens = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(3))
+    layers = routed_layers(model, "layers")
+    counts = []
+    for _, m in layers:  # the routing by hand, from each block's own input
+        m.register_forward_hook(lambda mod, inp, out: counts.append(
+            torch.bincount(mod.route(inp[0].reshape(-1, 16))[0].flatten(), minlength=4).float()))  # fmt: skip
+    model(tokens)
+    figures = step_figures(layers, 2, 4, ONE)
+    want = sum(float(c.max() / c.mean()) for c in counts) / 2
+    assert figures["moe_load_imbalance"] == pytest.approx(want)
+    assert figures["moe_tokens_per_expert"] == (counts[0] + counts[1]).tolist() and figures["moe_dropped_tokens"] == 0
+    for (_, m), c in zip(layers, counts, strict=True):
+        assert torch.equal(m.expert_bias, 0.5 * torch.sign(c.mean() - c))
+    assert all(m.stats["calls"] == 0 for _, m in layers)  # read once: the next step counts afresh
+
+
+def test_the_auxiliary_loss_gradient_joins_the_training_loss():
+    """balance=aux_loss adds coef x E x sum f_e P_e to the loss through backward: the router's
+    gradient equals autograd's of loss + aux (scaled by the framework's share of the step)."""
+    m, x = (
+        layer(balance="aux_loss", aux_loss_coef=0.1),
+        torch.randn(1, 24, 8, generator=torch.Generator().manual_seed(4)),
+    )
+    set_aux_scale([(0, m)], 0.5)
+    m(x).square().sum().backward()
+    got = m.gate.weight.grad.clone()
+    m.zero_grad()
+    m.aux_scale = torch.zeros(())  # the same forward without the aux gradient, plus the aux loss by hand
+    y = m(x)
+    flat = x.reshape(-1, 8)
+    scores = m.gate(flat).softmax(-1)
+    f = torch.bincount(scores.topk(2).indices.flatten(), minlength=4).float() / 48
+    (y.square().sum() + 0.5 * 0.1 * 4 * (f * scores.mean(0)).sum()).backward()
+    assert torch.allclose(got, m.gate.weight.grad, atol=1e-6)
+
+
+def test_flops_count_active_experts_not_all():
+    dense = Llama("debug", **SHAPE)
+    moe = Llama("debug", **SHAPE, moe={"experts": 8, "top_k": 2})
+    expert = 3 * 16 * 32  # one expert's three matrices
+    gate = 16 * 8
+    assert moe.flops_per_token(10) - dense.flops_per_token(10) == 6 * 2 * (gate + (2 - 1) * expert)
+
+
+def test_a_llama_with_experts_trains_and_logs_its_routing(tmp_path):
+    """ddp x2, balance=bias: metrics.jsonl carries the load imbalance, auxiliary loss and dropped
+    tokens each step, and the tokens each expert got sum to every token x top_k."""
+    args = ["model=llama", "model.flavor=debug_moe", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
+            "model.n_kv_heads=2", "model.ffn_hidden=64", "model.moe.balance=bias", "data.seq_len=32",
+            "data.max_bytes=50000", "data.batch_size=4", "steps=4", "parallel=ddp", "launch.nproc_per_node=2",
+            "progress=false", "metrics.sample_every=0"]  # fmt: skip
+    proc = train_cli(args, tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics, summary = read_metrics(tmp_path / "run"), read_summary(tmp_path / "run")
+    for m in metrics:
+        assert m["moe_dropped_tokens"] == 0 and m["moe_load_imbalance"] >= 1.0 and m["moe_aux_loss"] > 0
+        assert sum(m["moe_tokens_per_expert"]) == 2 * (8 * 32) * 2  # blocks x tokens of the step x top_k
+    assert summary["moe"]["dropped_tokens"] == 0
+    assert math.isclose(summary["moe"]["load_imbalance_first"], metrics[0]["moe_load_imbalance"])
+
+
+def test_routed_experts_are_refused_where_they_cannot_run():
+    from framework.config import ConfigError, validate
+    from tests.helpers import compose_config
+
+    base = ["model=llama", "model.flavor=debug_moe", "model.n_layers=2"]
+    cases = {
+        "model.moe.top_k": [*base, "model.moe.top_k=5", "parallel=none"],
+        "model.moe.balance": [*base, "model.moe.balance=loss", "parallel=none"],
+        "parallel.tp": [*base, "parallel=tp", "launch.nproc_per_node=2"],
+    }
+    for key, args in cases.items():
+        with pytest.raises(ConfigError) as err:
+            validate(compose_config(args))
+        assert err.value.key == key and "\n" not in str(err.value), str(err.value)
