@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
         "precision",
         "modules",
         "peft",
+        "moe",
         "hf",
         "optim",
     ),  # fmt: skip
