@@ -25,6 +25,7 @@ def config(overrides: list[str], world: int) -> dict:
     return world_config([*BASE, *overrides], world)
 
 
+@pytest.mark.slow  # compile=true against one process under every strategy is the matrix's (default tier)
 def test_compile_trains_like_eager_under_ddp_fsdp_and_checkpointing_and_is_refused_with_tp(tmp_path):
     """Under tensor parallel torch 2.14's compiled backward of a DTensor redistribute fails or
     trains off eager for llama, hf and user models (docs/results/matrix.md): refused in one line."""

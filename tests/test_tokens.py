@@ -140,6 +140,7 @@ def shards(tmp_path_factory) -> Path:
     return root / "out"
 
 
+@pytest.mark.slow  # an epoch-boundary resume is the default tier's in test_reliability; this is tokens' own
 def test_llama_on_tokens_resumes_across_an_epoch_boundary_bitwise(tmp_path, shards):
     from framework.data.tokens import TokenShards
 
