@@ -87,7 +87,7 @@ def varlen_table() -> None:
 
 CORPUS_GB, ROW_BYTES, FILES = 3.2, 2048, 32
 STREAM = """
-import json, os, resource, sys, time, torch
+import json, os, sys, time, torch
 from framework.data import build_data
 from tests.helpers import compose_config
 cfg = compose_config(["model=gpt", "data=hf", "data.path=" + sys.argv[1], "data.streaming=true", "data.seq_len=256",
@@ -102,7 +102,8 @@ for epoch, (inputs, target) in batches:
     if rows + 64 > int(sys.argv[2]):  # the epoch's last whole batch: stop before the stream opens again
         break
 seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"rows": rows, "seconds": seconds, "marks": marks, "start_rss": start_rss, "peak": peak}), flush=True)
 os._exit(0)  # the stream's generator is left part-read: no finalisation of its reader threads
 """
