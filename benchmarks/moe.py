@@ -10,6 +10,10 @@
     MLP of hidden 2H; the router's small matrix aside): tokens/s and MFU on this machine, one
     process and ddp x2. The experts run one after another over their tokens (the plain reference
     layer: grouped-GEMM kernels are a GPU's).
+(c) Expert parallel at 2 ranks: fsdp with every rank holding all 4 experts against parallel.ep=2
+    (2 experts a rank, tokens exchanged by all-to-all): tokens/s, the all-to-all calls and bytes a
+    step (summary.comm), and the all-to-all share of step time, from a torch.profiler trace of 2
+    steady steps per rank (the time inside all_to_all_single, waits included, over the steps').
 """
 
 from __future__ import annotations
@@ -59,11 +63,44 @@ def cost_table() -> None:
             out.append([name, world, s["flops_per_token"], rate, rate / base, s["mfu"]])
     print("\n(b) equal active parameters: tokens/s and MFU (FLOPs of the active experts)\n")
     print(table(["model", "ranks", "FLOPs/token", "tokens/s", "vs dense", "MFU"], out))
-    print("\nThe all-to-all share of step time: expert parallelism (parallel.ep) is not built yet, so every rank "
-          "holds every expert and no token leaves its rank.")  # fmt: skip
+
+
+def a2a_share(trace_dir: Path) -> float:
+    """Time in all_to_all_single over the profiled steps' time, averaged over the ranks' traces."""
+    shares = []
+    for trace in sorted(trace_dir.glob("rank*.trace.json")):
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+        steps = sum(e["dur"] for e in events if e["name"].startswith("ProfilerStep"))
+        a2a = sum(e["dur"] for e in events if e["name"].startswith("torch/distributed") and
+                  e["name"].endswith(": all_to_all_single"))  # fmt: skip
+        shares.append(a2a / steps)
+    return sum(shares) / len(shares)
+
+
+def ep_table() -> None:
+    rows = {
+        "fsdp, 4 experts a rank": ["parallel=fsdp"],
+        "fsdp ep=2, 2 experts a rank": ["parallel=fsdp", "parallel.ep=2"],
+    }
+    common = [*SMALL, *MOE, "model.moe.balance=bias", "steps=20", "metrics.sample_every=1", "profile=true",
+              "profiler.wait=8", "launch.nproc_per_node=2"]  # fmt: skip
+    configs = {name: config([*common, *args]) for name, args in rows.items()}
+    out = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        got = run_configs(configs, 2, out_dir)
+        base = got["fsdp, 4 experts a rank"]["throughput"]["tokens_per_s"]
+        for name, s in got.items():
+            a2a = s["comm"]["by_op"].get("all_to_all", {"calls": 0, "bytes": 0})
+            rate = s["throughput"]["tokens_per_s"]
+            out.append(
+                [name, rate, rate / base, a2a["calls"], a2a["bytes"], a2a_share(Path(out_dir) / name / "profile")]
+            )
+    print("\n(c) expert parallel at 2 ranks (fsdp; all-to-all per step, and its share of step time)\n")
+    print(table(["layout", "tokens/s", "vs all experts", "a2a calls", "a2a bytes", "a2a share"], out))
 
 
 if __name__ == "__main__":
     with recorded("moe"):
         balance_table()
         cost_table()
+        ep_table()

@@ -61,21 +61,31 @@ class AuxLoss(torch.autograd.Function):
         return grad, scale.to(grad.dtype), None
 
 
+def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+    """SwiGLU experts over x, tokens sorted by expert (counts[e] of them expert e's)."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        h = x[start : start + n]
+        out.append((F.silu(h @ w1[e].t()) * (h @ w3[e].t())) @ w2[e].t())
+        start += n
+    return torch.cat(out) if out else x[:0]
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, experts: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        # Expert parallelism (set by the framework, framework/parallel/expert.py): a callable
+        # (this module, x, counts) -> the same output, computed by the ranks that hold the experts
+        self.dispatcher = None
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: tokens sorted by expert, counts[e] of them expert e's."""
-        out, start = [], 0
-        for e, n in enumerate(counts):
-            h = x[start : start + n]
-            out.append((F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t())
-            start += n
-        return torch.cat(out) if out else x[:0]
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x, counts)
+        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
 class MoE(nn.Module):

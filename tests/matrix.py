@@ -152,12 +152,23 @@ def _yaml(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+# expert parallel (routed experts split over ep of the dp_shard ranks; a dense model is refused):
+# over fsdp's 2 ranks, and with HSDP (2 replicas of 2 shards, ep inside each)
+HSDP_EP = ("parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+           "parallel.ep=2")  # fmt: skip
+EP_STRATEGIES = [
+    Value("fsdp(ep=2)", ("parallel=fsdp", "parallel.ep=2"), world=2),
+    Value("hybrid(dp_replicatexep)", ("parallel=hybrid", *HSDP_EP), world=4),
+]
+
+
 def strategies() -> list[Value]:
     from framework.config.parallel_schema import MeshConfig
     from framework.config.schema import GROUP_SCHEMAS
 
     schemas = GROUP_SCHEMAS["parallel"]
-    degrees = _own_fields(MeshConfig, tuple(f.name for f in fields(MeshConfig)))
+    # ep is no axis of the world's product (it borrows dp_shard's ranks): its rows are EP_STRATEGIES
+    degrees = [d for d in _own_fields(MeshConfig, tuple(f.name for f in fields(MeshConfig))) if d != "ep"]
     out = []
     for choice in conf_choices("parallel"):
         if choice in SKIP_STRATEGIES:
@@ -171,7 +182,7 @@ def strategies() -> list[Value]:
         world = 1 if schema is None else 2
         for name, settings in _variants("parallel", schema, KNOBS):
             out.append(Value(name.replace("parallel", choice, 1), picked + settings, world=world))
-    return out
+    return out + EP_STRATEGIES
 
 
 def models() -> list[Value]:

@@ -133,12 +133,74 @@ def test_routed_experts_are_refused_where_they_cannot_run():
     from tests.helpers import compose_config
 
     base = ["model=llama", "model.flavor=debug_moe", "model.n_layers=2"]
-    cases = {
-        "model.moe.top_k": [*base, "model.moe.top_k=5", "parallel=none"],
-        "model.moe.balance": [*base, "model.moe.balance=loss", "parallel=none"],
-        "parallel.tp": [*base, "parallel=tp", "launch.nproc_per_node=2"],
-    }
-    for key, args in cases.items():
+    ep2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
+    cp2 = ["parallel=hybrid", "parallel.cp=2", "parallel.tp=1", "parallel.pp=1"]
+    cases = [
+        ("model.moe.top_k", [*base, "model.moe.top_k=5", "parallel=none"]),
+        ("model.moe.balance", [*base, "model.moe.balance=loss", "parallel=none"]),
+        ("parallel.tp", [*base, "parallel=tp", "launch.nproc_per_node=2"]),
+        ("parallel.ep", [*base, *ep2, "model.moe.experts=3"]),  # 3 experts do not split over 2 ranks
+        ("parallel.ep", [*base, "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=3"]),  # nor 3 dp ranks
+        ("parallel.ep", ["model=llama", "model.n_layers=2", *ep2]),  # a dense model
+        ("parallel.ep", [*base, *cp2, "parallel.ep=2", "launch.nproc_per_node=4"]),  # with context parallel
+        ("parallel.version", [*base, *ep2, "parallel.version=1"]),
+    ]
+    for key, args in cases:
         with pytest.raises(ConfigError) as err:
             validate(compose_config(args))
         assert err.value.key == key and "\n" not in str(err.value), str(err.value)
+
+
+# A Llama with 4 routed experts (top 2, dropless), 5 steps on a global batch of 8. Bias balancing:
+# its loads are the whole step's on every rank; the auxiliary loss's f x P is each rank's own batch's
+# (as in every data-parallel framework), so it is not the one-process value
+MOE_RUN = ["model=llama", "model.flavor=debug_moe", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
+           "model.n_kv_heads=2", "model.ffn_hidden=64", "model.moe.experts=4", "model.moe.top_k=2",
+           "model.moe.balance=bias", "data.seq_len=16", "data.max_bytes=20000", "steps=5", "progress=false"]  # fmt: skip
+ONE_PROCESS = ["parallel=none", "data.batch_size=8"]
+
+
+def moe_run(tmp_path, name: str, *overrides: str) -> list[float]:
+    proc = train_cli([*MOE_RUN, "metrics.sample_every=0", *overrides], tmp_path / name)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [m["loss"] for m in read_metrics(tmp_path / name)]
+
+
+def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
+    return len(got) == len(want) and all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want, strict=True))
+
+
+def test_expert_parallel_trains_as_one_process_and_its_checkpoint_loads_anywhere(tmp_path):
+    """ep x2 (fsdp over 2 ranks, 2 of the 4 experts each, tokens exchanged by all-to-all) equals
+    one process on the same global batch within 1e-5 for 5 steps; each routed layer's forward and
+    backward are 5 all-to-alls a step (counts, tokens, outputs; their gradients); the checkpoint
+    it saves at step 3 holds whole experts (DCP): one process resumes it and continues the
+    reference's losses."""
+    want = moe_run(tmp_path, "one", *ONE_PROCESS)
+    ep = moe_run(tmp_path, "ep", "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2", "data.batch_size=4",
+                 "checkpoint.every=3", "metrics.sample_every=1")  # fmt: skip
+    assert close(ep, want), (ep, want)
+    summary = read_summary(tmp_path / "ep")
+    assert summary["parallel_dims"]["ep"] == 2
+    assert summary["comm"]["by_op"]["all_to_all"]["calls"] == 2 * 5
+    resumed = moe_run(tmp_path, "resumed", *ONE_PROCESS, f"checkpoint.resume={tmp_path / 'ep/checkpoints/step-000003'}")
+    assert close(resumed, want[3:]), (resumed, want)
+
+
+@pytest.mark.slow
+def test_expert_parallel_composes_with_fsdp_hsdp_pipelines_and_accumulation(tmp_path):
+    """The must-hold layouts beside ep x2: ep 2 x fsdp 2 (experts sharded by FSDP over the 2 ranks
+    left), HSDP 2 x 2 with ep 2, pipeline 2 x ep 2, and ep x2 with 2 micro-batches a step: each
+    equals one process within 1e-5 for 5 steps."""
+    want = moe_run(tmp_path, "one", *ONE_PROCESS)
+    hybrid = ["parallel=hybrid", "parallel.tp=1", "parallel.cp=1", "parallel.ep=2", "launch.nproc_per_node=4"]
+    ep2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
+    layouts = {
+        "ep2_fsdp2": ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=4", "data.batch_size=2"],
+        "hsdp_ep2": [*hybrid, "parallel.pp=1", "parallel.dp_replicate=2", "parallel.dp_shard=2", "data.batch_size=2"],
+        "pp2_ep2": [*hybrid, "parallel.pp=2", "parallel.dp_shard=2", "data.batch_size=4"],
+        "ep2_accumulation": [*ep2, "data.batch_size=2", "accumulation_steps=2"],
+    }
+    for name, overrides in layouts.items():
+        got = moe_run(tmp_path, name, *overrides)
+        assert close(got, want), (name, got, want)

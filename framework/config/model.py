@@ -128,15 +128,21 @@ def _check_moe(cfg: DictConfig, model, blocks: str | None) -> None:
     """Routed experts (models/moe.py): top_k within the experts; the strategies they run under."""
     from framework.moe import routed_layers
 
-    layers = routed_layers(model, blocks or "")
+    layers, ep = routed_layers(model, blocks or ""), cfg.parallel.get("ep", 1)
     if not layers:
+        if ep > 1:
+            raise ConfigError("parallel.ep", f"got {ep}; expert parallel splits routed experts, and this model has "
+                              "none (a mixture of experts: model=llama model.moe.experts=4)")  # fmt: skip
         return
     args = layers[0][1].args
     if args.top_k > args.experts:
         raise ConfigError("model.moe.top_k", f"got {args.top_k}; at most model.moe.experts={args.experts}")
+    if args.experts % ep:
+        raise ConfigError("parallel.ep", f"got {ep}; each ep rank holds experts / ep of the "
+                          f"{args.experts} experts, so it must divide them")  # fmt: skip
     if (cfg.parallel.get("tp") or 1) != 1:
-        raise ConfigError("parallel.tp", "routed experts under tensor parallelism are not built yet (expert "
-                          "parallelism neither); train a mixture of experts with ddp, fsdp, pp or cp")  # fmt: skip
+        raise ConfigError("parallel.tp", "routed experts under tensor parallelism are not built yet; train a "
+                          "mixture of experts with ddp, fsdp, pp, cp or expert parallel (parallel.ep)")  # fmt: skip
     if cfg.checkpoint.get("export") or cfg.model.get("pretrained"):
         key = "checkpoint.export" if cfg.checkpoint.get("export") else "model.pretrained"
         raise ConfigError(key, "routed experts have no Hugging Face layout here yet (Mixtral's is not built); "

@@ -57,6 +57,7 @@ class MeshConfig(ParallelConfig):
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks (zigzag), attention by a ring of sends
+    ep: int = 1  # expert parallel: a mixture of experts' routed experts split over ep of the dp_shard ranks
 
 
 @dataclass

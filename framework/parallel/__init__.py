@@ -1,6 +1,6 @@
 """Parallel strategies. ``parallelize`` applies them to a plain model in the one fixed order:
 
-    pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile
+    pipeline split -> tensor (and expert) parallel -> context parallel -> activation checkpointing -> compile
     -> FSDP / DDP
 
 Tensor parallelism first, because its plan names the model's own submodules (``attn.q``) and
@@ -199,6 +199,7 @@ def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, 
     """Steps 1 to 6 of the order on a mesh: this rank's stages (stage ids, stage count: None without
     a pipeline), each tensor-parallel, checkpointed, compiled and sharded like a model of its own;
     and the copies of tied parameters that a pipeline put on other ranks (framework/parallel/ties.py)."""
+    from framework.parallel.expert import apply_ep
     from framework.parallel.fsdp import apply_fsdp1, apply_fsdp2
     from framework.parallel.pipeline import build_stages, holder_ranks
     from framework.parallel.tensor import apply_tp
@@ -211,9 +212,11 @@ def _stages(model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, 
         stages, stage_ids, n_stages = build_stages(model, split, parallel_cfg, mesh.pp_rank, dims.pp)
     else:
         stages = [model]
-    for stage in stages:  # 2. tensor parallel
+    for stage in stages:  # 2. tensor parallel, and expert parallel (framework/parallel/expert.py)
         if dims.tp > 1:
             apply_tp(stage, spec, mesh.device_mesh["tp"], *_tp_knobs(parallel_cfg))
+        if dims.ep > 1:
+            apply_ep(stage, spec.blocks, *mesh.expert_meshes)
     split = retie(stages, spec.ties)  # one parameter again where tp made two; copies where pp split them
     ties = SplitTies()
     if spec.ties and dims.pp > 1:

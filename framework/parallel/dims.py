@@ -9,6 +9,7 @@ possible, and context-parallel peers (a ring of sends per layer) next to them.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,6 +17,10 @@ import torch
 from omegaconf import DictConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Axes made by flattening (cp's dp_shard_cp, expert parallel's dp_shard) are sliced from the root
+# mesh by name, which torch still supports but warns about on every slice
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+EP_AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")  # dp_shard split for expert parallel
 
 
 class DimsError(ValueError):
@@ -86,6 +91,7 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1  # context parallel: each sequence split over cp ranks (they read the same batch)
+    ep: int = 1  # expert parallel: routed experts split over ep of the dp_shard ranks (framework/parallel/expert.py)
 
     @classmethod
     def from_config(
@@ -131,7 +137,7 @@ class ParallelDims:
                 f"dp_replicate({rep}) x dp_shard({shard}) x cp({cp}) x tp({tp}) x pp({pp}) = "
                 f"{rep * shard * cp * tp * pp}, but the world size is {world_size}; set one degree to -1 to fill the rest",
             )
-        dims = cls(rep, shard, tp, pp, world_size, cp)
+        dims = cls(rep, shard, tp, pp, world_size, cp, _expert_degree(cfg.get("ep", 1), shard, cp))
         from framework.parallel.pipeline import stages_per_rank
 
         dims.check_model(n_layer, n_head, stages_per_rank(cfg))
@@ -153,8 +159,8 @@ class ParallelDims:
 
         p = cfg.parallel
         if p.get("version", 2) == 1:
-            _require(self.tp == 1 and self.pp == 1, "parallel.version",
-                     "FSDP1 (version=1) shards data-parallel only; use version=2 with tp or pp")  # fmt: skip
+            _require(self.tp == 1 and self.pp == 1 and self.ep == 1, "parallel.version",
+                     "FSDP1 (version=1) shards data-parallel only; use version=2 with tp, pp or ep")  # fmt: skip
             _require(
                 (p.sharding_strategy == "HYBRID_SHARD") == (self.dp_replicate > 1),
                 "parallel.sharding_strategy",
@@ -204,9 +210,27 @@ class ParallelDims:
         }
 
     def build_mesh(self, device_type: str):
+        """The mesh over AXES. With expert parallel, dp_shard is laid out as dp_shard_mod_ep x ep
+        (ep innermost: a rank's expert peers are neighbours) and flattened back to dp_shard, so
+        the rest of the framework sees the same mesh; experts are sharded over ep and, by FSDP,
+        over dp_shard_mod_ep (torchtitan's layout)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+        if self.ep == 1:
+            return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_AXES)
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        return mesh
+
+
+def _expert_degree(ep: int, dp_shard: int, cp: int) -> int:
+    """parallel.ep: it borrows from the dp_shard ranks (each holds experts / ep experts)."""
+    _require(ep >= 1, "parallel.ep", f"got {ep}; must be >= 1 (1: no expert parallel)")
+    _require(dp_shard % ep == 0, "parallel.ep",
+             f"got {ep}; expert parallel splits the dp_shard={dp_shard} ranks, so it must divide them")  # fmt: skip
+    _require(ep == 1 or cp == 1, "parallel.ep", "expert parallel with context parallel is not built yet; use cp=1")
+    return ep
 
 
 def _rest_of_world(key: str, world_size: int, others: int, names: str) -> int:
@@ -243,6 +267,13 @@ class Mesh:
         if self.dims.dp_replicate > 1 and self.dims.dp_shard > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
         return self.device_mesh["dp_replicate" if self.dims.dp_replicate > 1 else "dp_shard"].get_group()
+
+    @cached_property
+    def expert_meshes(self) -> tuple:
+        """(ep mesh: the ranks that split the experts, FSDP's mesh for the experts: the data-parallel
+        ranks left, 2-D with dp_replicate), under expert parallel."""
+        rest = ("dp_replicate", "dp_shard_mod_ep") if self.dims.dp_replicate > 1 else "dp_shard_mod_ep"
+        return self.device_mesh["ep"], self.device_mesh[rest]
 
     @property
     def cp_rank(self) -> int:

@@ -32,12 +32,13 @@ def mixed_precision_dtypes(precision: str, reduce_dtype: str) -> tuple[torch.dty
 
 
 def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictConfig) -> nn.Module:
-    """One unit per block, and the root for the rest. `cfg`: the run's config."""
+    """One unit per block, and the root for the rest. `cfg`: the run's config. Under expert
+    parallel, each layer's experts (already split over ep) are a unit of their own first, sharded
+    over the data-parallel ranks left (framework/parallel/expert.py)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = mixed_precision_dtypes(cfg.precision.name, cfg.parallel.get("reduce_dtype", "fp32"))
     kwargs = {
-        "mesh": dp_mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         # offload: shards (and so the optimizer step) live in CPU memory, copied in unit by unit
         "offload_policy": CPUOffloadPolicy() if cfg.memory.name == "offload" else OffloadPolicy(),
@@ -46,13 +47,16 @@ def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictCon
     # TinyLM) would make FSDP warn of wrong gradients: an in-place op on a view drops the hook
     # FSDP puts on it for its pre-backward all-gather. Each unit's output gets a storage of its
     # own first (a hook registered now runs before FSDP's); outputs that are no views pass as they are.
+    reshard = cfg.parallel.get("reshard_after_forward", True)
+    for experts in (m for m in model.modules() if getattr(m, "dispatcher", None) is not None):
+        fully_shard(experts, mesh=experts.dispatcher.fsdp_mesh, reshard_after_forward=reshard, **kwargs)
     for block in blocks:
         block.register_forward_hook(own_storage)
-        fully_shard(block, reshard_after_forward=cfg.parallel.get("reshard_after_forward", True), **kwargs)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
     # The root unit holds what is left (embeddings, head); it is needed again at once by the
     # backward, so it is never resharded after forward.
     model.register_forward_hook(own_storage)
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **kwargs)
     return model
 
 

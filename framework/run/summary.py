@@ -80,7 +80,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
     impossible = above_ceiling(hfu, peak, cfg.metrics.ceiling_tflops)
     summary = {
         "world_size": info.world_size,
-        "parallel_dims": par.mesh.dims.degrees if par.mesh else {"dp": par.dp_size},
+        "parallel_dims": ({**par.mesh.dims.degrees, "ep": par.mesh.dims.ep} if par.mesh else {"dp": par.dp_size}),
         # NCCL_*/GLOO_* knobs as this worker's environment holds them
         "backend_env": {k: os.environ.get(k) for k in backend_env(cfg.backend)},
         "global_batch_size": per_step["samples"],  # samples per optimizer step, as they came
