@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ from framework.hf import ties_embeddings
 from framework.peft import enabled, is_adapter
 from models.llama import Llama
 from models.llama_args import LlamaArgs
-from models.llama_hf import hf_config, hf_names, to_hf_name
+from models.llama_hf import hf_config, hf_entries, hf_names, to_hf_name
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
@@ -138,9 +139,12 @@ def write_llama_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dty
         raise ExportError(f"CHECKPOINT: the model state lacks {', '.join(missing[:5])}")
     os.makedirs(out, exist_ok=True)
     dtype = tensors[names[0]][1]
-    entries = [(to_hf_name(n, args)[0], *tensors[n]) for n in names]
+    hf = hf_entries(args)  # (Hugging Face name, ours, expert or None, layout change)
+    entries = [(name, tensors[ours][0][1:] if e is not None else tensors[ours][0], tensors[ours][1])
+               for name, ours, e, _ in hf]  # fmt: skip
+    read = functools.lru_cache(maxsize=1)(read)  # a grouped expert weight is read once for its experts
     write_safetensors(os.path.join(out, "model.safetensors"), entries,
-                      lambda i: to_hf_name(names[i], args)[1](read(names[i])))  # fmt: skip
+                      lambda i: hf[i][3](read(hf[i][1]) if hf[i][2] is None else read(hf[i][1])[hf[i][2]]))  # fmt: skip
     config_json = hf_config(args, str(dtype).removeprefix("torch."))
     Path(out, "config.json").write_text(json.dumps(config_json, indent=2))
     copy_tokenizer(cfg, out)

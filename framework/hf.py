@@ -117,7 +117,9 @@ def load_pretrained(
     """Copy the folder's weights into `module`'s parameters, each rank into its own shards
     (DTensors) or whole tensors. Every rank takes part (a collective per tensor when a process
     group is up). `rename`: checkpoint name -> (the module's name, a layout change), for a model
-    whose state dict differs from the checkpoint's (models/llama_hf.py). Returns the module's
+    whose state dict differs from the checkpoint's (models/llama_hf.py; a checkpoint tensor may be
+    a slice of one of the module's, (name, index, count): one expert of a grouped weight, stacked
+    with the others before it is copied). Returns the module's
     parameter names the folder did not have; a shape that differs is a ValueError naming it.
     `ties` (alias -> source): a copy of a tied parameter (a pipeline's last stage holds the head
     tied to the embedding, which the checkpoint has once) is loaded from its source's tensor."""
@@ -128,12 +130,18 @@ def load_pretrained(
     if distributed:
         dist.broadcast_object_list(names, src=0)
     reader = iter_tensors(folder) if main else None
-    loaded = set()
+    loaded, parts = set(), {}
     for name, shape, dtype in names[0]:
         full = next(reader)[1].to(device) if main else torch.empty(shape, dtype=dtype, device=device)
         if distributed:
             dist.broadcast(full, src=0)
         ours, full = rename_tensor(rename, name, full)
+        if isinstance(ours, tuple):  # a Part (index, count) of one of ours: stacked once all are read
+            slices = parts.setdefault(ours[0], [None] * ours[2])
+            slices[ours[1]] = full
+            if any(t is None for t in slices):
+                continue
+            ours, full = ours[0], torch.stack(parts.pop(ours[0]))
         for target_name in [ours, *(a for a, s in (ties or {}).items() if s == ours)]:
             target = params.get(target_name)
             if target is None:

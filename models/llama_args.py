@@ -49,7 +49,7 @@ FLAVORS: dict[str, LlamaArgs] = {
         ffn_hidden=14336,
         rope_theta=1e6,
         max_seq_len=32768,
-        moe=MoEArgs(experts=8, top_k=2),
+        moe=MoEArgs(experts=8, top_k=2, norm_topk=True),
     ),
     "qwen3_30b_a3b": LlamaArgs(
         dim=2048,
@@ -60,7 +60,7 @@ FLAVORS: dict[str, LlamaArgs] = {
         ffn_hidden=6144,
         rope_theta=1e6,
         max_seq_len=40960,
-        moe=MoEArgs(experts=128, top_k=8, hidden=768),
+        moe=MoEArgs(experts=128, top_k=8, hidden=768, norm_topk=True),
     ),
     "150m": LlamaArgs(
         dim=768,

@@ -6,6 +6,11 @@ and k_proj rows are permuted within each head (transformers' convert_llama_weigh
 `permute`). Everything else is a rename. The permutation is a reshape and a transpose: exact,
 so import then export gives back the same bits.
 
+A Llama with routed experts maps to Mixtral's layout (MixtralForCausalLM): the router is
+`block_sparse_moe.gate`, and each expert's three projections are tensors of their own
+(`block_sparse_moe.experts.{e}.w1.weight`), which are slices of our grouped weights: a checkpoint
+tensor is then a `Part` of one of ours (loading stacks the parts, framework/hf.py).
+
 Reading streams one tensor at a time (`iter_hf_tensors`), from one model.safetensors or the
 shards a model.safetensors.index.json lists; nothing here holds the whole model.
 """
@@ -16,10 +21,12 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
 from models.llama_args import LlamaArgs
+from models.moe import MoEArgs
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -37,6 +44,9 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}  # fmt: skip
+_MOE_NAMES = {"feed_forward.gate.weight": "block_sparse_moe.gate.weight"}
+_EXPERT_NAMES = {"feed_forward.experts.w1": "w1", "feed_forward.experts.w2": "w2", "feed_forward.experts.w3": "w3"}
+_HF_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
@@ -62,26 +72,47 @@ def _rope_transform(fn, n_heads: int) -> Transform:
     return lambda t: fn(t, n_heads)
 
 
+class Part(NamedTuple):
+    """Slice `index` (of `count`) along dim 0 of our tensor `name`: one expert's projection."""
+
+    name: str
+    index: int
+    count: int
+
+
+def _layer_names(args: LlamaArgs) -> dict[str, str]:
+    """Our names in a block -> Hugging Face's (the MLP's: Mixtral's router with experts)."""
+    if not args.moe.experts:
+        return _LAYER_NAMES
+    return {**{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("feed_forward.")}, **_MOE_NAMES}
+
+
 def to_hf_name(name: str, args: LlamaArgs) -> tuple[str, Transform]:
     """Our parameter name -> (Hugging Face's name, the layout change to apply to the tensor)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name], _identity
     m = _OURS_LAYER.match(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in _layer_names(args):
         raise KeyError(f"llama: no Hugging Face name for parameter {name!r}")
-    hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    hf = f"model.layers.{m.group(1)}.{_layer_names(args)[m.group(2)]}"
     heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(m.group(2))
     return hf, _identity if heads is None else _rope_transform(interleaved_to_halves, heads)
 
 
-def from_hf_name(name: str, args: LlamaArgs) -> tuple[str, Transform]:
-    """Hugging Face's parameter name -> (our name, the layout change to apply to the tensor)."""
+def from_hf_name(name: str, args: LlamaArgs) -> tuple[str | Part, Transform]:
+    """Hugging Face's parameter name -> (our name, or the Part of ours it is, and the layout change
+    to apply to the tensor)."""
     if name in _HF_TO_OURS_TOP:
         return _HF_TO_OURS_TOP[name], _identity
     m = _HF_LAYER.match(name)
-    if m is None or m.group(2) not in _HF_TO_OURS_LAYER:
+    expert = _HF_EXPERT.match(m.group(2)) if m is not None and args.moe.experts else None
+    if expert is not None and int(expert.group(1)) < args.moe.experts:
+        ours = f"layers.{m.group(1)}.feed_forward.experts.{expert.group(2)}"
+        return Part(ours, int(expert.group(1)), args.moe.experts), _identity
+    layer_names = {v: k for k, v in _layer_names(args).items()}
+    if m is None or m.group(2) not in layer_names:
         raise KeyError(f"llama: Hugging Face parameter {name!r} has no counterpart here")
-    ours = _HF_TO_OURS_LAYER[m.group(2)]
+    ours = layer_names[m.group(2)]
     heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(ours)
     return f"layers.{m.group(1)}.{ours}", _identity if heads is None else _rope_transform(halves_to_interleaved, heads)
 
@@ -91,15 +122,30 @@ def hf_names(args: LlamaArgs) -> list[str]:
     head has no lm_head.weight of its own)."""
     names = ["tok_embeddings.weight"]
     for i in range(args.n_layers):
-        names += [f"layers.{i}.{k}" for k in _LAYER_NAMES]
+        names += [f"layers.{i}.{k}" for k in _layer_names(args)]
+        names += [f"layers.{i}.{k}" for k in (_EXPERT_NAMES if args.moe.experts else ())]
     names.append("norm.weight")
     return names if args.tie_embeddings else [*names, "output.weight"]
 
 
+def hf_entries(args: LlamaArgs) -> list[tuple[str, str, int | None, Transform]]:
+    """The Hugging Face checkpoint's tensors in order: (its name, our tensor's, the expert it is
+    a slice of or None, the layout change)."""
+    out = []
+    for name in hf_names(args):
+        m = _OURS_LAYER.match(name)
+        if m is not None and m.group(2) in _EXPERT_NAMES:
+            stem, proj = f"model.layers.{m.group(1)}.block_sparse_moe.experts", _EXPERT_NAMES[m.group(2)]
+            out += [(f"{stem}.{e}.{proj}.weight", name, e, _identity) for e in range(args.moe.experts)]
+        else:
+            hf, transform = to_hf_name(name, args)
+            out.append((hf, name, None, transform))
+    return out
+
+
 def to_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
     """Our state dict -> Hugging Face's (a tied head's duplicate dropped)."""
-    keep = set(hf_names(args))
-    return {hf: fn(t) for name, t in state.items() if name in keep for hf, fn in [to_hf_name(name, args)]}
+    return {hf: fn(state[ours] if e is None else state[ours][e]) for hf, ours, e, fn in hf_entries(args)}
 
 
 def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
@@ -117,8 +163,8 @@ def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.
 def args_from_hf_config(cfg: dict) -> LlamaArgs:
     """LlamaArgs from a Hugging Face LlamaConfig dict (rope scaling in either the old
     `rope_theta` + `rope_scaling` form or transformers 5's `rope_parameters`)."""
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"model.pretrained: config.json is a {cfg['model_type']!r} model, not llama")
+    if cfg.get("model_type", "llama") not in ("llama", "mixtral"):
+        raise ValueError(f"model.pretrained: config.json is a {cfg['model_type']!r} model, not llama or mixtral")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -140,7 +186,18 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_pos=int(rope.get("original_max_position_embeddings", 8192)),
         max_seq_len=cfg.get("max_position_embeddings", 8192), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
+        moe=_moe_from_hf(cfg),
     )  # fmt: skip
+
+
+def _moe_from_hf(cfg: dict) -> MoEArgs:
+    """Mixtral's experts: softmax router, top_k weights renormalised, no shared expert."""
+    if cfg.get("model_type") != "mixtral":
+        return MoEArgs()
+    if cfg.get("sliding_window") is not None:
+        raise ValueError("model.pretrained: Mixtral's sliding_window attention is not supported (null only)")
+    return MoEArgs(experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], norm_topk=True,
+                   aux_loss_coef=cfg.get("router_aux_loss_coef", 0.01))  # fmt: skip
 
 
 def hf_config(args: LlamaArgs, dtype: str = "float32") -> dict:
@@ -153,6 +210,10 @@ def hf_config(args: LlamaArgs, dtype: str = "float32") -> dict:
         "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False, "torch_dtype": dtype, "rope_scaling": None,
     }  # fmt: skip
+    if args.moe.experts:  # Mixtral (framework/config/model.py refuses what its layout cannot hold)
+        cfg |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
+                "num_local_experts": args.moe.experts, "num_experts_per_tok": args.moe.top_k,
+                "router_aux_loss_coef": args.moe.aux_loss_coef, "output_router_logits": False}  # fmt: skip
     if args.rope_factor is not None:
         cfg["rope_scaling"] = {
             "rope_type": "llama3", "factor": args.rope_factor, "low_freq_factor": args.rope_low_freq_factor,

@@ -1,7 +1,8 @@
 """A routed mixture-of-experts feed-forward, in plain single-device code (no torch.distributed).
 
-- A router scores every token against every expert: softmax (Mixtral, Switch), or sigmoid with
-  the chosen weights normalised over the top-k (DeepSeek-V3). Each token goes to its top_k experts.
+- A router scores every token against every expert: softmax (Switch; Mixtral and Qwen3-MoE with
+  `norm_topk`: the chosen weights renormalised to sum 1), or sigmoid with the chosen weights
+  normalised over the top-k (DeepSeek-V3). Each token goes to its top_k experts.
 - The experts are SwiGLU MLPs held as one grouped weight per projection (w1 and w3: experts x
   hidden x dim, w2: experts x dim x hidden; each expert's slice in nn.Linear's layout), run over
   the tokens sorted by expert.
@@ -40,6 +41,7 @@ class MoEArgs:
     shared_experts: int = 0  # 0 or 1: an expert every token goes through
     hidden: int | None = None  # each expert's hidden width (None: the model's ffn_hidden)
     score: str = "softmax"  # softmax | sigmoid
+    norm_topk: bool = False  # softmax: the chosen experts' weights renormalised to sum 1 (Mixtral, Qwen3-MoE)
     balance: str = "aux_loss"  # aux_loss | bias | none
     aux_loss_coef: float = 0.01
     bias_rate: float = 1e-3
@@ -116,7 +118,7 @@ class MoE(nn.Module):
         biased = scores + self.expert_bias if self.args.balance == "bias" else scores
         chosen = biased.topk(self.args.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
-        if self.args.score == "sigmoid":
+        if self.args.score == "sigmoid" or self.args.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return chosen, weights, scores
 

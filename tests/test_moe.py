@@ -204,3 +204,71 @@ def test_expert_parallel_composes_with_fsdp_hsdp_pipelines_and_accumulation(tmp_
     for name, overrides in layouts.items():
         got = moe_run(tmp_path, name, *overrides)
         assert close(got, want), (name, got, want)
+
+
+# ----------------------------------------------------------------------------- Mixtral in and out
+
+VOCAB = 257  # the bytes tokenizer's
+
+
+def mixtral(folder, seed: int = 0):
+    """A tiny random MixtralForCausalLM (4 experts, top-2, GQA), saved to `folder`."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+        vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def test_a_mixtral_loads_with_transformers_loss_and_goes_back_bitwise(tmp_path):
+    """Mixtral's per-expert tensors stack into our grouped weights (softmax router, top-2
+    renormalised): the logits and the loss are transformers' own within 1e-5, and our state dict
+    in Mixtral's layout is the checkpoint's tensors bit for bit."""
+    from framework.hf import load_pretrained
+    from models.llama_hf import iter_hf_tensors, to_hf
+
+    hf = mixtral(tmp_path)
+    ours = Llama(hf_config=str(tmp_path)).eval()
+    assert ours.args.moe.experts == 4 and ours.args.moe.norm_topk
+    assert load_pretrained(ours, str(tmp_path), torch.device("cpu"), ours.from_hf_name) == []
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, want = ours(tokens), hf(tokens, labels=tokens)
+    assert torch.allclose(logits, want.logits, atol=1e-5, rtol=0)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    assert abs(loss.item() - want.loss.item()) <= 1e-5 * want.loss.item()
+    files = dict(iter_hf_tensors(str(tmp_path)))
+    back = to_hf(ours.state_dict(), ours.args)
+    assert set(back) == set(files)
+    assert all(torch.equal(back[name], tensor) for name, tensor in files.items())
+
+
+def test_a_mixtral_trained_under_expert_parallel_exports_what_transformers_reloads(tmp_path):
+    """model.pretrained=<a Mixtral folder>, 3 steps under fsdp ep x2, checkpoint.export=true: the
+    exported folder loads in transformers with the trained model's logits (read back from its
+    DCP checkpoint), and training moved them away from the pretrained ones."""
+    transformers = pytest.importorskip("transformers")
+    from framework.export import checkpoint_tensors, read_tensor
+
+    hf = mixtral(tmp_path / "hf")
+    run = tmp_path / "run"
+    proc = train_cli(["model=llama", f"model.pretrained={tmp_path / 'hf'}", "model.moe.balance=bias",
+                      "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2", "data.seq_len=16",
+                      "data.batch_size=2", "data.max_bytes=20000", "steps=3", "optim.lr=1e-2", "progress=false",
+                      "checkpoint.every=3", "checkpoint.export=true", "metrics.sample_every=0"], run)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    trained = Llama(hf_config=str(tmp_path / "hf")).eval()
+    state = {n: read_tensor(str(ckpt), n, *meta) for n, meta in checkpoint_tensors(str(ckpt)).items()}
+    assert not trained.load_state_dict({k: v for k, v in state.items() if k in trained.state_dict()}).missing_keys
+    exported = transformers.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.allclose(exported(tokens).logits, trained(tokens), atol=1e-5, rtol=0)
+        assert not torch.allclose(exported(tokens).logits, hf(tokens).logits, atol=1e-3)

@@ -143,10 +143,12 @@ def _check_moe(cfg: DictConfig, model, blocks: str | None) -> None:
     if (cfg.parallel.get("tp") or 1) != 1:
         raise ConfigError("parallel.tp", "routed experts under tensor parallelism are not built yet; train a "
                           "mixture of experts with ddp, fsdp, pp, cp or expert parallel (parallel.ep)")  # fmt: skip
-    if cfg.checkpoint.get("export") or cfg.model.get("pretrained"):
+    hidden = args.hidden in (None, getattr(getattr(model, "args", None), "ffn_hidden", None))
+    mixtral = args.score == "softmax" and args.norm_topk and not args.shared_experts and hidden
+    if (cfg.checkpoint.get("export") or cfg.model.get("pretrained")) and not mixtral:
         key = "checkpoint.export" if cfg.checkpoint.get("export") else "model.pretrained"
-        raise ConfigError(key, "routed experts have no Hugging Face layout here yet (Mixtral's is not built); "
-                          "train them from scratch, their checkpoints are DCP")  # fmt: skip
+        raise ConfigError(key, "routed experts go to and from Hugging Face in Mixtral's layout: model.moe.score="
+                          "softmax, norm_topk=true, shared_experts=0, hidden=null (model.flavor=mixtral_8x7b has it)")  # fmt: skip
 
 
 def _check_peft(cfg: DictConfig, model, blocks: str | None) -> None:

@@ -44,6 +44,7 @@ class MoEConfig:
     shared_experts: int | None = None  # 0 or more experts every token goes through
     hidden: int | None = None  # each expert's hidden width (null: the model's ffn_hidden)
     score: str | None = None  # softmax | sigmoid (DeepSeek-V3: the chosen weights normalised)
+    norm_topk: bool | None = None  # softmax: the chosen weights renormalised to sum 1 (Mixtral, Qwen3-MoE)
     balance: str | None = None  # aux_loss | bias (DeepSeek-V3's, loss-free) | none
     aux_loss_coef: float | None = None  # balance=aux_loss: its weight (0.01)
     bias_rate: float | None = None  # balance=bias: each update's step (1e-3)
