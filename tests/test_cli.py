@@ -161,8 +161,9 @@ README_STRATEGIES = [
 ]
 
 
-# the 4-rank examples and FSDP1 in `make test-all`; their layouts meet one process in the matrix
-LONG_EXAMPLES = ("launch.nproc_per_node=4", "parallel.version=1")
+# the 4-rank examples, FSDP1 and the interleaved pipeline in `make test-all`; their layouts meet
+# one process in the matrix (the default run keeps 1F1B's pp through the matrix and the README)
+LONG_EXAMPLES = ("launch.nproc_per_node=4", "parallel.version=1", "parallel.schedule=Interleaved1F1B")
 
 
 @pytest.mark.parametrize(

@@ -133,17 +133,16 @@ def test_routed_experts_are_refused_where_they_cannot_run():
     from tests.helpers import compose_config
 
     base = ["model=llama", "model.flavor=debug_moe", "model.n_layers=2"]
-    ep2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
     cp2 = ["parallel=hybrid", "parallel.cp=2", "parallel.tp=1", "parallel.pp=1"]
     cases = [
         ("model.moe.top_k", [*base, "model.moe.top_k=5", "parallel=none"]),
         ("model.moe.balance", [*base, "model.moe.balance=loss", "parallel=none"]),
         ("parallel.tp", [*base, "parallel=tp", "launch.nproc_per_node=2"]),
-        ("parallel.ep", [*base, *ep2, "model.moe.experts=3"]),  # 3 experts do not split over 2 ranks
+        ("parallel.ep", [*base, *EP2, "model.moe.experts=3"]),  # 3 experts do not split over 2 ranks
         ("parallel.ep", [*base, "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=3"]),  # nor 3 dp ranks
-        ("parallel.ep", ["model=llama", "model.n_layers=2", *ep2]),  # a dense model
+        ("parallel.ep", ["model=llama", "model.n_layers=2", *EP2]),  # a dense model
         ("parallel.ep", [*base, *cp2, "parallel.ep=2", "launch.nproc_per_node=4"]),  # with context parallel
-        ("parallel.version", [*base, *ep2, "parallel.version=1"]),
+        ("parallel.version", [*base, *EP2, "parallel.version=1"]),
     ]
     for key, args in cases:
         with pytest.raises(ConfigError) as err:
@@ -158,6 +157,7 @@ MOE_RUN = ["model=llama", "model.flavor=debug_moe", "model.dim=32", "model.n_lay
            "model.n_kv_heads=2", "model.ffn_hidden=64", "model.moe.experts=4", "model.moe.top_k=2",
            "model.moe.balance=bias", "data.seq_len=16", "data.max_bytes=20000", "steps=5", "progress=false"]  # fmt: skip
 ONE_PROCESS = ["parallel=none", "data.batch_size=8"]
+EP2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
 
 
 def moe_run(tmp_path, name: str, *overrides: str) -> list[float]:
@@ -170,23 +170,6 @@ def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want, strict=True))
 
 
-def test_expert_parallel_trains_as_one_process_and_its_checkpoint_loads_anywhere(tmp_path):
-    """ep x2 (fsdp over 2 ranks, 2 of the 4 experts each, tokens exchanged by all-to-all) equals
-    one process on the same global batch within 1e-5 for 5 steps; each routed layer's forward and
-    backward are 5 all-to-alls a step (counts, tokens, outputs; their gradients); the checkpoint
-    it saves at step 3 holds whole experts (DCP): one process resumes it and continues the
-    reference's losses."""
-    want = moe_run(tmp_path, "one", *ONE_PROCESS)
-    ep = moe_run(tmp_path, "ep", "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2", "data.batch_size=4",
-                 "checkpoint.every=3", "metrics.sample_every=1")  # fmt: skip
-    assert close(ep, want), (ep, want)
-    summary = read_summary(tmp_path / "ep")
-    assert summary["parallel_dims"]["ep"] == 2
-    assert summary["comm"]["by_op"]["all_to_all"]["calls"] == 2 * 5
-    resumed = moe_run(tmp_path, "resumed", *ONE_PROCESS, f"checkpoint.resume={tmp_path / 'ep/checkpoints/step-000003'}")
-    assert close(resumed, want[3:]), (resumed, want)
-
-
 @pytest.mark.slow
 def test_expert_parallel_composes_with_fsdp_hsdp_pipelines_and_accumulation(tmp_path):
     """The must-hold layouts beside ep x2: ep 2 x fsdp 2 (experts sharded by FSDP over the 2 ranks
@@ -194,12 +177,11 @@ def test_expert_parallel_composes_with_fsdp_hsdp_pipelines_and_accumulation(tmp_
     equals one process within 1e-5 for 5 steps."""
     want = moe_run(tmp_path, "one", *ONE_PROCESS)
     hybrid = ["parallel=hybrid", "parallel.tp=1", "parallel.cp=1", "parallel.ep=2", "launch.nproc_per_node=4"]
-    ep2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
     layouts = {
         "ep2_fsdp2": ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=4", "data.batch_size=2"],
         "hsdp_ep2": [*hybrid, "parallel.pp=1", "parallel.dp_replicate=2", "parallel.dp_shard=2", "data.batch_size=2"],
         "pp2_ep2": [*hybrid, "parallel.pp=2", "parallel.dp_shard=2", "data.batch_size=4"],
-        "ep2_accumulation": [*ep2, "data.batch_size=2", "accumulation_steps=2"],
+        "ep2_accumulation": [*EP2, "data.batch_size=2", "accumulation_steps=2"],
     }
     for name, overrides in layouts.items():
         got = moe_run(tmp_path, name, *overrides)
@@ -248,25 +230,57 @@ def test_a_mixtral_loads_with_transformers_loss_and_goes_back_bitwise(tmp_path):
     assert all(torch.equal(back[name], tensor) for name, tensor in files.items())
 
 
-def test_a_mixtral_trained_under_expert_parallel_exports_what_transformers_reloads(tmp_path):
-    """model.pretrained=<a Mixtral folder>, 3 steps under fsdp ep x2, checkpoint.export=true: the
+@pytest.fixture(scope="module")
+def mixtral_ep(tmp_path_factory):
+    """A tiny Mixtral written here, trained 6 steps on a global batch of 8 from its weights: in one
+    process; under fsdp ep x2 (2 of its 4 experts a rank), saving at steps 3 and 6 and exporting;
+    and in one process again, resumed from the ep run's step-3 checkpoint."""
+    root = tmp_path_factory.mktemp("mixtral_ep")
+    hf = mixtral(root / "hf")
+    base = ["model=llama", f"model.pretrained={root / 'hf'}", "model.moe.balance=bias", "data.seq_len=16",
+            "data.max_bytes=20000", "steps=6", "progress=false", "metrics.sample_every=0"]  # fmt: skip
+    runs = {
+        "one": [*ONE_PROCESS],
+        "ep": [*EP2, "data.batch_size=4", "checkpoint.every=3", "checkpoint.export=true", "metrics.sample_every=1"],
+        "resumed": [*ONE_PROCESS, f"checkpoint.resume={root / 'ep/checkpoints/step-000003'}"],
+    }
+    for name, args in runs.items():
+        proc = train_cli([*base, *args], root / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, hf, {name: [m["loss"] for m in read_metrics(root / name)] for name in runs}
+
+
+def test_expert_parallel_trains_as_one_process(mixtral_ep):
+    """fp32, dropless: ep x2 (tokens exchanged by all-to-all) equals one process on the same
+    global batch within 1e-5 for 6 steps; each routed layer's forward and backward are 5
+    all-to-alls a step (counts, tokens, outputs; their gradients), 2 layers."""
+    root, _, losses = mixtral_ep
+    assert close(losses["ep"], losses["one"]), losses
+    summary = read_summary(root / "ep")
+    assert summary["parallel_dims"]["ep"] == 2
+    assert summary["comm"]["by_op"]["all_to_all"]["calls"] == 2 * 5
+
+
+def test_an_expert_parallel_checkpoint_resumes_in_one_process(mixtral_ep):
+    """The ep run's checkpoint holds whole experts (DCP): one process resumes it at step 3 and
+    continues the reference's losses."""
+    _, _, losses = mixtral_ep
+    assert close(losses["resumed"], losses["one"][3:]), losses
+
+
+def test_a_mixtral_trained_under_expert_parallel_exports_what_transformers_reloads(mixtral_ep):
+    """model.pretrained=<a Mixtral folder>, trained under fsdp ep x2, checkpoint.export=true: the
     exported folder loads in transformers with the trained model's logits (read back from its
-    DCP checkpoint), and training moved them away from the pretrained ones."""
+    last DCP checkpoint), and training moved them away from the pretrained ones."""
     transformers = pytest.importorskip("transformers")
     from framework.export import checkpoint_tensors, read_tensor
 
-    hf = mixtral(tmp_path / "hf")
-    run = tmp_path / "run"
-    proc = train_cli(["model=llama", f"model.pretrained={tmp_path / 'hf'}", "model.moe.balance=bias",
-                      "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2", "data.seq_len=16",
-                      "data.batch_size=2", "data.max_bytes=20000", "steps=3", "optim.lr=1e-2", "progress=false",
-                      "checkpoint.every=3", "checkpoint.export=true", "metrics.sample_every=0"], run)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
-    trained = Llama(hf_config=str(tmp_path / "hf")).eval()
+    root, hf, _ = mixtral_ep
+    ckpt = root / "ep/checkpoints/step-000006"
+    trained = Llama(hf_config=str(root / "hf")).eval()
     state = {n: read_tensor(str(ckpt), n, *meta) for n, meta in checkpoint_tensors(str(ckpt)).items()}
     assert not trained.load_state_dict({k: v for k, v in state.items() if k in trained.state_dict()}).missing_keys
-    exported = transformers.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(root / "ep/hf").eval()
     assert type(exported).__name__ == "MixtralForCausalLM"
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -192,14 +192,13 @@ EPOCH_CASES = {
 
 
 SLOW = pytest.mark.slow  # covered by `make test-all`; the default run keeps one case of each kind
+# token_budget's position across world sizes is tests/test_data_scale.py's (2 -> 4 ranks, every sample once)
+SLOW_EPOCH_CASES = ("rank_batch_sizes", "length_grouped", "amp_device_augment", "token_budget")
 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=SLOW) if c in ("rank_batch_sizes", "length_grouped", "amp_device_augment") else c
-        for c in EPOCH_CASES
-    ],
+    [pytest.param(c, marks=SLOW) if c in SLOW_EPOCH_CASES else c for c in EPOCH_CASES],
 )
 def test_resume_across_an_epoch_boundary_is_bitwise(tmp_path, case):
     """A checkpoint taken after the first epoch ended resumes to the uninterrupted run's losses

@@ -136,7 +136,7 @@ def test_hybrid_and_hsdp_follow_the_single_process_trajectory_world_4(tmp_path, 
     configs = {name: config(args, 4) for name, args in WORLD4.items()}
     results = train_all(configs, 4, tmp_path)
     dims = results["hybrid_auto_dp2_tp2"][1]["parallel_dims"]
-    assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1}
     assert results["hybrid_dp2_pp2"][1]["parallel_dims"]["pp"] == 2
     assert_parity(results, reference, tmp_path)
     for name, (_, summary) in results.items():
