@@ -32,6 +32,9 @@ SHARED_MATRIX = (
 LONG: dict[str, str] = {
     "tests/test_matrix.py::test_covering_subset": SHARED_MATRIX,
     "tests/test_matrix_wide.py::test_covering_subset": SHARED_MATRIX,
+    "tests/test_data_scale.py::test_the_curriculum_takes_effect_at_its_steps": "the first test of the file's "
+    "shared curriculum fixture: four launches (one process; ddp x2 with 2 loader workers each on a stream with "
+    "length and batch ramps; a resume mid-ramp; a resume at 4 ranks) that four tests read",
     "tests/test_measure.py::test_the_peak_of_a_100m_gpt": "the peak's parts must stand out of the ~0.5 GB that "
     "importing torch holds: 100M parameters (1.6 GB of state under ddp) is the smallest model that shows the "
     "breakdown; ddp and fsdp are its two runs",

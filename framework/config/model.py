@@ -162,11 +162,6 @@ def _check_peft(cfg: DictConfig, model, blocks: str | None) -> None:
                              ("dropout", 0 <= p.dropout < 1, "in [0, 1)")):  # fmt: skip
         if not ok:
             raise ConfigError(f"peft.{key}", f"got {p[key]}; must be {allowed}")
-    tp = cfg.parallel.get("tp") or 1  # -1: the rest of the world
-    if tp != 1:
-        raise ConfigError("peft", f"lora under tensor parallelism (parallel={cfg.parallel.name}) is not "
-                          "built yet: its adapters would be sharded with their layer. Use ddp, fsdp, pp or hybrid "
-                          "without tp")  # fmt: skip
     if not targets_of(model, blocks, list(p.targets)):
         linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear][:4]
         raise ConfigError("peft.targets", f"{list(p.targets)} match no linear layer of the blocks; some of the "
@@ -221,12 +216,21 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
         check_plan(model, spec)
     except ContractError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+    if cfg.parallel.get("sequence_parallel", None) and peft_enabled(cfg.get("peft")):
+        raise ConfigError("parallel.sequence_parallel", "peft=lora trains under tensor parallel without sequence "
+                          "parallel (its adapters' update under it is not built yet); set it false")  # fmt: skip
     if cfg.parallel.get("sequence_parallel", None) and not _plans_sequence_parallel(spec):
         raise ConfigError(
             "parallel.sequence_parallel",
             f"{type(model).__name__}'s plan has no sequence-parallel entries (embedding, sequence_parallel "
             "norms); set parallel.sequence_parallel=false or declare them",
         )
+
+
+def peft_enabled(peft) -> bool:
+    from framework.peft import enabled
+
+    return enabled(peft)
 
 
 def _plans_sequence_parallel(spec: ModelSpec) -> bool:
@@ -247,10 +251,12 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
     if p.get("sequence_parallel", None) is not None or (tp <= 1 and "sequence_parallel" not in p):
         return None
     model, spec = _meta(cfg)
+    lora = peft_enabled(cfg.get("peft"))
     with open_dict(p):
-        p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec)
+        p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec) and not lora
     if tp > 1 and not p.sequence_parallel:
-        return f"parallel.sequence_parallel: off ({type(model).__name__}'s plan has no sequence-parallel entries)"
+        why = "peft=lora" if lora else f"{type(model).__name__}'s plan has no sequence-parallel entries"
+        return f"parallel.sequence_parallel: off ({why})"
     return None
 
 

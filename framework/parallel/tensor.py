@@ -42,6 +42,52 @@ class GatherSequence(PrepareModuleInput):
         return (*gathered, *rest)
 
 
+def _distribute(module: nn.Module, name: str, mesh, placement) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    p = getattr(module, name)
+    module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [placement]), p.requires_grad))
+
+
+class LoRAColwise(ColwiseParallel):
+    """A column-wise linear with LoRA adapters (framework/peft.py): the weight (and bias) split by
+    output features, A (rank x in) whole on every rank, B (out x rank) split by output features
+    as the weight: each rank's B A x is its own slice of the update, added to its slice of x W^T."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:  # the adapters themselves: placed with their layer, below
+            return
+        for param in ("weight", "bias") if module.bias is not None else ("weight",):
+            _distribute(module, param, device_mesh, Shard(0))
+        _distribute(module.lora_A, "weight", device_mesh, Replicate())
+        _distribute(module.lora_B, "weight", device_mesh, Shard(0))
+
+
+class LoRARowwise(RowwiseParallel):
+    """A row-wise linear with LoRA adapters: A split by input features as the weight, so A x is
+    a partial sum on each rank; B whole: B (A x) stays partial, and the layer's one reduction sums
+    it with x W^T."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:
+            return
+        _distribute(module, "weight", device_mesh, Shard(1))
+        if module.bias is not None:
+            _distribute(module, "bias", device_mesh, Replicate())
+        _distribute(module.lora_A, "weight", device_mesh, Shard(1))
+        _distribute(module.lora_B, "weight", device_mesh, Replicate())
+
+
+def _with_adapters(style):
+    """The same style (its layouts) for a linear with LoRA adapters."""
+    lora = {ColwiseParallel: LoRAColwise, RowwiseParallel: LoRARowwise}.get(type(style))
+    if lora is None:
+        raise ValueError(f"peft=lora: no tensor-parallel placement of adapters on a {type(style).__name__} layer")
+    out = lora.__new__(lora)
+    out.__dict__.update(style.__dict__)
+    return out
+
+
 def tp_style(style: str, sequence_parallel: bool, loss_parallel: bool):
     """The DTensor style for one entry of a model's plan (None: nothing to do in this setting)."""
     residual = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
@@ -71,9 +117,13 @@ def tp_style(style: str, sequence_parallel: bool, loss_parallel: bool):
 
 
 def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
+    from framework.peft import LoRALinear
+
     plan = {}
     for path, style in expand_plan(model, spec).items():
         dtensor_style = tp_style(style, sequence_parallel, loss_parallel)
+        if isinstance(model.get_submodule(path), LoRALinear):
+            dtensor_style = _with_adapters(dtensor_style)
         if dtensor_style is not None:
             plan[path] = dtensor_style
     parallelize_module(model, tp_mesh, plan)
