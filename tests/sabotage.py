@@ -153,6 +153,16 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("evaluation under cp not split", "framework/run/evaluation.py",
      "    inputs, kwargs, target = par.split_batch(inputs, target)", "    kwargs = {}",
      "tests/test_context.py::test_evaluation_under_cp_runs_each_ranks_part_of_the_sequence_through_the_ring"),
+    # mixture of experts (issue 40) and LoRA under tensor parallel (issue 38)
+    ("expert-parallel gradients not scaled by 1/ep", "framework/parallel/expert.py",
+     "GradScale.apply(w.to_local(), 1.0 / self.size)", "GradScale.apply(w.to_local(), 1.0)",
+     "tests/test_moe.py::test_expert_parallel_trains_as_one_process"),
+    ("a Mixtral's experts stacked out of order", "framework/hf.py",
+     "            slices[ours[1]] = full", "            slices[ours[2] - 1 - ours[1]] = full",
+     "tests/test_moe.py::test_a_mixtral_loads_with_transformers_loss_and_goes_back_bitwise"),
+    ("LoRA layers given the plain tensor-parallel styles", "framework/parallel/tensor.py",
+     "        if isinstance(model.get_submodule(path), LoRALinear):", "        if False:",
+     "tests/test_finetune.py::test_lora_under_ddp_pp_and_tp_equals_one_process[tp]"),
 ]  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache",

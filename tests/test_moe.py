@@ -161,9 +161,11 @@ EP2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
 
 
 def moe_run(tmp_path, name: str, *overrides: str) -> list[float]:
+    """The run's losses, then its gradient norms (one list)."""
     proc = train_cli([*MOE_RUN, "metrics.sample_every=0", *overrides], tmp_path / name)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [m["loss"] for m in read_metrics(tmp_path / name)]
+    metrics = read_metrics(tmp_path / name)
+    return [m["loss"] for m in metrics] + [m["grad_norm"] for m in metrics]
 
 
 def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
@@ -174,7 +176,7 @@ def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
 def test_expert_parallel_composes_with_fsdp_hsdp_pipelines_and_accumulation(tmp_path):
     """The must-hold layouts beside ep x2: ep 2 x fsdp 2 (experts sharded by FSDP over the 2 ranks
     left), HSDP 2 x 2 with ep 2, pipeline 2 x ep 2, and ep x2 with 2 micro-batches a step: each
-    equals one process within 1e-5 for 5 steps."""
+    equals one process within 1e-5 for 5 steps (losses and gradient norms)."""
     want = moe_run(tmp_path, "one", *ONE_PROCESS)
     hybrid = ["parallel=hybrid", "parallel.tp=1", "parallel.cp=1", "parallel.ep=2", "launch.nproc_per_node=4"]
     layouts = {
@@ -247,15 +249,21 @@ def mixtral_ep(tmp_path_factory):
     for name, args in runs.items():
         proc = train_cli([*base, *args], root / name)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, hf, {name: [m["loss"] for m in read_metrics(root / name)] for name in runs}
+    return root, hf, {name: read_metrics(root / name) for name in runs}
+
+
+def series(metrics: list[dict], key: str = "loss") -> list[float]:
+    return [m[key] for m in metrics]
 
 
 def test_expert_parallel_trains_as_one_process(mixtral_ep):
     """fp32, dropless: ep x2 (tokens exchanged by all-to-all) equals one process on the same
-    global batch within 1e-5 for 6 steps; each routed layer's forward and backward are 5
+    global batch within 1e-5 for 6 steps, losses and gradient norms (AdamW would hide a gradient
+    off by a constant factor from the losses); each routed layer's forward and backward are 5
     all-to-alls a step (counts, tokens, outputs; their gradients), 2 layers."""
-    root, _, losses = mixtral_ep
-    assert close(losses["ep"], losses["one"]), losses
+    root, _, runs = mixtral_ep
+    assert close(series(runs["ep"]), series(runs["one"])), runs
+    assert close(series(runs["ep"], "grad_norm"), series(runs["one"], "grad_norm")), runs
     summary = read_summary(root / "ep")
     assert summary["parallel_dims"]["ep"] == 2
     assert summary["comm"]["by_op"]["all_to_all"]["calls"] == 2 * 5
@@ -264,8 +272,8 @@ def test_expert_parallel_trains_as_one_process(mixtral_ep):
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(mixtral_ep):
     """The ep run's checkpoint holds whole experts (DCP): one process resumes it at step 3 and
     continues the reference's losses."""
-    _, _, losses = mixtral_ep
-    assert close(losses["resumed"], losses["one"][3:]), losses
+    _, _, runs = mixtral_ep
+    assert close(series(runs["resumed"]), series(runs["one"])[3:]), runs
 
 
 def test_a_mixtral_trained_under_expert_parallel_exports_what_transformers_reloads(mixtral_ep):
