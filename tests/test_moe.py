@@ -260,13 +260,17 @@ def test_expert_parallel_trains_as_one_process(mixtral_ep):
     """fp32, dropless: ep x2 (tokens exchanged by all-to-all) equals one process on the same
     global batch within 1e-5 for 6 steps, losses and gradient norms (AdamW would hide a gradient
     off by a constant factor from the losses); each routed layer's forward and backward are 5
-    all-to-alls a step (counts, tokens, outputs; their gradients), 2 layers."""
+    all-to-alls a step (counts, tokens, outputs; their gradients), 2 layers; the state bytes per
+    rank are the planner's forecast exactly."""
     root, _, runs = mixtral_ep
     assert close(series(runs["ep"]), series(runs["one"])), runs
     assert close(series(runs["ep"], "grad_norm"), series(runs["one"], "grad_norm")), runs
     summary = read_summary(root / "ep")
     assert summary["parallel_dims"]["ep"] == 2
     assert summary["comm"]["by_op"]["all_to_all"]["calls"] == 2 * 5
+    # each rank's state, experts included (2 of 4 a rank, whole: dp_shard / ep = 1), as the planner forecast it
+    error = summary["plan"]["error"]
+    assert error["param_bytes"] == error["grad_bytes"] == error["optim_bytes"] == 0.0, error
 
 
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(mixtral_ep):
