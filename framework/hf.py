@@ -136,12 +136,12 @@ def load_pretrained(
         if distributed:
             dist.broadcast(full, src=0)
         ours, full = rename_tensor(rename, name, full)
-        if isinstance(ours, tuple):  # a Part (index, count) of one of ours: stacked once all are read
-            slices = parts.setdefault(ours[0], [None] * ours[2])
-            slices[ours[1]] = full
+        if isinstance(ours, tuple):  # a Part (name, index, count) of one of ours: stacked once all are read
+            slices = parts.setdefault(ours.name, [None] * ours.count)
+            slices[ours.index] = full
             if any(t is None for t in slices):
                 continue
-            ours, full = ours[0], torch.stack(parts.pop(ours[0]))
+            ours, full = ours.name, torch.stack(parts.pop(ours.name))
         for target_name in [ours, *(a for a, s in (ties or {}).items() if s == ours)]:
             target = params.get(target_name)
             if target is None:

@@ -49,7 +49,10 @@ _EXPERT_NAMES = {"feed_forward.experts.w1": "w1", "feed_forward.experts.w2": "w2
 _HF_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# a block with routed experts: the MLP's names are Mixtral's router (its experts are Parts, below)
+_MOE_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("feed_forward.")}, **_MOE_NAMES}
 _HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TO_OURS_MOE_LAYER = {v: k for k, v in _MOE_LAYER_NAMES.items()}
 _HF_TO_OURS_TOP = {v: k for k, v in _TOP_NAMES.items()}
 
 
@@ -82,9 +85,7 @@ class Part(NamedTuple):
 
 def _layer_names(args: LlamaArgs) -> dict[str, str]:
     """Our names in a block -> Hugging Face's (the MLP's: Mixtral's router with experts)."""
-    if not args.moe.experts:
-        return _LAYER_NAMES
-    return {**{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("feed_forward.")}, **_MOE_NAMES}
+    return _MOE_LAYER_NAMES if args.moe.experts else _LAYER_NAMES
 
 
 def to_hf_name(name: str, args: LlamaArgs) -> tuple[str, Transform]:
@@ -109,7 +110,7 @@ def from_hf_name(name: str, args: LlamaArgs) -> tuple[str | Part, Transform]:
     if expert is not None and int(expert.group(1)) < args.moe.experts:
         ours = f"layers.{m.group(1)}.feed_forward.experts.{expert.group(2)}"
         return Part(ours, int(expert.group(1)), args.moe.experts), _identity
-    layer_names = {v: k for k, v in _layer_names(args).items()}
+    layer_names = _HF_TO_OURS_MOE_LAYER if args.moe.experts else _HF_TO_OURS_LAYER
     if m is None or m.group(2) not in layer_names:
         raise KeyError(f"llama: Hugging Face parameter {name!r} has no counterpart here")
     ours = layer_names[m.group(2)]

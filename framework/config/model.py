@@ -216,21 +216,17 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
         check_plan(model, spec)
     except ContractError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
-    if cfg.parallel.get("sequence_parallel", None) and peft_enabled(cfg.get("peft")):
+    from framework.peft import enabled
+
+    if cfg.parallel.get("sequence_parallel", None) and enabled(cfg.get("peft")):
         raise ConfigError("parallel.sequence_parallel", "peft=lora trains under tensor parallel without sequence "
-                          "parallel (its adapters' update under it is not built yet); set it false")  # fmt: skip
+                          "parallel (its adapters' update under it is not built yet); leave it unset or set it false")  # fmt: skip
     if cfg.parallel.get("sequence_parallel", None) and not _plans_sequence_parallel(spec):
         raise ConfigError(
             "parallel.sequence_parallel",
             f"{type(model).__name__}'s plan has no sequence-parallel entries (embedding, sequence_parallel "
             "norms); set parallel.sequence_parallel=false or declare them",
         )
-
-
-def peft_enabled(peft) -> bool:
-    from framework.peft import enabled
-
-    return enabled(peft)
 
 
 def _plans_sequence_parallel(spec: ModelSpec) -> bool:
@@ -250,8 +246,10 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
     p = cfg.parallel
     if p.get("sequence_parallel", None) is not None or (tp <= 1 and "sequence_parallel" not in p):
         return None
+    from framework.peft import enabled
+
     model, spec = _meta(cfg)
-    lora = peft_enabled(cfg.get("peft"))
+    lora = enabled(cfg.get("peft"))
     with open_dict(p):
         p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec) and not lora
     if tp > 1 and not p.sequence_parallel:

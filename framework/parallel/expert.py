@@ -76,33 +76,30 @@ class ExpertDispatch:
         if x.is_meta:  # shapes only (the framework traces on the meta device): no routing to follow
             return torch.zeros_like(x)
         local = len(counts) // self.size
-        send = torch.tensor(counts, device=x.device).view(self.size, local)  # row p: rank p's experts
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)  # recv[q, j]: rank q's tokens for my expert j
-        sent, got = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = AllToAll.apply(x, sent, got, self.group)
+        sent = [sum(counts[p * local : (p + 1) * local]) for p in range(self.size)]  # to rank p: its experts'
+        recv = torch.empty(self.size, local, dtype=torch.long, device=x.device)
+        dist.all_to_all_single(recv, torch.tensor(counts, device=x.device).view(self.size, local), group=self.group)
+        got = recv.tolist()  # got[q][j]: rank q's tokens for my expert j (the one host sync)
+        from_rank = [sum(row) for row in got]
+        received = AllToAll.apply(x, sent, from_rank, self.group)
         # grouped by sender, then expert: regroup by expert (stable: each sender's tokens in order)
         expert_of = torch.arange(local, device=x.device).repeat(self.size).repeat_interleave(recv.flatten())
         order = torch.argsort(expert_of, stable=True)
-        out = grouped_swiglu(received[order], recv.sum(0).tolist(), *weights)
+        out = grouped_swiglu(received[order], [sum(row[j] for row in got) for j in range(local)], *weights)
         back = torch.empty_like(out).index_copy(0, order, out)  # the senders' order again
-        return AllToAll.apply(back, got, sent, self.group)
+        return AllToAll.apply(back, from_rank, sent, self.group)
 
 
-def apply_ep(module: nn.Module, blocks: str, ep_mesh, fsdp_mesh) -> list[nn.Module]:
+def apply_ep(module: nn.Module, blocks: str, ep_mesh, fsdp_mesh) -> None:
     """Split every routed layer's experts in `module` (a model or a pipeline stage) over `ep_mesh`:
-    their weights become DTensors sharded on the expert dim, their forward an ExpertDispatch.
-    Returns the expert modules (FSDP units of their own over `fsdp_mesh`: framework/parallel/fsdp.py)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    their weights become DTensors sharded on the expert dim, their forward an ExpertDispatch (and
+    FSDP makes each a unit of its own over `fsdp_mesh`: framework/parallel/fsdp.py)."""
+    from torch.distributed.tensor import Shard
 
     from framework.moe import routed_layers
+    from framework.parallel.tensor import distribute_parameter
 
-    units = []
     for _, layer in routed_layers(module, blocks):
-        experts = layer.experts
-        for name, p in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(p.data, ep_mesh, [Shard(0)])
-            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
-        experts.dispatcher = ExpertDispatch(ep_mesh, fsdp_mesh)
-        units.append(experts)
-    return units
+        for name in ("w1", "w2", "w3"):
+            distribute_parameter(layer.experts, name, ep_mesh, Shard(0))
+        layer.experts.dispatcher = ExpertDispatch(ep_mesh, fsdp_mesh)

@@ -42,7 +42,8 @@ class GatherSequence(PrepareModuleInput):
         return (*gathered, *rest)
 
 
-def _distribute(module: nn.Module, name: str, mesh, placement) -> None:
+def distribute_parameter(module: nn.Module, name: str, mesh, placement) -> None:
+    """Replace `module`'s parameter `name` by a DTensor of it on `mesh` (one placement)."""
     from torch.distributed.tensor import distribute_tensor
 
     p = getattr(module, name)
@@ -58,9 +59,9 @@ class LoRAColwise(ColwiseParallel):
         if name:  # the adapters themselves: placed with their layer, below
             return
         for param in ("weight", "bias") if module.bias is not None else ("weight",):
-            _distribute(module, param, device_mesh, Shard(0))
-        _distribute(module.lora_A, "weight", device_mesh, Replicate())
-        _distribute(module.lora_B, "weight", device_mesh, Shard(0))
+            distribute_parameter(module, param, device_mesh, Shard(0))
+        distribute_parameter(module.lora_A, "weight", device_mesh, Replicate())
+        distribute_parameter(module.lora_B, "weight", device_mesh, Shard(0))
 
 
 class LoRARowwise(RowwiseParallel):
@@ -71,11 +72,11 @@ class LoRARowwise(RowwiseParallel):
     def _partition_linear_fn(self, name, module, device_mesh):
         if name:
             return
-        _distribute(module, "weight", device_mesh, Shard(1))
+        distribute_parameter(module, "weight", device_mesh, Shard(1))
         if module.bias is not None:
-            _distribute(module, "bias", device_mesh, Replicate())
-        _distribute(module.lora_A, "weight", device_mesh, Shard(1))
-        _distribute(module.lora_B, "weight", device_mesh, Replicate())
+            distribute_parameter(module, "bias", device_mesh, Replicate())
+        distribute_parameter(module.lora_A, "weight", device_mesh, Shard(1))
+        distribute_parameter(module.lora_B, "weight", device_mesh, Replicate())
 
 
 def _with_adapters(style):
