@@ -3,7 +3,8 @@
 Each routed layer counts what it routed since it was last read (`stats`). After every optimizer
 step the framework reads every rank's layers into one vector (blocks x experts token counts,
 tokens dropped, the auxiliary loss and its calls), sums it over all ranks (data-parallel ranks
-routed other tokens; pipeline stages hold other blocks; context-parallel ranks other positions),
+routed other tokens; pipeline stages hold other blocks; context-parallel ranks other positions;
+tensor-parallel ranks the same tokens, counted once),
 and from the whole step's loads:
 
 - `moe_load_imbalance`: the most loaded expert's tokens over the mean, averaged over the blocks;
@@ -45,16 +46,19 @@ def set_aux_scale(layers: list[tuple[int, nn.Module]], scale: float | torch.Tens
         layer.aux_scale = torch.as_tensor(scale, dtype=torch.float32)
 
 
-def step_figures(layers: list[tuple[int, nn.Module]], blocks: int, experts: int, info: DistInfo) -> dict[str, Any]:
+def step_figures(
+    layers: list[tuple[int, nn.Module]], blocks: int, experts: int, copies: int, info: DistInfo
+) -> dict[str, Any]:
     """The step's routing figures over every rank (see the module's docstring); resets the layers'
-    counts and applies bias balancing."""
+    counts and applies bias balancing. `copies`: ranks that route the same tokens (tensor
+    parallel's ranks run the routed layers whole on their replicated tokens), counted once."""
     values = torch.zeros(blocks * experts + 3)
     for i, layer in layers:
         s = layer.stats
         values[i * experts : (i + 1) * experts] += s["tokens"]
         values[-3:] += torch.tensor([s["dropped"], s["aux"], s["calls"]])
         layer.reset_stats()
-    values = all_reduce_sum(values.to(info.device), info).cpu()
+    values = all_reduce_sum(values.to(info.device), info).cpu() / copies
     loads = values[:-3].view(blocks, experts)
     used = loads.sum(1) > 0
     imbalance = (loads.max(1).values / loads.mean(1).clamp_min(1e-9))[used].mean()

@@ -26,7 +26,7 @@ def _comm_wire(s: dict[str, Any]) -> float | None:
 
 PLAN_FIGURES = {"param_bytes": "params", "grad_bytes": "grads", "optim_bytes": "optim",
                 "activation_bytes": "activations", "wire_bytes": "wire", "comm_calls": "calls",
-                "step_time_s": "step time", "peak_bytes": "peak"}  # fmt: skip
+                "step_time_s": "step time", "peak_bytes": "peak", "all_to_all_bytes": "all-to-all"}  # fmt: skip
 
 
 def _plan_error(s: dict[str, Any]) -> str | None:

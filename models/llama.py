@@ -201,8 +201,8 @@ class Llama(nn.Module):
     def __init__(self, flavor: str = "debug", hf_config: str | None = None, **overrides):
         super().__init__()
         self.args = args = llama_args(flavor, hf_config, **overrides)
-        if args.moe.experts:  # routed experts are not split by tensor parallel (yet): no plan
-            self.tp_plan = {}
+        if args.moe.experts:  # routed experts run whole on every tp rank (on its replicated tokens)
+            self.tp_plan = {k: v for k, v in self.tp_plan.items() if ".feed_forward" not in k}
         # what the contract checks tensor-parallel degrees against (they must split whole heads): the
         # key/value heads, which under GQA are fewer than the query heads and divide them
         self.n_heads = args.n_kv_heads

@@ -74,7 +74,7 @@ def test_load_imbalance_and_bias_balancing_follow_a_hand_count():
         m.register_forward_hook(lambda mod, inp, out: counts.append(
             torch.bincount(mod.route(inp[0].reshape(-1, 16))[0].flatten(), minlength=4).float()))  # fmt: skip
     model(tokens)
-    figures = step_figures(layers, 2, 4, ONE)
+    figures = step_figures(layers, 2, 4, 1, ONE)
     want = sum(float(c.max() / c.mean()) for c in counts) / 2
     assert figures["moe_load_imbalance"] == pytest.approx(want)
     assert figures["moe_tokens_per_expert"] == (counts[0] + counts[1]).tolist() and figures["moe_dropped_tokens"] == 0
@@ -137,7 +137,11 @@ def test_routed_experts_are_refused_where_they_cannot_run():
     cases = [
         ("model.moe.top_k", [*base, "model.moe.top_k=5", "parallel=none"]),
         ("model.moe.balance", [*base, "model.moe.balance=loss", "parallel=none"]),
-        ("parallel.tp", [*base, "parallel=tp", "launch.nproc_per_node=2"]),
+        # under tensor parallel the routed layers run whole on each rank's replicated tokens
+        (
+            "parallel.sequence_parallel",
+            [*base, "parallel=tp", "parallel.sequence_parallel=true", "launch.nproc_per_node=2"],
+        ),
         ("parallel.ep", [*base, *EP2, "model.moe.experts=3"]),  # 3 experts do not split over 2 ranks
         ("parallel.ep", [*base, "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=3"]),  # nor 3 dp ranks
         ("parallel.ep", ["model=llama", "model.n_layers=2", *EP2]),  # a dense model
@@ -161,8 +165,9 @@ EP2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
 
 
 def moe_run(tmp_path, name: str, *overrides: str) -> list[float]:
-    """The run's losses, then its gradient norms (one list)."""
-    proc = train_cli([*MOE_RUN, "metrics.sample_every=0", *overrides], tmp_path / name)
+    """The run's losses, then its gradient norms (one list). Its collectives are counted (every
+    step sampled): the planner's check is in its summary."""
+    proc = train_cli([*MOE_RUN, "metrics.sample_every=1", *overrides], tmp_path / name)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(tmp_path / name)
     return [m["loss"] for m in metrics] + [m["grad_norm"] for m in metrics]
@@ -173,21 +178,48 @@ def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
 
 
 @pytest.mark.slow
-def test_expert_parallel_composes_with_fsdp_hsdp_pipelines_and_accumulation(tmp_path):
+def test_expert_parallel_composes_with_fsdp_hsdp_tp_pipelines_and_accumulation(tmp_path):
     """The must-hold layouts beside ep x2: ep 2 x fsdp 2 (experts sharded by FSDP over the 2 ranks
-    left), HSDP 2 x 2 with ep 2, pipeline 2 x ep 2, and ep x2 with 2 micro-batches a step: each
-    equals one process within 1e-5 for 5 steps (losses and gradient norms)."""
+    left), HSDP 2 x 2 with ep 2, ep 2 x tp 2 (each tp rank runs the routed layers whole on its
+    replicated tokens), pipeline 2 x ep 2, and ep x2 with 2 micro-batches a step: each equals one
+    process within 1e-5 for 5 steps (losses and gradient norms), and its state bytes per rank and
+    all-to-all bytes (the mean rank's) are the planner's forecast exactly."""
     want = moe_run(tmp_path, "one", *ONE_PROCESS)
-    hybrid = ["parallel=hybrid", "parallel.tp=1", "parallel.cp=1", "parallel.ep=2", "launch.nproc_per_node=4"]
+    hybrid = ["parallel=hybrid", "parallel.cp=1", "parallel.ep=2", "launch.nproc_per_node=4"]
     layouts = {
         "ep2_fsdp2": ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=4", "data.batch_size=2"],
-        "hsdp_ep2": [*hybrid, "parallel.pp=1", "parallel.dp_replicate=2", "parallel.dp_shard=2", "data.batch_size=2"],
-        "pp2_ep2": [*hybrid, "parallel.pp=2", "parallel.dp_shard=2", "data.batch_size=4"],
+        "hsdp_ep2": [
+            *hybrid,
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.dp_replicate=2",
+            "parallel.dp_shard=2",
+            "data.batch_size=2",
+        ],  # fmt: skip
+        "ep2_tp2": [
+            *hybrid,
+            "parallel.tp=2",
+            "parallel.pp=1",
+            "parallel.dp_replicate=1",
+            "parallel.dp_shard=2",
+            "data.batch_size=4",
+        ],  # fmt: skip
+        "pp2_ep2": [
+            *hybrid,
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "parallel.dp_replicate=1",
+            "parallel.dp_shard=2",
+            "data.batch_size=4",
+        ],  # fmt: skip
         "ep2_accumulation": [*EP2, "data.batch_size=2", "accumulation_steps=2"],
     }
     for name, overrides in layouts.items():
         got = moe_run(tmp_path, name, *overrides)
         assert close(got, want), (name, got, want)
+        error = read_summary(tmp_path / name)["plan"]["error"]
+        exact = ("param_bytes", "grad_bytes", "optim_bytes", "comm_calls", "all_to_all_bytes")
+        assert all(error[k] == 0.0 for k in exact), (name, error)
 
 
 # ----------------------------------------------------------------------------- Mixtral in and out
@@ -261,7 +293,8 @@ def test_expert_parallel_trains_as_one_process(mixtral_ep):
     global batch within 1e-5 for 6 steps, losses and gradient norms (AdamW would hide a gradient
     off by a constant factor from the losses); each routed layer's forward and backward are 5
     all-to-alls a step (counts, tokens, outputs; their gradients), 2 layers; the state bytes per
-    rank are the planner's forecast exactly."""
+    rank and the all-to-all bytes a rank sends a step (the mean rank's) are the planner's
+    forecast exactly."""
     root, _, runs = mixtral_ep
     assert close(series(runs["ep"]), series(runs["one"])), runs
     assert close(series(runs["ep"], "grad_norm"), series(runs["one"], "grad_norm")), runs
@@ -271,6 +304,13 @@ def test_expert_parallel_trains_as_one_process(mixtral_ep):
     # each rank's state, experts included (2 of 4 a rank, whole: dp_shard / ep = 1), as the planner forecast it
     error = summary["plan"]["error"]
     assert error["param_bytes"] == error["grad_bytes"] == error["optim_bytes"] == 0.0, error
+    # 2 layers x (8 B x 4 experts + 4 x 4 x 16 tokens x top-2 x 32 wide x 4 B), as the ranks sent it
+    assert (
+        summary["moe"]["all_to_all_bytes"]
+        == 2 * (8 * 4 + 4 * 4 * 16 * 2 * 32 * 4)
+        == summary["plan"]["predicted"]["all_to_all_bytes"]
+    )
+    assert error["all_to_all_bytes"] == 0.0 and summary["moe"]["all_to_all_imbalance"] >= 1.0
 
 
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(mixtral_ep):

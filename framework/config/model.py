@@ -140,9 +140,6 @@ def _check_moe(cfg: DictConfig, model, blocks: str | None) -> None:
     if args.experts % ep:
         raise ConfigError("parallel.ep", f"got {ep}; each ep rank holds experts / ep of the "
                           f"{args.experts} experts, so it must divide them")  # fmt: skip
-    if (cfg.parallel.get("tp") or 1) != 1:
-        raise ConfigError("parallel.tp", "routed experts under tensor parallelism are not built yet; train a "
-                          "mixture of experts with ddp, fsdp, pp, cp or expert parallel (parallel.ep)")  # fmt: skip
     hidden = args.hidden in (None, getattr(getattr(model, "args", None), "ffn_hidden", None))
     mixtral = args.score == "softmax" and args.norm_topk and not args.shared_experts and hidden
     if (cfg.checkpoint.get("export") or cfg.model.get("pretrained")) and not mixtral:
@@ -216,11 +213,10 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
         check_plan(model, spec)
     except ContractError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
-    from framework.peft import enabled
-
-    if cfg.parallel.get("sequence_parallel", None) and enabled(cfg.get("peft")):
-        raise ConfigError("parallel.sequence_parallel", "peft=lora trains under tensor parallel without sequence "
-                          "parallel (its adapters' update under it is not built yet); leave it unset or set it false")  # fmt: skip
+    why = _no_sequence_parallel(cfg, model, spec)
+    if cfg.parallel.get("sequence_parallel", None) and why:
+        raise ConfigError("parallel.sequence_parallel", f"{why} trains under tensor parallel without sequence "
+                          "parallel (not built yet); leave it unset or set it false")  # fmt: skip
     if cfg.parallel.get("sequence_parallel", None) and not _plans_sequence_parallel(spec):
         raise ConfigError(
             "parallel.sequence_parallel",
@@ -246,15 +242,26 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
     p = cfg.parallel
     if p.get("sequence_parallel", None) is not None or (tp <= 1 and "sequence_parallel" not in p):
         return None
+    model, spec = _meta(cfg)
+    without = _no_sequence_parallel(cfg, model, spec)
+    with open_dict(p):
+        p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec) and not without
+    if tp > 1 and not p.sequence_parallel:
+        why = without or f"{type(model).__name__}'s plan has no sequence-parallel entries"
+        return f"parallel.sequence_parallel: off ({why})"
+    return None
+
+
+def _no_sequence_parallel(cfg: DictConfig, model, spec: ModelSpec) -> str | None:
+    """What in this run trains under tensor parallel without sequence parallel: peft=lora's
+    adapters, routed experts (run whole on each tp rank's replicated tokens); None: nothing."""
+    from framework.moe import routed_layers
     from framework.peft import enabled
 
-    model, spec = _meta(cfg)
-    lora = enabled(cfg.get("peft"))
-    with open_dict(p):
-        p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec) and not lora
-    if tp > 1 and not p.sequence_parallel:
-        why = "peft=lora" if lora else f"{type(model).__name__}'s plan has no sequence-parallel entries"
-        return f"parallel.sequence_parallel: off ({why})"
+    if enabled(cfg.get("peft")):
+        return "peft=lora"
+    if routed_layers(model, spec.blocks or ""):
+        return "a mixture of experts (model.moe)"
     return None
 
 

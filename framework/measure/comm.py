@@ -8,7 +8,8 @@ how many bytes is observed, not predicted.
 
 Per call two figures:
 - ``bytes``: the payload, measured: the tensor data the collective is about (an all-reduce's
-  tensor, an all-gather's gathered output, a reduce-scatter's full input, a send's tensor);
+  tensor, an all-gather's gathered output, a reduce-scatter's full input, a send's tensor, the
+  rows an all-to-all sends, its own share included);
 - ``wire_bytes``: a model, not a measurement: what this rank would send under the standard ring
   algorithms for its group of N (all-reduce 2(N-1)/N x payload, a reduce-scatter then an
   all-gather; all-gather, reduce-scatter and broadcast (N-1)/N x payload; send the payload).
@@ -107,10 +108,15 @@ def _tensors(args) -> list[torch.Tensor]:
 
 def payload_bytes(op: str, args: tuple, kwargs: dict) -> int:
     """The collective's payload: the biggest of its tensor arguments (the gathered output of an
-    all-gather, the full input of a reduce-scatter, the tensor of the others)."""
+    all-gather, the full input of a reduce-scatter, the tensor of the others); an all-to-all's
+    input (what this rank sends: what it receives depends on the others)."""
     name = op.split(".")[1] if "." in op else op
     if name == "all_gather_into_tensor":  # functional: only the shard is an argument
         return _nbytes(args[0]) * int(args[1])
+    if name in ("alltoall_", "alltoall_base_"):  # (outputs, inputs, ...)
+        return _nbytes(args[1])
+    if name == "all_to_all_single":  # functional: (input, ...)
+        return _nbytes(args[0])
     return max((_nbytes(a) for a in args if isinstance(a, torch.Tensor | list | tuple)), default=0)
 
 

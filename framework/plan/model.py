@@ -44,6 +44,7 @@ class Layout:
     bucket_cap_mb: float = 25.0
     cp: int = 1  # context parallel: each sequence split over cp ranks
     cp_impl: str = "ring"
+    ep: int = 1  # expert parallel: routed experts split over ep of the dp_shard ranks
 
     @property
     def world(self) -> int:
@@ -57,6 +58,11 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks FSDP shards each ep rank's experts over: the dp_shard ranks ep leaves."""
+        return self.dp_shard // self.ep
 
     @property
     def stages(self) -> int:
@@ -88,6 +94,7 @@ def layout_of(parallel: DictConfig, world: int, n_layer: int | None = None, n_he
         schedule=p.get("schedule", "1F1B"), n_microbatches=p.get("n_microbatches", 4) if dims.pp > 1 else 1,
         stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1,
         sync_every_microbatch=p.get("sync_every_microbatch", False), cp=dims.cp, cp_impl=p.get("cp_impl", "ring"),
+        ep=dims.ep,
     )  # fmt: skip
 
 
@@ -103,6 +110,7 @@ class Param:
     tp_dim: int | None  # the dim tensor parallel splits (None: replicated)
     style: str | None = None  # its module's entry in the tensor-parallel plan
     trainable: bool = True  # False: frozen (peft=lora's base), no gradient or optimizer state
+    expert: bool = False  # a routed layer's grouped expert weight (experts x ...): split over ep
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,16 @@ class TPShape:
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """What expert parallel's all-to-alls depend on (models/moe.py)."""
+
+    experts: int
+    top_k: int
+    dim: int  # a token's width (the rows sent)
+    blocks: frozenset[int]  # the blocks with a routed layer
+
+
+@dataclass(frozen=True)
 class Shapes:
     """The model as the planner sees it: its parameters, and what its plan and blocks declare."""
 
@@ -130,6 +148,7 @@ class Shapes:
     hidden: int | None = None  # the residual stream's width (what a pipeline stage sends)
     tp: TPShape | None = None
     batchnorm: list[int] = field(default_factory=list)  # channels of each BatchNorm layer
+    moe: MoEShape | None = None  # routed experts
 
 
 def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
@@ -145,6 +164,7 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     stage_of = {i: s for s, ids in enumerate(layers) for i in ids}
     first_stage = _first_stage(model, spec) if layout.pp > 1 else set()
     plan = expand_plan(model, spec) if layout.tp > 1 else {}
+    moe, experts = moe_shape(model, spec)
     params = []
     for name, p in model.named_parameters():
         layer = block_index(name, spec)
@@ -154,7 +174,8 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
             stage = 0 if name.split(".", 1)[0] in first_stage or layout.pp == 1 else layout.stages - 1
         unit = f"{spec.blocks}.{layer}" if layer is not None else "root"
         style = plan.get(name.rpartition(".")[0])
-        params.append(Param(name, tuple(p.shape), stage, unit, _tp_dim(name, plan, layout), style, p.requires_grad))
+        tp_dim, expert = _tp_dim(name, plan, layout), name.rpartition(".")[0] in experts
+        params.append(Param(name, tuple(p.shape), stage, unit, tp_dim, style, p.requires_grad, expert))
     counted = model_flops(model, spec, cfg.data.get("seq_len"), recomputed_blocks(cfg, n_blocks))
     buffers: dict[str, int] = defaultdict(int)
     for b in model.buffers():
@@ -162,7 +183,20 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     hidden = residual_width(model, spec)
     tp = tp_shape(model, spec, plan, hidden) if plan else None
     norms = [m.num_features for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    return Shapes(params, spec.planner_shape, *(counted or (None, None)), layers, dict(buffers), hidden, tp, norms)
+    return Shapes(params, spec.planner_shape, *(counted or (None, None)), layers, dict(buffers), hidden, tp, norms, moe)
+
+
+def moe_shape(model: nn.Module, spec) -> tuple[MoEShape | None, set[str]]:
+    """The routed layers' shape, and the paths of their grouped experts (none: (None, set()))."""
+    from framework.moe import routed_layers
+
+    layers = routed_layers(model, spec.blocks or "")
+    if not layers:
+        return None, set()
+    experts = {id(layer.experts) for _, layer in layers}
+    paths = {name for name, m in model.named_modules() if id(m) in experts}
+    args, dim = layers[0][1].args, layers[0][1].experts.w1.shape[-1]
+    return MoEShape(args.experts, args.top_k, dim, frozenset(i for i, _ in layers)), paths
 
 
 _TRACED: dict[int, tuple[nn.Module, set[str]]] = {}  # held: an id is only unique while its object lives
@@ -266,7 +300,9 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
             # a row-wise (vocabulary-split) embedding's gradient comes back whole-size from
             # DTensor's embedding backward: a tp rank holds all of it
             per_rank[rank][2] += _numel(p.shape) - _numel(local)
-        if layout.fsdp == 2:
+        if p.expert and layout.ep > 1:  # experts / ep of them, sharded by FSDP over the dp_shard ranks left
+            held = fsdp_rows(local[0] // layout.ep, layout.expert_shard)[0] * _numel(local[1:])
+        elif layout.fsdp == 2:
             held = fsdp_rows(local[0], layout.shard)[0] * _numel(local[1:])
         elif layout.fsdp == 1:
             units[(rank, p.unit, p.trainable)] += _numel(local)

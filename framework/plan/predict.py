@@ -19,7 +19,7 @@ from framework.plan.traffic import traffic
 from framework.precision import DTYPES
 
 FIGURES = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "wire_bytes", "comm_calls",
-           "step_time_s", "peak_bytes")  # fmt: skip
+           "step_time_s", "peak_bytes", "all_to_all_bytes")  # fmt: skip
 
 _SHAPES: dict[tuple, tuple[Any, Any]] = {}  # the meta model held: its id is the key's
 
@@ -70,6 +70,8 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
         "peak": parts,
         "peak_bytes": sum(parts.values()) if parts else None,
         "comm": comm,
+        # expert parallel: the all-to-all bytes the mean rank sends (summary `moe`; exact when dropless)
+        "all_to_all_bytes": sum(t.bytes["all_to_all"] for t in ranks) / len(ranks) if layout.ep > 1 and ranks else None,
         "bubble": bubble(layout),
         "step_time_s": None,
         "comm_time_s": None,  # the communication part alone (what ranks models without a FLOP count)
@@ -119,9 +121,10 @@ def _not_predicted(memory: dict, ranks, shapes: Shapes) -> dict[str, str]:
 def layout_name(layout: Layout) -> str:
     if layout.name in ("none", "dp", "ddp", "tp"):
         return layout.name
+    ep = f" ep{layout.ep}" if layout.ep > 1 else ""
     if layout.name == "fsdp" and layout.tp == layout.pp == layout.cp == 1:
         kind = "fsdp" if layout.reshard else "fsdp(grad_op)"
-        return kind if layout.dp_replicate == 1 else f"{kind} {layout.dp_replicate}x{layout.dp_shard}"
+        return (kind if layout.dp_replicate == 1 else f"{kind} {layout.dp_replicate}x{layout.dp_shard}") + ep
     if layout.name == "pp":
         return f"pp {layout.schedule} m={layout.n_microbatches}"
     if layout.name == "cp" and layout.dp == 1:
@@ -132,7 +135,7 @@ def layout_name(layout: Layout) -> str:
         + [f"cp{layout.cp}"] * (layout.cp > 1)
         + [f"tp{layout.tp}"] * (layout.tp > 1)
     )
-    return f"{layout.name} " + "x".join(parts)
+    return f"{layout.name} " + "x".join(parts) + ep
 
 
 # ----------------------------------------------------------------------------- the check
@@ -151,11 +154,11 @@ def check(predicted: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     pm, pc = predicted["memory"], predicted["comm"] or {}
     pred = {k: pm.get(k) for k in FIGURES[:4]} | {
         "wire_bytes": pc.get("wire_bytes"), "comm_calls": pc.get("calls"), "step_time_s": predicted["step_time_s"],
-        "peak_bytes": predicted.get("peak_bytes"),
+        "peak_bytes": predicted.get("peak_bytes"), "all_to_all_bytes": predicted.get("all_to_all_bytes"),
     }  # fmt: skip
     meas = {k: memory.get(k) for k in FIGURES[:4]} | {
         "wire_bytes": comm.get("wire_bytes"), "comm_calls": comm.get("calls"), "step_time_s": summary.get("step_time_s"),
-        "peak_bytes": measured_peak(summary),
+        "peak_bytes": measured_peak(summary), "all_to_all_bytes": (summary.get("moe") or {}).get("all_to_all_bytes"),
     }  # fmt: skip
     if not comm and predicted["comm"] is not None and not pc.get("calls"):  # no collectives, none predicted
         meas["wire_bytes"], meas["comm_calls"] = 0, 0

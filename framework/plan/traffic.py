@@ -12,6 +12,8 @@ wire bytes, in the shape `framework.measure.comm` measures them (so the two comp
   the residual stream each way, without it two all-reduces forward and four backward; the head gathers its input
   and (without loss parallel) the logits; norms' partial gradients are all-reduced at clipping.
 - pp: per micro-batch each stage sends its output forward and its input's gradient back.
+- ep: per routed layer and micro-batch, five all-to-alls among the ep ranks (counts, tokens,
+  outputs, and the two gradients), on the mean rank's dropless volume.
 - cp (ring attention): per block and micro-batch the stacked key/value block travels cp-1 hops
   forward and again backward (and once more in a checkpointed block's recomputation), and its
   gradient (float32, the ring's accumulation dtype) cp hops backward; each hop a send and a receive.
@@ -99,6 +101,8 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
         _tensor_parallel(ranks, shapes, cfg, layout)
     if layout.pp > 1:
         _pipeline(ranks, shapes, cfg, layout)
+    if layout.ep > 1:
+        _expert_parallel(ranks, shapes, cfg, layout)
     if layout.cp > 1:
         if layout.cp_impl != "ring" or shapes.gpt is None:
             return None
@@ -142,8 +146,11 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     for p in shapes.params:
         local = _tp_local(p, layout.tp)
         key = (stage_rank(p.stage, layout), p.unit if p.unit != "root" else f"root{p.stage}")
-        units[key] += fsdp_rows(local[0], layout.shard)[1] * _numel(local[1:])
-        trained[key] += fsdp_rows(local[0], layout.shard)[1] * _numel(local[1:]) * p.trainable
+        rows, group = local[0], layout.shard
+        if p.expert and layout.ep > 1:  # a unit of its own: experts / ep, over the dp_shard ranks left
+            key, rows, group = (key[0], f"{key[1]}:experts"), rows // layout.ep, layout.expert_shard
+        units[key] += fsdp_rows(rows, group)[1] * _numel(local[1:])
+        trained[key] += fsdp_rows(rows, group)[1] * _numel(local[1:]) * p.trainable
         flat[key] += _numel(local)
     if layout.fsdp == 1:  # one flat parameter per unit, padded to divide evenly
         units = {k: -(-n // layout.shard) * layout.shard for k, n in flat.items()}
@@ -154,12 +161,16 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     gather_rounds = cfg.accumulation_steps if layout.fsdp == 1 else rounds
     for (rank, unit), elements in units.items():
         t = ranks[rank]
+        # experts' units (expert parallel): over the dp_shard ranks ep leaves, ep x tp apart
+        group, stride = (
+            (layout.expert_shard, layout.ep * layout.tp) if unit.endswith(":experts") else (layout.shard, layout.tp)
+        )
         gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
-        t.add("fsdp:all_gather", gathers * elements * gather_bytes, layout.shard, gathers, "dp", layout.tp)
+        t.add("fsdp:all_gather", gathers * elements * gather_bytes, group, gathers, "dp", stride)
         grads = trained[(rank, unit)]
         if grads:  # a unit of frozen parameters (peft=lora's base) reduces nothing
-            t.add("fsdp:reduce_scatter", rounds * grads * reduce_bytes, layout.shard, rounds, "dp", layout.tp)
-            shard = grads // layout.shard * reduce_bytes
+            t.add("fsdp:reduce_scatter", rounds * grads * reduce_bytes, group, rounds, "dp", stride)
+            shard = grads // group * reduce_bytes
             t.add("all_reduce", rounds * shard, layout.dp_replicate, rounds, "dp", stride=layout.shard * layout.tp)
 
 
@@ -223,6 +234,25 @@ def _pipeline(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Lay
             ranks[rank].add("send", m * activation, 2, calls=m, stride=stride)  # outputs forward
         if stage > 0 and stage_rank(stage - 1, layout) != rank:
             ranks[rank].add("send", m * activation, 2, calls=m, stride=stride)  # input gradients back
+
+
+def _expert_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
+    """Expert parallel's all-to-alls (framework/parallel/expert.py), per routed layer and micro-batch:
+    the counts (one int64 per expert), the tokens to their experts' ranks and the outputs back,
+    and the two reversed in backward. A rank sends each of its T x top_k assignments' rows (dim
+    wide, the activations' dtype) twice (tokens forward, outputs' gradients backward), and twice
+    the rows it received: what the ep ranks receive is what they sent, so the mean rank receives
+    T x top_k. Counted as sent (framework.measure.comm), each layer: 8 E + 4 T k dim bytes on the
+    mean rank, exactly when dropless (a capacity factor sends fewer: dropped rows stay home); the
+    busiest rank sends more, by how unevenly its experts are loaded (summary `moe`)."""
+    moe, n_micro = shapes.moe, layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
+    rows = micro_batch(cfg, layout) * tokens_per_rank(cfg, layout) * moe.top_k
+    width = 2 if cfg.precision.name == "bf16" else 4  # amp keeps the residual stream in float32
+    for stage, layers in enumerate(shapes.stage_layers):
+        routed = n_micro * len(moe.blocks.intersection(layers))
+        t = ranks[stage_rank(stage, layout)]
+        t.add("all_to_all", routed * 8 * moe.experts, layout.ep, routed, stride=layout.tp)
+        t.add("all_to_all", routed * 4 * rows * moe.dim * width, layout.ep, 4 * routed, stride=layout.tp)
 
 
 def _ring_attention(t: Traffic, shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:

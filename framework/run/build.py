@@ -58,7 +58,8 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
-    return Parts(flops, par, optimizer, scheduler, data, precision, spec.task, moe_shape(meta_layers, spec, n_blocks))
+    moe = moe_shape(meta_layers, spec, n_blocks, par.mesh.dims.tp if par.mesh else 1)
+    return Parts(flops, par, optimizer, scheduler, data, precision, spec.task, moe)
 
 
 def resume(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Resumed:
@@ -112,9 +113,10 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
     )
 
 
-def moe_shape(layers: list, spec, n_blocks: int) -> tuple[str, int, int] | None:
-    """(blocks path, blocks, experts) of a model with routed experts (framework/moe.py), else None."""
-    return (spec.blocks, n_blocks, layers[0][1].args.experts) if layers else None
+def moe_shape(layers: list, spec, n_blocks: int, copies: int) -> tuple[str, int, int, int] | None:
+    """(blocks path, blocks, experts, copies) of a model with routed experts (framework/moe.py),
+    else None; copies: the ranks that route the same tokens (tensor parallel's)."""
+    return (spec.blocks, n_blocks, layers[0][1].args.experts, copies) if layers else None
 
 
 def data_position(saved: dict, data, path: str) -> None:

@@ -31,7 +31,9 @@ class Parts:
     data: DataPipeline
     precision: Precision
     task: str = "lm"  # the model's (framework/contract.py): lm | classify
-    moe: tuple[str, int, int] | None = None  # routed experts: (blocks path, blocks, experts) (framework/moe.py)
+    moe: tuple[str, int, int, int] | None = (
+        None  # routed experts: (blocks path, blocks, experts, copies) (framework/moe.py)
+    )
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "load_balance": balance,
         "sources": mixture_figures(parts.data.dataset, stats.sources),
-        "moe": routed_figures(stats.moe),
+        "moe": routed_figures(stats.moe, [r["comm"] for r in everyone]),
     }
     summary["plan"] = plan_check(cfg, info.world_size, summary, stats.plan_auto) if info.is_main else None  # rank 0's
     return summary
@@ -260,13 +260,18 @@ def mixture_figures(dataset: Any, counts: list[tuple[float, ...]]) -> dict[str, 
                     "weight": weights[k] / sum(weights)} for k, label in enumerate(dataset.labels)}  # fmt: skip
 
 
-def routed_figures(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+def routed_figures(steps: list[dict[str, Any]], comm: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Routed experts over the run: load imbalance (mean, first and last step), the mean
-    auxiliary loss, tokens dropped and the tokens each expert got (None for a dense model)."""
+    auxiliary loss, tokens dropped and the tokens each expert got (None for a dense model); under
+    expert parallel the all-to-all bytes a rank sent a step, the mean over the ranks (what the
+    planner forecasts: the mean rank's), and the busiest rank's over it (`comm`: each rank's)."""
     if not steps:
         return None
+    sent = [c["by_op"]["all_to_all"]["bytes"] for c in comm if c and "all_to_all" in c["by_op"]]
+    mean_sent = sum(sent) / len(comm) if sent else None
     imbalance = [s["moe_load_imbalance"] for s in steps]
-    return {"load_imbalance": sum(imbalance) / len(imbalance), "load_imbalance_first": imbalance[0],
+    return {"all_to_all_bytes": mean_sent, "all_to_all_imbalance": max(sent) / mean_sent if sent else None,
+            "load_imbalance": sum(imbalance) / len(imbalance), "load_imbalance_first": imbalance[0],
             "load_imbalance_last": imbalance[-1], "aux_loss": sum(s["moe_aux_loss"] for s in steps) / len(steps),
             "dropped_tokens": sum(s["moe_dropped_tokens"] for s in steps),
             "tokens_per_expert": [sum(t) for t in zip(*(s["moe_tokens_per_expert"] for s in steps), strict=True)]}  # fmt: skip
