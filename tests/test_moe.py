@@ -338,3 +338,41 @@ def test_a_mixtral_trained_under_expert_parallel_exports_what_transformers_reloa
     with torch.no_grad():
         assert torch.allclose(exported(tokens).logits, trained(tokens), atol=1e-5, rtol=0)
         assert not torch.allclose(exported(tokens).logits, hf(tokens).logits, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def test_the_planner_prices_expert_parallel_and_auto_chooses_it_where_only_it_fits():
+    """Mixtral-like experts (8 of 2048 wide) at 4 ranks: the search ranks fsdp with ep 2 and 4 and
+    the hybrids with ep beside the layouts that hold every expert; each ep layout's experts' state
+    is experts / ep sharded over the ranks left, its all-to-all bytes the routed layers' 8 E + 4 T
+    k dim each (whatever ep), and FSDP's gathered units hold experts / ep. A budget between the
+    smallest peak without ep and the smallest with it: parallel=auto runs an ep layout that fits."""
+    from framework.plan.profile import machine_profile
+    from framework.plan.search import memory_budget_bytes, rank
+    from tests.helpers import compose_config
+
+    cfg = compose_config(["model=llama", "model.flavor=debug_moe", "model.dim=64", "model.n_layers=2",
+                          "model.moe.experts=8", "model.moe.hidden=2048", "data.seq_len=32", "data.batch_size=2",
+                          "plan.latency_us=100", "plan.intra_node_gbps=1", "plan.peak_tflops=0.05",
+                          "plan.op_overhead_us=20", "launch.nproc_per_node=4"])  # fmt: skip
+    profile = machine_profile(cfg, 4, "config")
+    ranked = rank(cfg, 4, profile, memory_budget_bytes(cfg, 4))
+    ep = {r.prediction["layout"] for r in ranked if "ep" in r.prediction["layout"].split()[-1]}
+    assert {"fsdp ep2", "fsdp ep4", "hybrid dp2xpp2 ep2", "hybrid dp2xtp2 ep2"} <= ep, ep
+    plain = [r for r in ranked if r.knobs.checkpoint_every == 0 and r.knobs.accumulation_steps == 1]
+    by_layout = {r.prediction["layout"]: r.prediction for r in plain}
+    experts = 2 * 3 * 8 * 2048 * 64  # 2 layers x w1, w2, w3 (8 x 2048 x 64 each): every rank's share is a quarter
+    rest = by_layout["fsdp"]["memory"]["param_bytes"] - 4 * experts // 4
+    for name in ("fsdp ep2", "fsdp ep4"):
+        assert by_layout[name]["memory"]["param_bytes"] == rest + 4 * experts // 4, name
+        tokens = 32 * cfg.data.batch_size  # a rank's micro-batch: T = 64 tokens, top-2, 64 wide
+        assert by_layout[name]["all_to_all_bytes"] == 2 * (8 * 8 + 4 * tokens * 2 * 64 * 4), name
+    assert by_layout["fsdp ep4"]["memory"]["gathered_bytes"] < by_layout["fsdp ep2"]["memory"]["gathered_bytes"]
+    assert by_layout["fsdp ep2"]["memory"]["gathered_bytes"] < by_layout["fsdp"]["memory"]["gathered_bytes"]
+    without = min(r.footprint() for r in ranked if r.prediction["layout"] not in ep)
+    least = min(r.footprint() for r in ranked if r.prediction["layout"] in ep)
+    assert least < without - 4 * 2**20, (least, without)  # ep saves what every expert gathered at once costs
+    best = rank(cfg, 4, profile, (least + without) / 2)[0]
+    assert best.fits and "parallel.ep" in " ".join(best.overrides), best.overrides

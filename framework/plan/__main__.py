@@ -98,8 +98,6 @@ def main(argv: list[str]) -> int:
           "combinations; each layout's best; per rank, per optimizer step")  # fmt: skip
     print(table(layouts, budget))
     print(machine_lines(profile))
-    if cfg.parallel.get("ep", 1) > 1:  # (issue 40: its all-to-alls and expert units are not priced yet)
-        print(f"parallel.ep={cfg.parallel.ep}: not planned yet; the layouts above hold every expert on every rank")
     runners = [r for r in ranked if r.fits][1:4]
     print(f"parallel=auto would run: {best.prediction['layout']}  ({' '.join(best.overrides)})")
     for r in runners:

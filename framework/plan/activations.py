@@ -156,6 +156,9 @@ def gathered_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
         return 0
     units: dict[str, int] = {}
     for p in shapes.params:
+        if p.expert and layout.ep > 1:  # a unit of its own: this rank's experts / ep, whole over tp
+            units[f"{p.unit}:experts"] = units.get(f"{p.unit}:experts", 0) + math.prod(p.shape) // layout.ep
+            continue
         units[p.unit] = units.get(p.unit, 0) + math.prod(p.shape) // layout.tp
     size = 2 if cfg.precision.name != "fp32" else 4
     if layout.reshard:

@@ -26,6 +26,7 @@ from framework.machine import local_ranks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.pipeline import least_microbatches, stages_per_rank
 from framework.plan.gpu import gpu_spec
+from framework.plan.knobs import Knobs, knob_options
 from framework.plan.predict import predict
 from framework.plan.profile import Profile, machine_profile
 
@@ -45,11 +46,16 @@ def parallel_group(name: str, settings: dict[str, Any]) -> DictConfig:
 
 def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
     """Every layout `world` ranks admit for this model and batch: ddp, fsdp (full and grad-op),
-    and for gpt tp, pp with each schedule, and the hybrid degrees dp x pp x tp.
+    and for a model with a tensor-parallel plan tp, pp with each schedule, cp and the hybrid
+    degrees dp x pp x tp; for a mixture of experts, expert parallel on fsdp at every degree that
+    splits its experts and ranks, and on each hybrid at its largest (a rank's all-to-all bytes do
+    not grow with ep; its experts' memory and gathers shrink).
 
     Every candidate trains the same job: the global batch stays data.batch_size x world (what
     ddp reads), so a layout with fewer data-parallel ranks takes a larger batch per rank."""
     options: list[tuple[str, dict[str, Any]]] = [("ddp", {}), ("fsdp", {}), ("fsdp", {"reshard_after_forward": False})]
+    experts = _experts(cfg)
+    options += [("fsdp", {"ep": ep}) for ep in _divisors(math.gcd(world, experts) if experts else 0)]
     if model_spec(cfg).tp_plan and not cfg.data.rank_batch_sizes:
         options += [("tp", {} if cfg.data.seq_len % world == 0 else {"sequence_parallel": False})]  # {}: auto
         options += [
@@ -59,6 +65,8 @@ def candidates(cfg: DictConfig, world: int) -> list[Candidate]:
         options += [("cp", {})]
         for dp, pp, tp in _factorizations(world):
             options.append(("hybrid", {"dp_shard": dp, "pp": pp, "tp": tp}))
+            if experts and math.gcd(dp, experts) > 1:
+                options.append(("hybrid", {"dp_shard": dp, "pp": pp, "tp": tp, "ep": math.gcd(dp, experts)}))
     out = []
     for name, settings in options:
         candidate = _candidate(cfg, world, name, settings)
@@ -101,6 +109,19 @@ def _candidate(cfg: DictConfig, world: int, name: str, settings: dict[str, Any])
     return Candidate((f"parallel={name}", *flags), trial)
 
 
+def _experts(cfg: DictConfig) -> int:
+    """The routed experts of each of the model's MoE layers (0: a dense model)."""
+    from framework.plan.model import moe_shape
+
+    moe, _ = moe_shape(meta_model(cfg), model_spec(cfg))
+    return moe.experts if moe else 0
+
+
+def _divisors(n: int) -> list[int]:
+    """n's divisors above 1 (expert-parallel degrees; n = gcd(ranks, experts), 0 for a dense model)."""
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
 def _factorizations(world: int) -> list[tuple[int, int, int]]:
     """(dp, pp, tp) with dp x pp x tp = world and at least two of them above 1."""
     out = []
@@ -122,66 +143,6 @@ def _microbatches(cfg: DictConfig, parallel: DictConfig, pp: int) -> int | None:
     if not ok:
         return None
     return parallel.n_microbatches if parallel.n_microbatches in ok else ok[0]
-
-
-# ----------------------------------------------------------------------------- the memory knobs
-
-
-@dataclass(frozen=True)
-class Knobs:
-    checkpoint_every: int  # 0: no activation checkpointing; k: every k-th block
-    batch_size: int  # micro-batch of one data-parallel rank
-    accumulation_steps: int
-    n_microbatches: int | None = None  # pipelines only
-
-    def overrides(self, base: DictConfig) -> list[str]:
-        """What selects these knobs on the command line, beside the layout's."""
-        out = []
-        if self.checkpoint_every:
-            out += ["memory=checkpoint", f"memory.checkpoint_every={self.checkpoint_every}"]
-        elif base.memory.name == "checkpoint":
-            out.append("memory=none")
-        if self.batch_size != base.data.batch_size:
-            out.append(f"data.batch_size={self.batch_size}")
-        if self.accumulation_steps != base.accumulation_steps:
-            out.append(f"accumulation_steps={self.accumulation_steps}")
-        if self.n_microbatches is not None:
-            out.append(f"parallel.n_microbatches={self.n_microbatches}")
-        return out
-
-    def apply(self, cfg: DictConfig) -> None:
-        """Set these knobs in `cfg` (in place; a trial copy, or the run's config once chosen)."""
-        name = "checkpoint" if self.checkpoint_every else "none"  # each with its own schema's keys
-        keep = {k: v for k, v in cfg.memory.items() if k not in ("name", "checkpoint_every")}
-        memory = OmegaConf.merge(OmegaConf.structured(group_schema("memory", name)), keep)
-        if self.checkpoint_every:
-            memory.checkpoint_every = self.checkpoint_every
-        cfg.memory = memory
-        cfg.data.batch_size, cfg.accumulation_steps = self.batch_size, self.accumulation_steps
-        if self.n_microbatches is not None:
-            cfg.parallel.n_microbatches = self.n_microbatches
-
-
-def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> list[Knobs]:
-    """The knob combinations of one layout (`trial`: its config) with the global batch kept."""
-    every = [base.memory.checkpoint_every if base.memory.name == "checkpoint" else 0]
-    if n_layer:
-        every = sorted({0, *(k for k in (4, 2, 1) if k <= n_layer), *every})
-    local = trial.data.batch_size * base.accumulation_steps  # samples per data-parallel rank per step
-    out = []
-    if trial.parallel.get("pp", 1) > 1 or trial.parallel.name == "pp":
-        least = least_microbatches(trial.parallel.schedule, trial.parallel.pp * stages_per_rank(trial.parallel))
-        ms = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
-        if "ZeroBubble" in trial.parallel.schedule:  # one round: what the activations model forecasts
-            ms = [m for m in ms if m == least]
-        ms = sorted({*ms[:2], *ms[-1:], *[m for m in ms if m == trial.parallel.n_microbatches]})
-        return [Knobs(k, local, 1, m) for k in every for m in ms]
-    sizes = [b for b in range(1, local + 1) if local % b == 0 and local // b <= 8]
-    sizes = [trial.data.batch_size] if base.data.rank_batch_sizes else sizes
-    for k in every:
-        for b in sizes:
-            out.append(Knobs(k, b, local // b if b != trial.data.batch_size else base.accumulation_steps))
-    return out
 
 
 # ----------------------------------------------------------------------------- the choice

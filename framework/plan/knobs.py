@@ -1,0 +1,69 @@
+"""The memory knobs the search behind `parallel=auto` varies on each layout: activation
+checkpointing (none, every k-th or every block), the micro-batch against accumulation with the
+global batch kept, and a pipeline's micro-batch count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config.schema import group_schema
+from framework.parallel.pipeline import least_microbatches, stages_per_rank
+
+
+@dataclass(frozen=True)
+class Knobs:
+    checkpoint_every: int  # 0: no activation checkpointing; k: every k-th block
+    batch_size: int  # micro-batch of one data-parallel rank
+    accumulation_steps: int
+    n_microbatches: int | None = None  # pipelines only
+
+    def overrides(self, base: DictConfig) -> list[str]:
+        """What selects these knobs on the command line, beside the layout's."""
+        out = []
+        if self.checkpoint_every:
+            out += ["memory=checkpoint", f"memory.checkpoint_every={self.checkpoint_every}"]
+        elif base.memory.name == "checkpoint":
+            out.append("memory=none")
+        if self.batch_size != base.data.batch_size:
+            out.append(f"data.batch_size={self.batch_size}")
+        if self.accumulation_steps != base.accumulation_steps:
+            out.append(f"accumulation_steps={self.accumulation_steps}")
+        if self.n_microbatches is not None:
+            out.append(f"parallel.n_microbatches={self.n_microbatches}")
+        return out
+
+    def apply(self, cfg: DictConfig) -> None:
+        """Set these knobs in `cfg` (in place; a trial copy, or the run's config once chosen)."""
+        name = "checkpoint" if self.checkpoint_every else "none"  # each with its own schema's keys
+        keep = {k: v for k, v in cfg.memory.items() if k not in ("name", "checkpoint_every")}
+        memory = OmegaConf.merge(OmegaConf.structured(group_schema("memory", name)), keep)
+        if self.checkpoint_every:
+            memory.checkpoint_every = self.checkpoint_every
+        cfg.memory = memory
+        cfg.data.batch_size, cfg.accumulation_steps = self.batch_size, self.accumulation_steps
+        if self.n_microbatches is not None:
+            cfg.parallel.n_microbatches = self.n_microbatches
+
+
+def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> list[Knobs]:
+    """The knob combinations of one layout (`trial`: its config) with the global batch kept."""
+    every = [base.memory.checkpoint_every if base.memory.name == "checkpoint" else 0]
+    if n_layer:
+        every = sorted({0, *(k for k in (4, 2, 1) if k <= n_layer), *every})
+    local = trial.data.batch_size * base.accumulation_steps  # samples per data-parallel rank per step
+    out = []
+    if trial.parallel.get("pp", 1) > 1 or trial.parallel.name == "pp":
+        least = least_microbatches(trial.parallel.schedule, trial.parallel.pp * stages_per_rank(trial.parallel))
+        ms = [m for m in range(1, local + 1) if local % m == 0 and m >= least]
+        if "ZeroBubble" in trial.parallel.schedule:  # one round: what the activations model forecasts
+            ms = [m for m in ms if m == least]
+        ms = sorted({*ms[:2], *ms[-1:], *[m for m in ms if m == trial.parallel.n_microbatches]})
+        return [Knobs(k, local, 1, m) for k in every for m in ms]
+    sizes = [b for b in range(1, local + 1) if local % b == 0 and local // b <= 8]
+    sizes = [trial.data.batch_size] if base.data.rank_batch_sizes else sizes
+    for k in every:
+        for b in sizes:
+            out.append(Knobs(k, b, local // b if b != trial.data.batch_size else base.accumulation_steps))
+    return out
