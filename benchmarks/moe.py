@@ -11,9 +11,11 @@
     process and ddp x2. The experts run one after another over their tokens (the plain reference
     layer: grouped-GEMM kernels are a GPU's).
 (c) Expert parallel at 2 ranks: fsdp with every rank holding all 4 experts against parallel.ep=2
-    (2 experts a rank, tokens exchanged by all-to-all): tokens/s, the all-to-all calls and bytes a
-    step (summary.comm), and the all-to-all share of step time, from a torch.profiler trace of 2
-    steady steps per rank (the time inside all_to_all_single, waits included, over the steps').
+    (2 experts a rank, tokens exchanged by all-to-all), and tensor parallel (each rank runs the
+    routed layers whole): tokens/s, the all-to-all calls and bytes a step (the mean rank's,
+    summary.moe, beside the planner's forecast), the all-to-all share of step time, from a
+    torch.profiler trace of 2 steady steps per rank (the time inside all_to_all_single, waits
+    included, over the steps'), and the planner's step time beside the measured median.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def ep_table() -> None:
     rows = {
         "fsdp, 4 experts a rank": ["parallel=fsdp"],
         "fsdp ep=2, 2 experts a rank": ["parallel=fsdp", "parallel.ep=2"],
+        "tp=2, 4 experts a rank": ["parallel=tp", "data.batch_size=16"],
     }
     common = [*SMALL, *MOE, "model.moe.balance=bias", "steps=20", "metrics.sample_every=1", "profile=true",
               "profiler.wait=8", "launch.nproc_per_node=2"]  # fmt: skip
@@ -90,13 +93,16 @@ def ep_table() -> None:
         got = run_configs(configs, 2, out_dir)
         base = got["fsdp, 4 experts a rank"]["throughput"]["tokens_per_s"]
         for name, s in got.items():
-            a2a = s["comm"]["by_op"].get("all_to_all", {"calls": 0, "bytes": 0})
-            rate = s["throughput"]["tokens_per_s"]
-            out.append(
-                [name, rate, rate / base, a2a["calls"], a2a["bytes"], a2a_share(Path(out_dir) / name / "profile")]
-            )
-    print("\n(c) expert parallel at 2 ranks (fsdp; all-to-all per step, and its share of step time)\n")
-    print(table(["layout", "tokens/s", "vs all experts", "a2a calls", "a2a bytes", "a2a share"], out))
+            calls = s["comm"]["by_op"].get("all_to_all", {}).get("calls", 0)
+            rate, plan = s["throughput"]["tokens_per_s"], s["plan"]
+            share = a2a_share(Path(out_dir) / name / "profile")
+            step_ms = [1000 * plan[k]["step_time_s"] for k in ("predicted", "measured")]
+            a2a = [s["moe"]["all_to_all_bytes"] or 0, plan["predicted"]["all_to_all_bytes"] or 0]
+            out.append([name, rate, rate / base, calls, *a2a, share, *step_ms])
+    print("\n(c) expert parallel at 2 ranks (all-to-all per step: the mean rank's; its share of step time)\n")
+    heads = ["layout", "tokens/s", "vs all experts", "a2a calls", "a2a bytes", "planned", "a2a share", "planned step ms",
+             "measured step ms"]  # fmt: skip
+    print(table(heads, out))
 
 
 if __name__ == "__main__":

@@ -243,9 +243,14 @@ class Llama(nn.Module):
 
     def planner_shape(self) -> dict[str, int]:
         """gpt-like dimensions for the planner's activation formula (framework/plan/model.py)."""
-        a = self.args
-        return {"n_layer": a.n_layers, "n_head": a.n_heads, "n_embd": a.dim, "vocab_size": a.vocab_size,
-                "ffn_hidden": a.ffn_hidden, "kv_width": a.n_kv_heads * a.head_dim, "norm": "rms"}  # fmt: skip
+        a, moe = self.args, self.args.moe
+        shape = {"n_layer": a.n_layers, "n_head": a.n_heads, "n_embd": a.dim, "vocab_size": a.vocab_size,
+                 "ffn_hidden": a.ffn_hidden, "kv_width": a.n_kv_heads * a.head_dim, "norm": "rms"}  # fmt: skip
+        if moe.experts:  # routed experts in place of the MLP (each expert's width, the shared experts')
+            hidden = moe.hidden or a.ffn_hidden
+            shape |= {"moe_experts": moe.experts, "moe_top_k": moe.top_k, "moe_hidden": hidden,
+                      "moe_shared_hidden": hidden * moe.shared_experts}  # fmt: skip
+        return shape
 
     def flops_per_token(self, seq_len: int, recomputed_blocks: int = 0) -> float:
         """Training FLOPs per token: 6 per matmul weight (the output head's included, tied or not)

@@ -78,9 +78,19 @@ def _llama_block_bytes(tokens: int, g: SimpleNamespace, e: int, layout: Layout) 
     seq_split = tp if layout.sequence_parallel else 1
     norms = 2 * ((4 + e) * D / seq_split + e * D + 4 / seq_split)
     attention = 5 * e * D / tp + 4 * g.n_head / tp
-    mlp = 4 * e * F / tp
+    mlp = 4 * e * F / tp if not getattr(g, "moe_experts", 0) else _routed_bytes(g, e, layout)
     weights = 2 * (2 * D * D + 2 * D * g.kv_width + 3 * D * F) / tp if e == 2 and layout.fsdp == 0 else 0
     return tokens * (norms + attention + mlp) + weights
+
+
+def _routed_bytes(g: SimpleNamespace, e: int, layout: Layout) -> float:
+    """A routed layer (models/moe.py) in place of the MLP, per token, whole on every tp rank: each
+    of its top_k assignments' gathered row, its expert's two projections, silu's output and their
+    product (moe_hidden wide), the expert's output row and the int64 indices that sort and scatter
+    them; the router's fp32 scores; under expert parallel the rows the mean rank received."""
+    k, h, D = g.moe_top_k, g.moe_hidden, g.n_embd
+    per_assignment = 4 * e * h + 2 * e * D + 4 * 8 + (e * D if layout.ep > 1 else 0)
+    return k * per_assignment + 2 * 4 * g.moe_experts + 4 * e * g.moe_shared_hidden
 
 
 def head_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
