@@ -51,6 +51,9 @@ COLUMNS = [
     ("activations MB", _memory("activation_bytes"), "min"),
     ("comm wire MB/step", _comm_wire, "min"),
     ("imbalance", lambda s: (s.get("load_balance") or {}).get("imbalance"), "min"),
+    # routed experts (a column only where a run has them): the experts' load, expert parallel's traffic
+    ("expert load", lambda s: (s.get("moe") or {}).get("load_imbalance"), "min"),
+    ("all-to-all MB/step", lambda s: _mb((s.get("moe") or {}).get("all_to_all_bytes")), "min"),
     ("final loss", lambda s: s.get("final_loss"), "min"),
     ("val loss", lambda s: (s.get("eval") or {}).get("loss"), "min"),
     ("plan error", _plan_error, None),

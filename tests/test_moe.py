@@ -376,3 +376,30 @@ def test_the_planner_prices_expert_parallel_and_auto_chooses_it_where_only_it_fi
     assert least < without - 4 * 2**20, (least, without)  # ep saves what every expert gathered at once costs
     best = rank(cfg, 4, profile, (least + without) / 2)[0]
     assert best.fits and "parallel.ep" in " ".join(best.overrides), best.overrides
+
+
+def test_a_sweep_report_shows_the_experts_load_and_all_to_all_where_runs_have_experts(tmp_path):
+    """The report's columns: the expert load imbalance and expert parallel's all-to-all MB a step
+    where a run has routed experts (the best marked), none in a sweep of dense runs."""
+    import json
+
+    from framework.report import find_runs, markdown
+
+    def job(root, num: int, parallel: str, moe: dict | None) -> None:
+        run = root / str(num)
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text(f"- parallel={parallel}\n")
+        summary = {"status": "ok", "choices": {"parallel": parallel}, "world_size": 2, "final_loss": 2.0,
+                   "throughput": {"tokens_per_s": 1000.0 + num}, "moe": moe}  # fmt: skip
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+
+    job(tmp_path / "moe", 0, "fsdp", {"load_imbalance": 1.31, "all_to_all_bytes": None})
+    job(tmp_path / "moe", 1, "fsdp", {"load_imbalance": 1.52, "all_to_all_bytes": 2.5e6})
+    text = markdown(find_runs(tmp_path / "moe"), "t", [])
+    header = next(line for line in text.splitlines() if line.startswith("| job"))
+    assert "expert load" in header and "all-to-all MB/step" in header, header
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "**1.31**" in rows["0"] and "| 2.5 |" in rows["1"], rows
+    job(tmp_path / "dense", 0, "ddp", None)
+    assert "expert load" not in markdown(find_runs(tmp_path / "dense"), "t", [])
