@@ -182,8 +182,9 @@ def test_expert_parallel_composes_with_fsdp_hsdp_tp_pipelines_and_accumulation(t
     """The must-hold layouts beside ep x2: ep 2 x fsdp 2 (experts sharded by FSDP over the 2 ranks
     left), HSDP 2 x 2 with ep 2, ep 2 x tp 2 (each tp rank runs the routed layers whole on its
     replicated tokens), pipeline 2 x ep 2, and ep x2 with 2 micro-batches a step: each equals one
-    process within 1e-5 for 5 steps (losses and gradient norms), and its state bytes per rank and
-    all-to-all bytes (the mean rank's) are the planner's forecast exactly."""
+    process within 1e-5 for 5 steps (losses and gradient norms) and routes the same tokens to each
+    expert, and its state bytes per rank and all-to-all bytes (the mean rank's) are the planner's
+    forecast exactly."""
     want = moe_run(tmp_path, "one", *ONE_PROCESS)
     hybrid = ["parallel=hybrid", "parallel.cp=1", "parallel.ep=2", "launch.nproc_per_node=4"]
     layouts = {
@@ -217,9 +218,11 @@ def test_expert_parallel_composes_with_fsdp_hsdp_tp_pipelines_and_accumulation(t
     for name, overrides in layouts.items():
         got = moe_run(tmp_path, name, *overrides)
         assert close(got, want), (name, got, want)
-        error = read_summary(tmp_path / name)["plan"]["error"]
+        summary = read_summary(tmp_path / name)
         exact = ("param_bytes", "grad_bytes", "optim_bytes", "comm_calls", "all_to_all_bytes")
-        assert all(error[k] == 0.0 for k in exact), (name, error)
+        assert all(summary["plan"]["error"][k] == 0.0 for k in exact), (name, summary["plan"]["error"])
+        # the same routing, counted once (tp ranks route the same tokens)
+        assert summary["moe"]["tokens_per_expert"] == read_summary(tmp_path / "one")["moe"]["tokens_per_expert"], name
 
 
 # ----------------------------------------------------------------------------- Mixtral in and out
