@@ -139,7 +139,7 @@ class SavedActivationMeter:
                     self.live -= entry[1]
 
         def pack(t: torch.Tensor):
-            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight, or its .t() view
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or is_weight(t):  # a weight, a view
                 return t
             ptrs = self._counted(t)
             for ptr, nbytes in ptrs:
@@ -182,6 +182,17 @@ class SavedActivationMeter:
 
     def _key(self, storage) -> int:
         return storage._cdata if self._fake else storage.data_ptr()
+
+
+def mark_weight(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` (a parameter's data taken out of it: a DTensor parameter's local tensor, which expert
+    parallel computes with) and its views as model state, which the meter does not count."""
+    (t._base if t._base is not None else t)._hydradist_weight = True
+    return t
+
+
+def is_weight(t: torch.Tensor) -> bool:
+    return getattr(t._base if t._base is not None else t, "_hydradist_weight", False)
 
 
 class _Saved:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from framework.measure.memory import mark_weight
 from models.moe import grouped_swiglu
 
 
@@ -72,7 +73,9 @@ class ExpertDispatch:
         self.fsdp_mesh = fsdp_mesh  # the data-parallel ranks left, that FSDP shards these experts over
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        weights = [GradScale.apply(w.to_local(), 1.0 / self.size) for w in (experts.w1, experts.w2, experts.w3)]
+        # this rank's experts (model state: framework.measure.memory does not count them as saved activations)
+        local = [mark_weight(w.to_local()) for w in (experts.w1, experts.w2, experts.w3)]
+        weights = [GradScale.apply(w, 1.0 / self.size) for w in local]
         if x.is_meta:  # shapes only (the framework traces on the meta device): no routing to follow
             return torch.zeros_like(x)
         local = len(counts) // self.size

@@ -2,7 +2,8 @@
 per optimizer step, from the model's parameter shapes and the config alone (nothing runs).
 
 - State: every parameter's local shape under the layout (its pipeline stage; tensor parallel's
-  column/row split; FSDP's dim-0 chunk, padded as FSDP2 pads, or FSDP1's flat shard), times 4
+  column/row split; expert parallel's experts / ep, then FSDP's chunk of them over the dp_shard
+  ranks ep leaves; FSDP's dim-0 chunk, padded as FSDP2 pads, or FSDP1's flat shard), times 4
   bytes (parameters, gradients and optimizer states stay fp32; autocast casts on the fly).
 - Saved activations: `framework.plan.activations`; the peak: `framework.plan.peak`.
 - Collectives: payloads by op and group (DDP's bucketed all-reduce, FSDP's all-gathers and

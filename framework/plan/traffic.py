@@ -247,7 +247,7 @@ def _expert_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
     busiest rank sends more, by how unevenly its experts are loaded (summary `moe`)."""
     moe, n_micro = shapes.moe, layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
     rows = micro_batch(cfg, layout) * tokens_per_rank(cfg, layout) * moe.top_k
-    width = 2 if cfg.precision.name == "bf16" else 4  # amp keeps the residual stream in float32
+    width = 4 if cfg.precision.name == "fp32" else 2  # ep runs under FSDP2: its mixed precision's 16-bit forward
     for stage, layers in enumerate(shapes.stage_layers):
         routed = n_micro * len(moe.blocks.intersection(layers))
         t = ranks[stage_rank(stage, layout)]
