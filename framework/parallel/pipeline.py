@@ -208,12 +208,32 @@ def build_pipeline(
         pipelining.PipelineStage(m, s, n_stages, device, group=pp_group)
         for m, s in zip(stage_modules, ids, strict=True)
     ]
+    for stage in stages:
+        forget_inference_routing(stage)
     name, n_microbatches = cfg.get("schedule", "1F1B"), cfg.get("n_microbatches", 4)
     if name in SINGLE_STAGE:
         schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], n_microbatches, loss_fn=cross_entropy)
     else:
         schedule = getattr(pipelining, MULTI_STAGE[name])(stages, n_microbatches, loss_fn=cross_entropy)
     return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches, dict(zip(ids, stage_modules, strict=True)))
+
+
+def forget_inference_routing(stage) -> None:
+    """torch's pipelining infers a stage's shapes from a real forward and backward in its first
+    step, and restores the stage's buffers after it (the routed layers' balancing biases among
+    them); a routed layer (models/moe.py) would count that forward's tokens as the step's own: its
+    counts are cleared once the inference is done."""
+    cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if cleanup is None:  # a torch whose inference runs no forward
+        return
+
+    def cleared() -> None:
+        cleanup()
+        for module in stage.submod.modules():
+            if hasattr(module, "expert_bias") and hasattr(module, "reset_stats"):
+                module.reset_stats()
+
+    stage._post_metadata_inference_cleanup = cleared
 
 
 class LocalStages(nn.Module):
