@@ -83,7 +83,7 @@ def ep_table() -> None:
     rows = {
         "fsdp, 4 experts a rank": ["parallel=fsdp"],
         "fsdp ep=2, 2 experts a rank": ["parallel=fsdp", "parallel.ep=2"],
-        "tp=2, 4 experts a rank": ["parallel=tp", "data.batch_size=16"],
+        "tp=2, 4 experts a rank": ["parallel=tp", "parallel.sequence_parallel=false", "data.batch_size=16"],
     }
     common = [*SMALL, *MOE, "model.moe.balance=bias", "steps=20", "metrics.sample_every=1", "profile=true",
               "profiler.wait=8", "launch.nproc_per_node=2"]  # fmt: skip
