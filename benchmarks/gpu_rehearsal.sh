@@ -12,12 +12,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=$(realpath -m "${1:?usage: bash benchmarks/gpu_rehearsal.sh OUTDIR [gpu.py options]}")
 shift
-ENV=${HYDRADIST_REHEARSAL_ENV:-$HOME/.cache/hydradist/gpu-rehearsal}
+ENV=${HYDRADIST_REHEARSAL_ENV:-$HOME/.cache/gpu-rehearsal}  # not under hydradist/: clearing probe caches keeps it
 LENT=(torch==2.11.0 torchvision==0.26.0 transformers==5.17.0 safetensors tokenizers xxhash tensorboard matplotlib
       pytest pyyaml requests psutil protobuf click tqdm packaging)
 
 if ! "$ENV/bin/python3" -c "import torch; assert torch.__version__.startswith('2.11.0')" 2>/dev/null; then
-  PY312=$(command -v python3.12 || true)
+  PY312=""  # the first python3.12 that runs (a pyenv shim may name one that does not)
+  for candidate in "$(command -v python3.12 || true)" "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    if [ -n "$candidate" ] && "$candidate" -c "" 2>/dev/null; then PY312=$candidate; break; fi
+  done
   [ -n "$PY312" ] || { echo "error: the rehearsal needs a python3.12 (the lent machine's Python)"; exit 1; }
   echo "making the lent machine's environment once: $ENV (torch 2.11.0 for Python 3.12, ~5 GB)"
   "$PY312" -m venv "$ENV"
