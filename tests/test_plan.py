@@ -215,6 +215,7 @@ def predict_dp(ranked) -> int:
     return layout_of(ranked.candidate.cfg.parallel, 4, 8, 8).dp
 
 
+@pytest.mark.slow  # a launched link probe; the default run plans 1,024 ranks on 128 nodes without one
 def test_planning_a_cluster_probes_no_more_ranks_than_one_node_runs(tmp_path):
     """8 ranks on 4 nodes: the link probe starts 2 workers (one node's ranks), whatever the world;
     the figures it cannot measure here are the config's or nominal, and the table says which."""

@@ -91,6 +91,7 @@ def test_fsdp_never_allocates_a_full_size_parameter():
         assert largest < full // 2, f"a tensor of {largest} elements was allocated (full parameter: {full})"
 
 
+@pytest.mark.slow  # the default run forms two nodes from SLURM tasks (test_sweeps.py) and runs torchrun on one
 def test_two_torchrun_agents_form_one_run_as_two_nodes(tmp_path):
     """`torchrun --nnodes=2` twice on this machine, as on two nodes (c10d rendezvous, one worker
     each): one 2-rank run in one directory named from the rendezvous id, with the losses of
