@@ -165,7 +165,7 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     stage_of = {i: s for s, ids in enumerate(layers) for i in ids}
     first_stage = _first_stage(model, spec) if layout.pp > 1 else set()
     plan = expand_plan(model, spec) if layout.tp > 1 else {}
-    moe, experts = moe_shape(model, spec)
+    moe, experts = routed_shape(model, spec)
     params = []
     for name, p in model.named_parameters():
         layer = block_index(name, spec)
@@ -187,7 +187,7 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     return Shapes(params, spec.planner_shape, *(counted or (None, None)), layers, dict(buffers), hidden, tp, norms, moe)
 
 
-def moe_shape(model: nn.Module, spec) -> tuple[MoEShape | None, set[str]]:
+def routed_shape(model: nn.Module, spec) -> tuple[MoEShape | None, set[str]]:
     """The routed layers' shape, and the paths of their grouped experts (none: (None, set()))."""
     from framework.moe import routed_layers
 

@@ -111,9 +111,9 @@ def _candidate(cfg: DictConfig, world: int, name: str, settings: dict[str, Any])
 
 def _experts(cfg: DictConfig) -> int:
     """The routed experts of each of the model's MoE layers (0: a dense model)."""
-    from framework.plan.model import moe_shape
+    from framework.plan.model import routed_shape
 
-    moe, _ = moe_shape(meta_model(cfg), model_spec(cfg))
+    moe, _ = routed_shape(meta_model(cfg), model_spec(cfg))
     return moe.experts if moe else 0
 
 
