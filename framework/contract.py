@@ -32,6 +32,24 @@ declaration        meaning                                    without it
 
 A model's output may be a tensor, a tuple whose first item is the logits, or an object with
 ``.logits`` (Hugging Face). ``ModelSpec`` is the framework's normalised view of one model.
+
+The step protocol: what a module (any submodule; models/moe.py's routed layer is one) adds to a
+training step, found one way (``step_modules``: a module with ``read_counts``):
+
+=====================  ==================================================================
+``step_counts()``      {counter: width}: what it counts each step, summed over every rank
+                       in the step's one all-reduce (tensor-parallel peers, which compute
+                       the same, are counted once)
+``read_counts()``      {counter: device tensor}: its counts since the last read; resets
+``after_step(totals)`` its block's totals over every rank, on the device (a post-step
+                       update with no host read, e.g. bias balancing)
+``figures``            the figures ``derive`` logs (framework/figures.py's fields, as dicts)
+``derive(blocks)``     {counter: [a row per block]} of every block's totals, on the host ->
+                       those figures
+``set_aux_scale(s)``   (optional) it adds an auxiliary loss through backward: the framework
+                       sets the factor of its gradient each step, as it scales the training
+                       loss (a micro-batch's share, amp's loss scale)
+=====================  ==================================================================
 """
 
 from __future__ import annotations
@@ -221,6 +239,25 @@ def block_index(name: str, spec: ModelSpec) -> int | None:
     if spec.blocks is None or not name.startswith(spec.blocks + "."):
         return None
     return int(name[len(spec.blocks) + 1 :].split(".", 1)[0])
+
+
+def step_modules(model: nn.Module, spec: ModelSpec) -> list[tuple[int | None, nn.Module]]:
+    """(block index or None, module) of every module speaking the step protocol (above), in the
+    model's order, through any wrapper (DDP, FSDP, checkpointing, compile, a pipeline's stage)."""
+    found = []
+    for name, module in model.named_modules():
+        if callable(getattr(module, "read_counts", None)):
+            plain = canonical_name(name).removeprefix("module.")
+            found.append((block_index(plain + ".", spec), module))
+    return found
+
+
+def forget_counts(model: nn.Module) -> None:
+    """Drop what the step protocol's modules counted so far (a forward that is not a step's: a
+    pipeline's shape inference)."""
+    for module in model.modules():
+        if callable(getattr(module, "read_counts", None)):
+            module.read_counts()
 
 
 def expand_plan(model: nn.Module, spec: ModelSpec) -> dict[str, str]:

@@ -92,12 +92,13 @@ def load_model(path: str, module) -> None:
 def evaluate_rank(config: dict[str, Any], path: str | None, whole_file: bool) -> dict[str, Any]:
     """One rank: build the model as the run did, load the checkpoint's weights (none: the model's
     own, as built: pretrained or initialised), evaluate."""
+    from framework.run.evaluation import build_eval_data, evaluate
+
     from framework.config import resolve_backend, resolve_device
     from framework.data import build_dataset
     from framework.dist import destroy_distributed, init_distributed
     from framework.parallel.dims import Strategy
     from framework.run.build import build
-    from framework.run.evaluation import build_eval_data, evaluate
 
     cfg = OmegaConf.create(config)
     backend = resolve_backend(cfg) if Strategy.of(cfg.parallel).needs_backend else None

@@ -80,3 +80,9 @@ def apply_tf32(enabled: bool, device: torch.device) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
     return torch.backends.cuda.matmul.allow_tf32
+
+
+def loss_scale(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
+    """amp's loss scale as a device tensor, through the scaler's public API (get_scale() would be a
+    host sync); 1 when the scaler is off."""
+    return scaler.scale(torch.ones((), device=device))

@@ -28,6 +28,7 @@ from models.kv_cache import attend
 from models.llama_args import FLAVORS, LlamaArgs
 from models.llama_hf import args_from_hf_config, from_hf_name
 from models.moe import MoE, MoEArgs
+from models.swiglu import FeedForward
 
 
 def rope_frequencies(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -124,19 +125,6 @@ def positions_and_mask(T: int, doc_ids: torch.Tensor | None, device: torch.devic
     pos = pos - torch.cummax(torch.where(starts, pos, 0), dim=1).values
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return pos, (same_doc & torch.ones(T, T, dtype=torch.bool, device=device).tril())[:, None]
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -16,12 +16,22 @@
   the training loss through the backward pass (its gradient joins the activations', so it works
   under any strategy, pipelines included); `bias` (DeepSeek-V3's auxiliary-loss-free balancing:
   a per-expert bias added to the scores for choosing only, moved by `bias_rate` towards the less
-  loaded experts after each step, from the loads of the whole step on every rank: the framework's
-  `moe` hook); or `none`.
+  loaded experts after each step, from the loads of the whole step on every rank); or `none`.
+- The balance's scope (`balance_scope`). `global` (the default): f_e is expert e's share of the
+  assignments of the whole global batch, every micro-batch of every rank (Qwen's global-batch
+  balance, "Demons in the Detail", 2025). A micro-batch's backward cannot wait for the batches
+  after it (accumulation, a pipeline's schedule), so f is the last step's, known on every rank
+  when the step starts; P is this step's, each token's probability weighing 1/(the step's
+  tokens). The gradient is then the same however the batch is split: data parallel, expert
+  parallel and pipelines equal one process. `micro`: f and P are each micro-batch's own on
+  each rank (Switch, Mixtral, most data-parallel trainers), so a split run trains another loss.
 
-Each layer keeps what it routed since the framework last read it (`stats`: tokens each expert got,
-tokens dropped, the auxiliary loss), which the framework turns into `moe_load_imbalance`,
-`moe_dropped_tokens` and `moe_aux_loss`.
+The layer speaks the framework's step protocol (framework/contract.py, `step_modules`): it counts
+what it routed on the device (`step_counts`, `read_counts`: tokens each expert got, their summed
+probabilities, assignments dropped); the framework sums the counts over every rank in the step's
+one all-reduce and hands the layer its block's totals (`after_step`: f for the next step, the
+bias balancing, on the device, no host read); `derive` turns every block's totals into the logged
+figures (`figures`: moe_load_imbalance, moe_aux_loss, moe_dropped_tokens, moe_tokens_per_expert).
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.swiglu import FeedForward
+
 
 @dataclass(frozen=True)
 class MoEArgs:
@@ -43,6 +55,7 @@ class MoEArgs:
     score: str = "softmax"  # softmax | sigmoid
     norm_topk: bool = False  # softmax: the chosen experts' weights renormalised to sum 1 (Mixtral, Qwen3-MoE)
     balance: str = "aux_loss"  # aux_loss | bias | none
+    balance_scope: str = "global"  # global: f over the whole global batch (the last step's) | micro: each micro-batch's
     aux_loss_coef: float = 0.01
     bias_rate: float = 1e-3
     capacity_factor: float | None = None  # None: dropless
@@ -91,6 +104,16 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
+    # The logged figures `derive` gives (framework/figures.py's fields, as plain data)
+    figures = (
+        {"name": "moe_load_imbalance", "reduce": None, "group": "moe", "key": "load_imbalance",
+         "summary": ("mean", "first", "last"), "report": "expert load"},
+        {"name": "moe_aux_loss", "reduce": None, "group": "moe", "key": "aux_loss"},
+        {"name": "moe_dropped_tokens", "reduce": None, "group": "moe", "key": "dropped_tokens", "summary": ("sum",)},
+        {"name": "moe_tokens_per_expert", "reduce": None, "group": "moe", "key": "tokens_per_expert",
+         "summary": ("sum",)},
+    )  # fmt: skip
+
     def __init__(self, dim: int, hidden: int, args: MoEArgs):
         super().__init__()
         self.args = args
@@ -98,18 +121,59 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.experts, dim, args.hidden or hidden)
         self.shared = None
         if args.shared_experts:
-            from models.llama import FeedForward
-
             self.shared = FeedForward(dim, (args.hidden or hidden) * args.shared_experts)
         self.register_buffer("expert_bias", torch.zeros(args.experts))  # balance=bias (checkpointed)
-        self.aux_scale = torch.ones((), device="cpu")  # set by the framework each step (framework/moe.py)
-        self.reset_stats()
+        # balance_scope=global: each expert's share of the last step's assignments (checkpointed)
+        self.register_buffer("balance_share", torch.full((args.experts,), 1.0 / args.experts))
+        self.aux_scale = torch.ones((), device="cpu")  # set by the framework each step (set_aux_scale)
+        self.counts: dict[str, torch.Tensor] = {}
 
     def init_buffers(self) -> None:  # after a meta-device build (framework.modules.materialize_model)
         self.expert_bias.zero_()
+        self.balance_share.fill_(1.0 / self.args.experts)
 
-    def reset_stats(self) -> None:
-        self.stats = {"tokens": torch.zeros(self.args.experts, device="cpu"), "dropped": 0.0, "aux": 0.0, "calls": 0}
+    # ------------------------------------------------------------------ the framework's step protocol
+    def step_counts(self) -> dict[str, int]:
+        """The counters a step sums over every rank, and their widths."""
+        return {"tokens": self.args.experts, "probs": self.args.experts, "dropped": 1}
+
+    def read_counts(self) -> dict[str, torch.Tensor]:
+        """What this layer routed since the last read (device tensors); starts counting afresh."""
+        counts, self.counts = self.counts, {}
+        return counts
+
+    def set_aux_scale(self, scale: torch.Tensor) -> None:
+        """The factor of the auxiliary loss's gradient: the framework's, as it scales the training
+        loss (a micro-batch's share of the step, amp's loss scale)."""
+        self.aux_scale = scale
+
+    @torch.no_grad()
+    def after_step(self, totals: dict[str, torch.Tensor]) -> None:
+        """This block's counts of the whole step over every rank (on the device): f for the next
+        step's global balance; balance=bias moves each expert's bias by bias_rate towards the less
+        loaded (sign(mean load - load), DeepSeek-V3), identically on every rank."""
+        load = totals["tokens"].to(self.balance_share)
+        total = load.sum()
+        self.balance_share.copy_(torch.where(total > 0, load / total.clamp_min(1.0), self.balance_share))
+        if self.args.balance == "bias":
+            self.expert_bias.add_(self.args.bias_rate * torch.sign(load.mean() - load).to(self.expert_bias))
+
+    def derive(self, blocks: dict[str, list[list[float]]]) -> dict[str, float | int | list[float]]:
+        """The logged figures from every block's totals (a block without experts: zeros): load
+        imbalance (the most loaded expert's tokens over the mean, averaged over the blocks), the
+        global batch's balancing loss (coef x experts x sum_e f_e P_e, averaged over the blocks),
+        assignments dropped, tokens each expert got over the blocks."""
+        used = [k for k, row in enumerate(blocks["tokens"]) if sum(row) > 0]
+        imbalance, aux = [], []
+        for k in used:
+            load, probs = blocks["tokens"][k], blocks["probs"][k]
+            total, tokens = sum(load), sum(load) / self.args.top_k
+            imbalance.append(max(load) / (total / len(load)))
+            aux.append(self.args.aux_loss_coef * len(load) * sum(c / total * p / tokens for c, p in zip(load, probs, strict=True)))
+        n = max(len(used), 1)
+        return {"moe_load_imbalance": sum(imbalance) / n, "moe_aux_loss": sum(aux) / n,
+                "moe_dropped_tokens": round(sum(r[0] for r in blocks["dropped"])),
+                "moe_tokens_per_expert": [sum(col) for col in zip(*blocks["tokens"], strict=True)]}  # fmt: skip
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen experts (N, k), their weights (N, k), every score (N, E)) of tokens x (N, D)."""
@@ -153,24 +217,26 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, tokens, routed)
         if self.shared is not None:
             out = out + self.shared(x)
-        aux = self.aux_loss(chosen.flatten(), scores)
-        if not x.is_meta:
-            self.record(torch.bincount(chosen.flatten(), minlength=self.args.experts), int((~keep).sum()), aux)
+        probs = scores / scores.sum(-1, keepdim=True)
+        assigned = self.assigned(chosen.flatten())
+        if self.training and not x.is_meta:
+            self.count(assigned, probs, keep)
         if self.args.balance == "aux_loss" and self.training and torch.is_grad_enabled():
-            out = AuxLoss.apply(out, aux, self.aux_scale.to(x.device))
+            out = AuxLoss.apply(out, self.aux_loss(assigned, probs), self.aux_scale.to(x.device))
         return out.reshape(shape)
 
-    def aux_loss(self, flat: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """coef x experts x sum_e f_e P_e (f_e: share of the assignments, P_e: mean probability)."""
-        ones = torch.ones(flat.shape, device=flat.device)  # scatter_add, not bincount: it runs on meta too
-        f = torch.zeros(self.args.experts, device=flat.device).scatter_add_(0, flat, ones) / flat.numel()
-        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
-        return self.args.aux_loss_coef * self.args.experts * (f * p).sum()
+    def assigned(self, flat: torch.Tensor) -> torch.Tensor:
+        """Assignments each expert got (scatter_add, not bincount: it runs on meta too)."""
+        ones = torch.ones(flat.shape, device=flat.device)
+        return torch.zeros(self.args.experts, device=flat.device).scatter_add_(0, flat, ones)
 
-    def record(self, counts: torch.Tensor, dropped: int, aux: torch.Tensor) -> None:
-        """Add one forward's routing to `stats` (the host already waited on `counts`, for the split)."""
-        s = self.stats
-        s["tokens"] = s["tokens"] + counts.detach().float().cpu()
-        s["dropped"] += dropped
-        s["aux"] += float(aux.detach())
-        s["calls"] += 1
+    def aux_loss(self, assigned: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """coef x experts x sum_e f_e P_e: P_e this forward's mean probability of expert e; f_e its
+        share of the assignments, this forward's (micro) or the last global batch's (global)."""
+        f = assigned / assigned.sum() if self.args.balance_scope == "micro" else self.balance_share.to(probs)
+        return self.args.aux_loss_coef * self.args.experts * (f.detach() * probs.mean(0)).sum()
+
+    def count(self, assigned: torch.Tensor, probs: torch.Tensor, keep: torch.Tensor) -> None:
+        """Add one forward's routing to the step's counters, on the device (no host read)."""
+        new = {"tokens": assigned, "probs": probs.detach().sum(0), "dropped": (~keep).sum().float().reshape(1)}
+        self.counts = {k: self.counts[k] + v if k in self.counts else v for k, v in new.items()}

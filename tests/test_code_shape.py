@@ -40,6 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
         "moe",
         "hf",
         "optim",
+        "figures",
+        "hooks",  # the callbacks' contract: hooks, Control, Run (validation reads it)
     ),  # fmt: skip
     # the measure wing: what a run measures and how it counts (FLOPs, memory, collectives, peaks)
     ("measure",),
@@ -52,6 +54,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),
     # the planner: a pure function of the config, the model's shapes and the machine
     ("plan",),
+    # the callbacks: what watches or changes a step (evaluation, the non-finite check, the model's
+    # step protocol, mixtures, the progress bar, the profiler, the loggers, the user's)
+    ("callbacks",),
     # the run wing: one rank's run
     ("run",),
     # launch and the front doors

@@ -252,11 +252,11 @@ def test_gpt_positions_default_is_the_plain_forward():
 def _evaluate_fresh_model(rank: int, world: int, overrides: list[str]) -> tuple[float, list[int]]:
     """The held-out loss of the freshly built model (row-seeded: the same weights at any layout)
     and the sequence lengths its forward saw on this rank."""
+    from framework.run.evaluation import build_eval_data, evaluate
     from omegaconf import OmegaConf
 
     from framework.dist import DistInfo
     from framework.run.build import build
-    from framework.run.evaluation import build_eval_data, evaluate
 
     cfg = OmegaConf.create(_config([*overrides, "data.val_fraction=0.1"], world))
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")

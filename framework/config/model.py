@@ -117,7 +117,8 @@ def _check_moe_settings(moe) -> None:
     for key, low in (("experts", 0), ("top_k", 1), ("shared_experts", 0), ("hidden", 1)):
         if moe.get(key) is not None and moe[key] < low:
             raise ConfigError(f"model.moe.{key}", f"got {moe[key]}; must be an integer >= {low}")
-    for key, allowed in (("score", ("softmax", "sigmoid")), ("balance", ("aux_loss", "bias", "none"))):
+    for key, allowed in (("score", ("softmax", "sigmoid")), ("balance", ("aux_loss", "bias", "none")),
+                         ("balance_scope", ("global", "micro"))):  # fmt: skip
         if moe.get(key) is not None and moe[key] not in allowed:
             raise ConfigError(f"model.moe.{key}", f"got {moe[key]!r}; allowed: {', '.join(allowed)}")
     if moe.get("capacity_factor") is not None and not moe.capacity_factor > 0:

@@ -46,6 +46,7 @@ class MoEConfig:
     score: str | None = None  # softmax | sigmoid (DeepSeek-V3: the chosen weights normalised)
     norm_topk: bool | None = None  # softmax: the chosen weights renormalised to sum 1 (Mixtral, Qwen3-MoE)
     balance: str | None = None  # aux_loss | bias (DeepSeek-V3's, loss-free) | none
+    balance_scope: str | None = None  # global: f over the whole global batch (default) | micro: each micro-batch's
     aux_loss_coef: float | None = None  # balance=aux_loss: its weight (0.01)
     bias_rate: float | None = None  # balance=bias: each update's step (1e-3)
     capacity_factor: float | None = None  # null: dropless; else tokens an expert takes at most, x its share

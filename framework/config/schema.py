@@ -282,6 +282,8 @@ class Config:
     profile: bool = False  # a torch.profiler trace per rank under <run dir>/profile (see `profiler`)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     nonfinite: Nonfinite = Nonfinite.stop  # a NaN/inf loss or gradient: stop (an error naming the step) or skip it
+    # named callbacks, each a `_target_` class and its arguments (framework/callbacks, docs/callbacks.md)
+    callbacks: dict[str, Any] = field(default_factory=dict)
     optimize: Optimize = Optimize.tokens_per_s  # the figure returned to a sweeper
 
 

@@ -12,6 +12,7 @@ from typing import Any, get_args, get_type_hints
 
 from omegaconf import DictConfig
 
+from framework.config.callback_checks import check_callbacks
 from framework.config.choices import Choice
 from framework.config.data_checks import check_data_plan
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
@@ -40,7 +41,7 @@ def validate(cfg: DictConfig) -> None:
     The model is paired with its data before a strategy's check builds it (its keys may point into data)."""
     check_mandatory(cfg)
     for check in (_check_choices, _check_values, _check_loader, _check_device_and_backend, _check_world, _check_model_and_data,
-                  _check_strategy, _check_memory, _check_batching, check_data_plan, _check_paths, _check_eval):  # fmt: skip
+                  _check_strategy, _check_memory, _check_batching, check_data_plan, _check_paths, _check_eval, check_callbacks):  # fmt: skip
         with resolution_named():
             check(cfg)
 

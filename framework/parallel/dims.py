@@ -209,6 +209,11 @@ class ParallelDims:
             "tp": self.tp,
         }
 
+    @property
+    def layout(self) -> dict[str, int]:
+        """The degrees and how dp_shard is laid out for experts (ep: 1 without): summary.parallel_dims."""
+        return {**self.degrees, "ep": self.ep}
+
     def build_mesh(self, device_type: str):
         """The mesh over AXES. With expert parallel, dp_shard is laid out as dp_shard_mod_ep x ep
         (ep innermost: a rank's expert peers are neighbours) and flattened back to dp_shard, so

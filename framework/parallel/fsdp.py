@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from framework.moe import is_routed
 from framework.parallel.tensor import own_storage
 from framework.precision import DTYPES
 
@@ -48,8 +49,9 @@ def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictCon
     # FSDP puts on it for its pre-backward all-gather. Each unit's output gets a storage of its
     # own first (a hook registered now runs before FSDP's); outputs that are no views pass as they are.
     reshard = cfg.parallel.get("reshard_after_forward", True)
-    for experts in (m for m in model.modules() if getattr(m, "dispatcher", None) is not None):
-        fully_shard(experts, mesh=experts.dispatcher.fsdp_mesh, reshard_after_forward=reshard, **kwargs)
+    # expert parallel's experts: a unit of their own over the dp_shard ranks ep leaves (framework/parallel/expert.py)
+    for layer in (m for m in model.modules() if is_routed(m) and m.experts.dispatcher is not None):
+        fully_shard(layer.experts, mesh=layer.experts.dispatcher.fsdp_mesh, reshard_after_forward=reshard, **kwargs)
     for block in blocks:
         block.register_forward_hook(own_storage)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)

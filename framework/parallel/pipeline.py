@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from framework.contract import ContractError, ModelSpec, blocks_of, logits_of
+from framework.contract import ContractError, ModelSpec, blocks_of, forget_counts, logits_of
 from framework.loss import cross_entropy
 
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
@@ -209,7 +209,7 @@ def build_pipeline(
         for m, s in zip(stage_modules, ids, strict=True)
     ]
     for stage in stages:
-        forget_inference_routing(stage)
+        forget_inference_counts(stage)
     name, n_microbatches = cfg.get("schedule", "1F1B"), cfg.get("n_microbatches", 4)
     if name in SINGLE_STAGE:
         schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], n_microbatches, loss_fn=cross_entropy)
@@ -218,20 +218,18 @@ def build_pipeline(
     return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches, dict(zip(ids, stage_modules, strict=True)))
 
 
-def forget_inference_routing(stage) -> None:
+def forget_inference_counts(stage) -> None:
     """torch's pipelining infers a stage's shapes from a real forward and backward in its first
-    step, and restores the stage's buffers after it (the routed layers' balancing biases among
-    them); a routed layer (models/moe.py) would count that forward's tokens as the step's own: its
-    counts are cleared once the inference is done."""
+    step, and restores the stage's buffers after it; a module that counts its steps (the
+    contract's step protocol) would count that forward as the step's own: its counts are dropped
+    once the inference is done."""
     cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
     if cleanup is None:  # a torch whose inference runs no forward
         return
 
     def cleared() -> None:
         cleanup()
-        for module in stage.submod.modules():
-            if hasattr(module, "expert_bias") and hasattr(module, "reset_stats"):
-                module.reset_stats()
+        forget_counts(stage.submod)
 
     stage._post_metadata_inference_cleanup = cleared
 

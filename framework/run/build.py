@@ -25,8 +25,6 @@ from framework.dist import DistInfo, restart_count
 from framework.measure.memory import SavedActivationMeter
 from framework.measure.metrics import ForwardTimer, count_flops, peak_flops
 from framework.measure.peak import PeakProbe
-from framework.measure.profiling import build_profiler
-from framework.moe import routed_layers
 from framework.optim import build_optimizer, build_scheduler, resumed_schedule
 from framework.parallel import Parallelized, parallelize
 from framework.parallel.dims import Strategy
@@ -49,7 +47,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     spec = spec_of(meta, cfg.model)
     apply_peft(meta, cfg.get("peft"), spec.blocks, cfg.seed)  # peft=lora: adapters, the rest frozen
     flops = count_flops(meta, spec, cfg, Strategy.of(cfg.parallel).devices(info.world_size))
-    meta_layers, n_blocks = routed_layers(meta, spec.blocks or ""), len(blocks_of(meta, spec))
+    n_blocks = len(blocks_of(meta, spec))
     par = parallelize(meta, spec, cfg, info)
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, par.decay)
@@ -58,8 +56,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
-    moe = moe_shape(meta_layers, spec, n_blocks, par.mesh.dims.tp if par.mesh else 1)
-    return Parts(flops, par, optimizer, scheduler, data, precision, spec.task, moe)
+    return Parts(flops, par, optimizer, scheduler, data, precision, spec, n_blocks)
 
 
 def resume(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Resumed:
@@ -109,14 +106,15 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
         step=state.step,
         data_position=(state.data["epoch"], state.data["samples"]),
         skipped_steps=state.counters.get("nonfinite_skipped", 0),
-        eval_state=state.counters.get("eval", {}),  # the best evaluation so far, for monitor and patience
+        callbacks=callback_states(state.counters),
     )
 
 
-def moe_shape(layers: list, spec, n_blocks: int, copies: int) -> tuple[str, int, int, int] | None:
-    """(blocks path, blocks, experts, copies) of a model with routed experts (framework/moe.py),
-    else None; copies: the ranks that route the same tokens (tensor parallel's)."""
-    return (spec.blocks, n_blocks, layers[0][1].args.experts, copies) if layers else None
+def callback_states(counters: dict) -> dict:
+    """Each callback's saved state by name (a checkpoint of an earlier version kept the
+    evaluation's alone, as `eval`)."""
+    legacy = {"eval": counters["eval"]} if "eval" in counters else {}
+    return legacy | counters.get("callbacks", {})
 
 
 def data_position(saved: dict, data, path: str) -> None:
@@ -143,6 +141,5 @@ def build_measurements(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: s
         meter=meter,
         probe=PeakProbe(module, parts.optimizer, meter, info.device),
         forward_timer=ForwardTimer(info.device),
-        profiler=build_profiler(cfg.profile, cfg.profiler, run_dir, info.rank, info.device),
         peak_flops=peak,
     )

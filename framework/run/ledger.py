@@ -29,12 +29,12 @@ import torch
 from omegaconf import DictConfig
 
 from framework.data import DataPipeline
+from framework.figures import Registry
+from framework.hooks import Callbacks
 from framework.measure.metrics import ForwardTimer, mfu
-from framework.run.evaluation import tracker_names
 from framework.run.run_files import RunFiles
 from framework.run.step import Parts, PendingStep, StepFigures
 from framework.run.summary import RunStats
-from framework.tracking import Tracker
 
 
 def is_sampled(step: int, start: int, total: int, every: int) -> bool:
@@ -58,6 +58,7 @@ def syncs_after(cfg: DictConfig, step: int, start: int) -> bool:
         or is_sampled(step, start, cfg.steps, every)
         or is_sampled(step + 1, start, cfg.steps, every)
         or bool(cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+        or bool(cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps))
     )
 
 
@@ -74,8 +75,9 @@ class Entry:
 class Ledger:
     """The steps run since the last sync, in order."""
 
-    def __init__(self, sequence_data: bool, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, sequence_data: bool, figures: Registry, clock: Callable[[], float] = time.perf_counter):
         self.sequence_data = sequence_data  # report tokens (text, varlen)
+        self.figures = figures  # how the registry's part of each step's values reads
         self.clock = clock  # the steps' `started` are read on it too (tests: a clock they control)
         self.entries: list[Entry] = []
 
@@ -91,7 +93,7 @@ class Ledger:
         values = torch.stack([e.pending.values for e in entries]).tolist()  # the sync: the device has finished
         seconds = (self.clock() - entries[0].pending.started) / len(entries)  # the window, shared evenly
         for entry, row in zip(entries, values, strict=True):
-            entry.figures = StepFigures.settled(entry.pending, row, seconds, self.sequence_data)
+            entry.figures = StepFigures.settled(entry.pending, row, seconds, self.sequence_data, self.figures)
         return entries
 
 
@@ -107,10 +109,7 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
             stats.startup_s = time.time() - (stats.started if stats.started is not None else time.time())
         stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
         stats.losses.append(figures.loss)
-        if figures.sources:
-            stats.sources.append(figures.sources)
-        if figures.moe:
-            stats.moe.append(figures.moe)
+        stats.figures.append(figures.extra)
         stats.skipped_steps += not figures.applied
         if counts_data:
             stats.work.append(entry.work)
@@ -119,8 +118,9 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
 
 
 def log_step(entry: Entry, stats: RunStats, parts: Parts, peak: float | None, files: RunFiles,
-             tracker: Tracker) -> None:  # fmt: skip
-    """One line of metrics.jsonl and one W&B/TensorBoard step (rank 0 only)."""
+             callbacks: Callbacks) -> dict:  # fmt: skip
+    """One line of metrics.jsonl (rank 0 writes it) and its `on_log` (W&B, TensorBoard: their
+    callbacks); the record. The registry's figures follow the loop's own (framework/figures.py)."""
     figures, step = entry.figures, entry.step
     seconds, sampled = figures.seconds, figures.sampled
     tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None
@@ -135,27 +135,17 @@ def log_step(entry: Entry, stats: RunStats, parts: Parts, peak: float | None, fi
         "mfu": mfu(parts.flops.model_at(length_at(parts, step)), tokens_per_s, peak, parts.flops.devices),
         "epoch": entry.epoch,
         "loss_scale": figures.loss_scale,
-        "skipped": not figures.applied,  # non-finite gradients: the update was not applied
+        "skipped": not figures.applied,  # the update was not applied (non-finite gradients, a callback)
         "comm_calls": stats.comm[-1]["calls"] if sampled else None,  # sampled steps
         "comm_bytes": stats.comm[-1]["bytes"] if sampled else None,
     }
-    record |= figures.moe or {}  # routed experts: load imbalance, auxiliary loss, dropped tokens
-    if figures.sources:  # a mixture: what each source gave this step (framework/data/mixture.py)
-        record["sources"] = source_figures(parts.data.dataset.labels, figures.sources)
-    record |= figures.val or {}  # an evaluation after this step: val_loss, val_perplexity | val_accuracy
+    record |= callbacks.figures.logged(figures.extra)
     files.log_step(record)
-    flat = {f"sources/{label}/{k}": v for label, kv in record.pop("sources", {}).items() for k, v in kv.items()}
-    flat |= {f"moe/tokens_expert{e}": n for e, n in enumerate(record.pop("moe_tokens_per_expert", []))}
-    tracker.log(tracker_names(record) | flat, step=step + 1)
+    callbacks.call("on_log", step + 1, record)
+    return record
 
 
 def length_at(parts: Parts, step: int) -> int | None:
     """The sequence length data.seq_len_schedule puts in force at `step` (None: no schedule)."""
     lengths = parts.data.seq_lens
     return lengths.of_step(step) if lengths is not None else None
-
-
-def source_figures(labels: list[str], counts: tuple[float, ...]) -> dict[str, dict[str, int]]:
-    """{label: {"samples", "tokens"}} of a mixture's counts (samples of each source, then tokens)."""
-    n = len(labels)
-    return {label: {"samples": round(counts[k]), "tokens": round(counts[n + k])} for k, label in enumerate(labels)}

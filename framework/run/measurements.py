@@ -1,13 +1,12 @@
 """What measures a run beyond each step's own figures, held together: the bytes saved for backward
 (activation meter), the forward time (forward timer), what is live at the peak (peak probe), the
-collectives (a counter, on sampled steps) and the torch profiler (profile=true)."""
+collectives (a counter, on sampled steps). The torch profiler is a callback (framework/callbacks/profiler.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from framework.measure.comm import CommCounter
 from framework.measure.memory import SavedActivationMeter
@@ -22,7 +21,6 @@ class Measurements:
     # this rank's forward time per step: compute with no gradient communication in it (DDP and
     # FSDP backward passes end waiting for the slowest rank, so they cannot show imbalance)
     forward_timer: ForwardTimer
-    profiler: Any  # torch.profiler's schedule (profile=true), else one that does nothing
     peak_flops: float | None  # the devices' peak FLOP/s, for MFU (None: unknown)
 
     @contextmanager

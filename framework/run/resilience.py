@@ -52,10 +52,6 @@ class Preempted(Exception):
         super().__init__(f"preempted by {signal.Signals(signum).name} after step {step}; checkpoint: {path}")
 
 
-class NonFiniteLoss(RuntimeError):
-    """nonfinite=stop: a step's loss or gradient norm was NaN or inf."""
-
-
 class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message names it and the ranks missing."""
 

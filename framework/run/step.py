@@ -4,19 +4,21 @@ over the data-parallel ranks), the update, and the step's figures in one small a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
 
-from framework.contract import logits_of
+from framework.contract import ModelSpec, logits_of
 from framework.data import DataPipeline, concat_batches
 from framework.dist import DistInfo, all_reduce_sum, host_values
+from framework.figures import Registry
 from framework.loss import cross_entropy, loss_elements
 from framework.measure.metrics import Flops
 from framework.parallel import Parallelized
-from framework.precision import Precision
+from framework.precision import Precision, loss_scale
 from framework.run.measurements import Measurements
 
 
@@ -30,10 +32,12 @@ class Parts:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: DataPipeline
     precision: Precision
-    task: str = "lm"  # the model's (framework/contract.py): lm | classify
-    moe: tuple[str, int, int, int] | None = (
-        None  # routed experts: (blocks path, blocks, experts, copies) (framework/moe.py)
-    )
+    spec: ModelSpec  # what the model declares (framework/contract.py): task, blocks, ...
+    n_blocks: int = 0  # the whole model's blocks (a pipeline stage holds some of them)
+
+    @property
+    def task(self) -> str:  # lm | classify
+        return self.spec.task
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class Resumed:
     step: int = 0  # optimizer steps done
     data_position: tuple[int, int] = (0, 0)  # (epoch, samples of its order read: framework/data/samplers.py)
     skipped_steps: int = 0  # nonfinite=skip: steps not applied so far
-    eval_state: dict = field(default_factory=dict)  # best val_loss and its step, evaluations since
+    callbacks: dict = field(default_factory=dict)  # each callback's state_dict, by name
     verify_s: float = 0.0  # seconds spent verifying checkpoints before resuming
     load_s: float = 0.0  # seconds to resume: verifying and loading
 
@@ -62,10 +66,9 @@ class PendingStep:
     """A step just run, whose figures still wait on the device (framework.run.ledger settles them:
     reading them is a host sync, done once per logged step)."""
 
-    values: torch.Tensor  # loss sum, terms, tokens, samples, signalled, grad norm, applied, loss scale[, sources]
+    values: torch.Tensor  # loss sum, terms, tokens, samples, grad norm, applied, loss scale, registry's figures
     sampled: bool
     started: float  # the host clock when the step began (its batches' reading included)
-    moe: dict | None = None  # routed experts' figures of the step (framework/moe.py)
 
 
 @dataclass(frozen=True)
@@ -77,36 +80,47 @@ class StepFigures:
     samples: int
     grad_norm: float
     seconds: float
-    preempt: bool  # some rank got a signal: every rank stops after this step
     sampled: bool  # memory and communication were measured
-    applied: bool  # the update was applied (not skipped for non-finite gradients)
+    applied: bool  # the update was applied (not skipped: non-finite gradients, a callback's request)
     loss_scale: float | None  # amp: the scaler's scale after this step's update
-    val: dict | None = None  # an evaluation after this step (run after its window's sync: not in its time)
-    sources: tuple[float, ...] = ()  # a mixture: samples of each source, then tokens of each (all ranks)
-    moe: dict | None = None  # routed experts: load imbalance, auxiliary loss, dropped tokens
+    extra: dict = field(default_factory=dict)  # the registry's figures (framework/figures.py), by name
+
+    @property
+    def preempt(self) -> bool:  # some rank got a signal: every rank stops after this step
+        return bool(self.extra.get(SIGNAL))
 
     @classmethod
-    def settled(cls, pending: PendingStep, values: list[float], seconds: float, sequence_data: bool) -> StepFigures:
-        """The figures from `pending`'s values, read (with the other waiting steps') in one sync."""
-        loss_sum, terms, tokens, samples, signalled, grad_norm, applied, scale = values[:8]
+    def settled(cls, pending: PendingStep, values: list[float], seconds: float, sequence_data: bool,
+                figures: Registry) -> StepFigures:  # fmt: skip
+        """The figures from `pending`'s values, read (with the other waiting steps') in one sync.
+        A step with no loss terms anywhere (every row empty) has no loss: nan, not a division by 0."""
+        loss_sum, terms, tokens, samples, grad_norm, applied, scale = values[:CORE]
         return cls(
-            loss=loss_sum / terms,
+            loss=loss_sum / terms if terms else math.nan,
             tokens=round(tokens) if sequence_data else None,
             samples=round(samples),
             grad_norm=grad_norm,
             seconds=seconds,
-            preempt=signalled > 0,
             sampled=pending.sampled,
             applied=applied > 0,
             loss_scale=scale if math.isfinite(scale) else None,
-            sources=tuple(round(v) for v in values[8:]),
-            moe=pending.moe,
+            extra=figures.read(values[CORE:]),
         )
+
+    def view(self) -> dict:
+        """The step's figures by name, as callbacks and the registry read them."""
+        return {"loss": self.loss, "grad_norm": self.grad_norm, "tokens": self.tokens, "samples": self.samples,
+                "step_time_s": self.seconds, "applied": self.applied, "loss_scale": self.loss_scale, **self.extra}  # fmt: skip
+
+
+CORE = 7  # the step's own values ahead of the registry's (StepFigures.settled)
+SIGNAL = "control/signal"  # the loop's own figures (framework.run.trainer): a rank got a signal
 
 
 def forward_backward(
-    cfg: DictConfig, info: DistInfo, parts: Parts, work: StepInput, measure: Measurements
-) -> torch.Tensor:
+    cfg: DictConfig, info: DistInfo, parts: Parts, work: StepInput, measure: Measurements,
+    before_backward: Callable[[int], None] = lambda micro: None,
+) -> torch.Tensor:  # fmt: skip
     """Forward and backward over the step's micro-batches; returns this rank's summed loss (a
     pipeline: its mean loss).
 
@@ -123,6 +137,7 @@ def forward_backward(
         # accumulated batches go in as one batch of accumulation_steps x batch_size.
         cuda = info.device.type == "cuda"  # from pinned memory, the copy does not wait for the GPU
         inputs, target = data.prepare(concat_batches([b for _, b in step_batches], cuda), info.device, cuda)
+        before_backward(0)
         with precision.autocast(), meter.measure() if meter else nullcontext():
             return par.pipeline.step(inputs[0], target)
     scale = par.dp_size * par.cp_size / step_elements(cfg, info, parts, step_batches)  # FSDP averages over dp x cp
@@ -137,6 +152,7 @@ def forward_backward(
                 loss = cross_entropy(logits_of(par.module(*inputs, **kwargs)), target, reduction="sum")
                 if work.poison:  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan)
                     loss = loss * float("nan")
+            before_backward(micro)
             precision.scaler.scale(loss * scale).backward()
         # under loss parallel the loss is a replicated DTensor: take the plain value
         loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
@@ -158,20 +174,25 @@ def step_elements(cfg: DictConfig, info: DistInfo, parts: Parts, step_batches: l
     return all_reduce_sum(host_values([local], info.device), info)[0]
 
 
-def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool) -> tuple[torch.Tensor, bool | torch.Tensor]:
+def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool,
+                   skip: bool = False) -> tuple[torch.Tensor, bool | torch.Tensor]:  # fmt: skip
     """Clip the true (unscaled) gradients by their global norm and step. Returns the norm and
     whether the update was applied: amp's scaler skips steps with inf/nan gradients (and lowers
-    its scale); with `skip_nonfinite` so does every precision. The norm is global, so every
-    rank decides the same. Under amp, "applied" is a device bool (the scale did not drop):
-    `get_scale()` would be a host sync."""
+    its scale); with `skip_nonfinite` so does every precision; `skip` (a callback asked every
+    rank alike) skips it outright. The norm is global, so every rank decides the same. Under amp,
+    "applied" is a device bool (the scale did not drop): `get_scale()` would be a host sync."""
     scaler = parts.precision.scaler
     scaler.unscale_(parts.optimizer)
     norm = parts.par.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
+    if skip:
+        if scaler.is_enabled():
+            scaler.update()  # closes the step unscale_ opened (the scale moves as its inf check says)
+        return norm, False
     if scaler.is_enabled():
-        before = scaler._scale.clone()
+        before = loss_scale(scaler, norm.device)
         scaler.step(parts.optimizer)
         scaler.update()
-        return norm, scaler._scale >= before
+        return norm, loss_scale(scaler, norm.device) >= before
     if skip_nonfinite and not torch.isfinite(norm):  # a sync point, under nonfinite=skip only
         return norm, False
     parts.optimizer.step()
@@ -184,14 +205,16 @@ def reduce_step_figures(
     step_batches: list,
     step_loss: torch.Tensor,
     update: tuple[torch.Tensor, bool | torch.Tensor],
-    signalled: bool,
-) -> torch.Tensor:
+    extra: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One small all-reduce for the step's figures: the loss (summed losses over summed loss terms,
     one rank per data-parallel group; a pipeline: the mean over the ranks that hold a loss, its
-    last stage), tokens and samples summed over one rank per data-parallel group, and whether any
-    rank got a signal. The figures stay on the device (`pending`, with the gradient norm and the
-    loss scale, and whether the update was applied: `update`, optimizer_step's answer) until
-    framework.run.ledger settles them: reading them is a host sync, once per logged step."""
+    last stage), tokens and samples summed over one rank per data-parallel group, and `extra`:
+    the registry's figures packed (framework/figures.py: the callbacks' and the model's, the
+    loop's own signals). Returns (the step's values: they stay on the device, with the gradient
+    norm, whether the update was applied and the loss scale, until framework.run.ledger settles
+    them: reading them is a host sync, once per logged step; the registry's part reduced, on the
+    device, for post-step updates)."""
     par, data, (grad_norm, applied) = parts.par, parts.data, update
     counting = float(par.counts_data)  # tp, pp and cp peers read the same batch: count it once
     tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting
@@ -202,15 +225,15 @@ def reduce_step_figures(
         weight, terms = float(par.counts_loss), terms
     else:
         weight = terms = float(par.holds_loss)
-    counts = host_values([terms, tokens, samples, float(signalled)], info.device)
-    sources = data.take_source_counts(len(step_batches))  # a mixture's, rides on the same all-reduce
-    sources = host_values((sources * counting).tolist(), info.device) if sources is not None else counts[:0]
-    totals = all_reduce_sum(torch.cat([(step_loss.float() * weight).reshape(1), counts, sources]), info)
-    totals, sources = totals[:5], totals[5:]
+    counts = host_values([terms, tokens, samples], info.device)
+    totals = all_reduce_sum(torch.cat([(step_loss.float() * weight).reshape(1), counts, extra.to(counts)]), info)
+    core, figures = totals[:4], totals[4:]
     scaler = parts.precision.scaler
-    scale = scaler._scale.reshape(1).float() if scaler.is_enabled() else totals.new_full((1,), math.nan)
+    scale = loss_scale(scaler, core.device) if scaler.is_enabled() else core.new_full((1,), math.nan)
     if isinstance(applied, torch.Tensor):  # amp: a device bool, read with the rest
-        applied = applied.reshape(1).to(totals.dtype)
+        applied = applied.reshape(1).to(core.dtype)
     else:
-        applied = totals.new_full((1,), float(applied))
-    return torch.cat([totals, grad_norm.detach().float().reshape(1).to(totals.device), applied, scale, sources])
+        applied = core.new_full((1,), float(applied))
+    norm = grad_norm.detach().float().reshape(1).to(core.device)
+    return torch.cat([core, norm, applied, scale.float().reshape(1), figures]), figures
+

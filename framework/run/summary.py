@@ -13,13 +13,13 @@ from omegaconf import DictConfig
 
 from framework.config import backend_env
 from framework.dist import DistInfo, all_gather_object
+from framework.figures import Registry
 from framework.measure.comm import mean_totals
 from framework.measure.memory import device_peak_bytes, device_reserved_bytes, peak_rss_bytes
 from framework.measure.metrics import Throughput, above_ceiling, load_balance, mfu
 from framework.measure.peak import PARTS
 from framework.run.measurements import Measurements
 from framework.run.step import Parts
-from framework.tracking import Tracker
 
 
 @dataclass
@@ -36,15 +36,13 @@ class RunStats:
     first_step_s: float | None = None  # the first step's time (compilation included)
     startup_s: float | None = None  # process start to the end of the first optimizer step
     checkpoint_saves: int = 0  # every checkpoint written: the periodic ones and the best evaluation's
-    best_saves: int = 0  # of checkpoint_saves, the best evaluation's (checkpoint.monitor, under best/)
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
     checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
     skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
     rss_baseline_bytes: int | None = None  # after imports and process-group set-up, before the model
     started: float | None = None  # when the process started (time.time()), for startup_s; None: unknown
     plan_auto: dict[str, Any] | None = None  # parallel=auto: the planner's record of its choice, for plan.auto
-    sources: list[tuple[float, ...]] = field(default_factory=list)  # a mixture's counts of each logged step
-    moe: list[dict[str, Any]] = field(default_factory=list)  # routed experts' figures of each step
+    figures: list[dict[str, Any]] = field(default_factory=list)  # the registry's figures of each step
 
 
 class Given(NamedTuple):
@@ -56,9 +54,10 @@ class Given(NamedTuple):
     plan_auto: dict[str, Any] | None = None
 
 
-def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements) -> dict[str, Any]:
+def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements,
+              figures: Registry) -> dict[str, Any]:  # fmt: skip
     """The figures of the run's summary.json: per-rank figures are the max over ranks (one gather,
-    at the end). `checkpoint.saves` counts every checkpoint the run wrote, periodic
+    at the end); the registry's figures over the run's steps, in their blocks (framework/figures.py). `checkpoint.saves` counts every checkpoint the run wrote, periodic
     (checkpoint.every, a preemption's) and the best evaluation's (checkpoint.monitor), which
     `checkpoint.best_saves` counts apart; `blocking_s` is what training waited for them all."""
     everyone = all_gather_object(rank_figures(info, stats, measure), info)
@@ -80,7 +79,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
     impossible = above_ceiling(hfu, peak, cfg.metrics.ceiling_tflops)
     summary = {
         "world_size": info.world_size,
-        "parallel_dims": ({**par.mesh.dims.degrees, "ep": par.mesh.dims.ep} if par.mesh else {"dp": par.dp_size}),
+        "parallel_dims": par.mesh.dims.layout if par.mesh else {"dp": par.dp_size},
         # NCCL_*/GLOO_* knobs as this worker's environment holds them
         "backend_env": {k: os.environ.get(k) for k in backend_env(cfg.backend)},
         "global_batch_size": per_step["samples"],  # samples per optimizer step, as they came
@@ -106,9 +105,9 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "memory": memory,
         # the rank that communicates most (pipeline stages differ), per optimizer step
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
+        "comm_by_op": ops_over_ranks([r["comm"] for r in everyone]),
         "load_balance": balance,
-        "sources": mixture_figures(parts.data.dataset, stats.sources),
-        "moe": routed_figures(stats.moe, [r["comm"] for r in everyone]),
+        **figures.summarize(stats.figures),
     }
     summary["plan"] = plan_check(cfg, info.world_size, summary, stats.plan_auto) if info.is_main else None  # rank 0's
     return summary
@@ -135,7 +134,7 @@ def rank_figures(info: DistInfo, stats: RunStats, measure: Measurements) -> dict
 
 def checkpoint_figures(stats: RunStats) -> dict[str, Any]:
     """summary.checkpoint: the saves, the best evaluation's among them, what training waited for."""
-    return {"saves": stats.checkpoint_saves, "best_saves": stats.best_saves, "blocking_s": sum(stats.checkpoint_s),
+    return {"saves": stats.checkpoint_saves, "best_saves": 0, "blocking_s": sum(stats.checkpoint_s),
             **stats.checkpoint_io}  # fmt: skip
 
 
@@ -223,7 +222,7 @@ class Segment(NamedTuple):
         return f"steps {self.start_step + 1}-{last} ({self.steps} this run, resumed from step {self.start_step})"
 
 
-def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tracker) -> None:
+def report(summary: dict[str, Any], segment: Segment, run_dir: str, offline_dir: str | None) -> None:
     """Rank 0's closing lines: what this process trained and where the run's files are."""
     rate = summary["throughput"]
     speed = f"{rate['tokens_per_s']:.0f} tokens/s" if rate["tokens_per_s"] else f"{rate['samples_per_s']:.1f} samples/s"
@@ -241,37 +240,18 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str, tracker: Tra
               f"memory budget of {limit / 2**20:g} MB (plan.memory_budget_mb; summary.json plan.budget)", flush=True)  # fmt: skip
     if summary.get("mfu_flag"):
         print(f"warning: {summary['mfu_flag']} (summary.json mfu_flag)", flush=True)
-    if tracker.offline_dir:
-        print(
-            f"W&B offline run: {tracker.offline_dir}  (upload later with: wandb sync {tracker.offline_dir})",
-            flush=True,
-        )
+    if offline_dir:  # the loggers' callback's W&B folder
+        print(f"W&B offline run: {offline_dir}  (upload later with: wandb sync {offline_dir})", flush=True)
 
 
-def mixture_figures(dataset: Any, counts: list[tuple[float, ...]]) -> dict[str, dict[str, Any]] | None:
-    """A mixture's samples and tokens of each source over the run, and its share of the samples
-    beside its weight's (None for other data)."""
-    if not counts:
-        return None
-    n, weights = len(dataset.labels), dataset.weights
-    total = [sum(step[k] for step in counts) for k in range(2 * n)]
-    samples = sum(total[:n]) or 1
-    return {label: {"samples": round(total[k]), "tokens": round(total[n + k]), "share": total[k] / samples,
-                    "weight": weights[k] / sum(weights)} for k, label in enumerate(dataset.labels)}  # fmt: skip
-
-
-def routed_figures(steps: list[dict[str, Any]], comm: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """Routed experts over the run: load imbalance (mean, first and last step), the mean
-    auxiliary loss, tokens dropped and the tokens each expert got (None for a dense model); under
-    expert parallel the all-to-all bytes a rank sent a step, the mean over the ranks (what the
-    planner forecasts: the mean rank's), and the busiest rank's over it (`comm`: each rank's)."""
-    if not steps:
-        return None
-    sent = [c["by_op"]["all_to_all"]["bytes"] for c in comm if c and "all_to_all" in c["by_op"]]
-    mean_sent = sum(sent) / len(comm) if sent else None
-    imbalance = [s["moe_load_imbalance"] for s in steps]
-    return {"all_to_all_bytes": mean_sent, "all_to_all_imbalance": max(sent) / mean_sent if sent else None,
-            "load_imbalance": sum(imbalance) / len(imbalance), "load_imbalance_first": imbalance[0],
-            "load_imbalance_last": imbalance[-1], "aux_loss": sum(s["moe_aux_loss"] for s in steps) / len(steps),
-            "dropped_tokens": sum(s["moe_dropped_tokens"] for s in steps),
-            "tokens_per_expert": [sum(t) for t in zip(*(s["moe_tokens_per_expert"] for s in steps), strict=True)]}  # fmt: skip
+def ops_over_ranks(comm: list[dict[str, Any] | None]) -> dict[str, dict[str, float]]:
+    """Each collective's bytes a step over the ranks (`comm`: each rank's, None where it measured
+    none): the mean rank's (what the planner forecasts for traffic that differs by rank, as an
+    all-to-all's does) and the busiest rank's over it."""
+    ops = sorted({op for c in comm if c for op in c["by_op"]})
+    out = {}
+    for op in ops:
+        sent = [c["by_op"][op]["bytes"] for c in comm if c and op in c["by_op"]]
+        mean = sum(sent) / len(comm)
+        out[op] = {"mean_bytes": mean, "imbalance": max(sent) / mean if mean else None}
+    return out

@@ -3,22 +3,23 @@ step, measure, log, save), summarise. Every rank runs this; rank-0-only work is 
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from contextlib import closing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
+from framework.callbacks.build import build_callbacks
 from framework.checkpoint import store as checkpoint
 from framework.checkpoint.integrity import CheckpointError
 from framework.checkpoint.store import Checkpointer, TrainerState
 from framework.config import resolve_backend, resolve_device
 from framework.dist import DistInfo, destroy_distributed, init_distributed
 from framework.export import export_at_end
+from framework.figures import Figure
+from framework.hooks import Callbacks, Control, Run
 from framework.measure.memory import (
     current_rss_bytes,
     host_allocator,
@@ -27,34 +28,28 @@ from framework.measure.memory import (
     reset_peaks,
     set_host_allocator,
 )
-from framework.moe import routed_layers, set_aux_scale, step_figures
 from framework.parallel.dims import Strategy
-from framework.run.build import build, build_measurements, generators, layout, resume
-from framework.run.evaluation import Evaluator
-from framework.run.ledger import Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
+from framework.run.build import build, build_measurements, generators, layout, resume, resume_from
+from framework.run.ledger import Entry, Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
 from framework.run.measurements import Measurements
-from framework.run.resilience import (
-    Aborted,
-    Guard,
-    NonFiniteLoss,
-    Preempted,
-    diagnose,
-    inject_fault,
-    is_collective_failure,
-)
+from framework.run.resilience import Aborted, Guard, Preempted, diagnose, inject_fault, is_collective_failure
 from framework.run.run_files import RunFiles, Summary, checkpoint_root
 from framework.run.step import (
+    SIGNAL,
     Parts,
     PendingStep,
     Resumed,
-    StepFigures,
     StepInput,
     forward_backward,
     optimizer_step,
     reduce_step_figures,
 )
 from framework.run.summary import Given, RunStats, Segment, report, summarize
-from framework.tracking import Tracker, build_tracker
+
+# The loop's own figures, riding the step's all-reduce: any rank's signal or callback request is
+# every rank's (framework.hooks)
+STOP, SAVE = "control/stop", "control/save"
+LOOP_FIGURES = [Figure(name, log=False, summary=()) for name in (SIGNAL, STOP, SAVE)]
 
 
 def run(cfg: DictConfig, run_dir: str, choices: dict[str, str], started: float | None = None,
@@ -97,85 +92,100 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
 
     reset_peaks(info.device)  # this run's own peaks (RSS, CUDA allocator), should the process have trained before
     baseline = current_rss_bytes()  # imports and the process group, before the model and W&B
-    # The tracker first: W&B's service starts in the background while the model is built, not
-    # while the first steps run (on a small machine it competes with them for the cores).
-    tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), files.run_dir, choices, info.is_main)
+    # The callbacks first: the loggers' W&B service starts in the background while the model is built
+    callbacks = build_callbacks(cfg, info, files.run_dir, choices)
     try:
         parts = build(cfg, info)
-        resumed = resume(cfg, info, parts, files.run_dir)
-        files.truncate_metrics(resumed.step)  # a restarted run rewrites the steps after its checkpoint
+        trainer = Trainer(cfg, info, parts, files, callbacks, guard)
+        resumed = trainer.resume()
         stats = RunStats(losses=list(files.prior_losses), skipped_steps=resumed.skipped_steps,
                          rss_baseline_bytes=baseline, started=given.started, plan_auto=given.plan_auto)  # fmt: skip
-        trainer = Trainer(cfg, info, parts, resumed, stats, files, tracker, guard)
+        trainer.stats = stats
         summary = trainer.loop(choices)
         segment = Segment.of(resumed.step, stats.losses[len(files.prior_losses) :])
-    except BaseException:
-        tracker.finish(ok=False)
+    except BaseException as err:
+        callbacks.call("on_exception", err)
         raise
-    tracker.summary(summary)
-    tracker.finish(ok=True)
     if info.is_main:
-        report(summary, segment, files.run_dir, tracker)
+        report(summary, segment, files.run_dir, callbacks["loggers"].offline_dir)
     return summary
 
 
 @dataclass
 class Trainer:
     """One rank's training, its parts named: what it trains (`parts`), from where (`resumed`),
-    what it gathers (`stats`) and measures (`measure`), where it writes (`files`, `tracker`,
-    `saver`), and who tells it to stop (`guard`: signals, a failed peer)."""
+    what it gathers (`stats`) and measures (`measure`), where it writes (`files`, `saver`), what
+    watches it (`callbacks`, asking through `control`), and who tells it to stop (`guard`:
+    signals, a failed peer). The loop below is the order of a step; every capability beside it
+    is a callback (framework/callbacks/)."""
 
     cfg: DictConfig
     info: DistInfo
     parts: Parts
-    resumed: Resumed
-    stats: RunStats
     files: RunFiles
-    tracker: Tracker
+    callbacks: Callbacks
     guard: Guard
+    resumed: Resumed = field(default_factory=Resumed)
+    stats: RunStats = field(default_factory=lambda: RunStats(losses=[]))
     measure: Measurements = field(init=False)
     saver: Checkpointer = field(init=False)
-    evaluator: Evaluator = field(init=False)
-    routed: list = field(init=False, default_factory=list)  # routed MoE layers of this rank, by block
+    control: Control = field(init=False, default_factory=Control)
+    figures: Any = field(init=False)  # the run's figure registry (framework/figures.py)
 
     def __post_init__(self):
-        self.measure = build_measurements(self.cfg, self.info, self.parts, self.files.run_dir)
-        self.saver = Checkpointer(checkpoint_root(self.cfg, self.files.run_dir), self.info.rank, self.cfg.checkpoint)
-        self.evaluator = self.build_evaluator()
-        moe = self.parts.moe
-        self.routed = routed_layers(self.parts.par.module, moe[0]) if moe else []  # framework/moe.py
+        cfg, info, root = self.cfg, self.info, checkpoint_root(self.cfg, self.files.run_dir)
+        self.measure = build_measurements(cfg, info, self.parts, self.files.run_dir)
+        self.saver = Checkpointer(root, info.rank, cfg.checkpoint)
+        if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):  # for evaluate and generate
+            checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
+        self.figures = self.callbacks.figures
+        for figure in LOOP_FIGURES:
+            self.figures.declare(figure, "loop")
+        run = Run(cfg, info, self.parts, self.figures, self.control, self.files.run_dir, root,
+                  log=self.log_record, save=self.save_to)  # fmt: skip
+        self.callbacks.call("on_build", run)
+
+    def resume(self) -> Resumed:
+        """Where this run goes on from (framework.run.build.resume), its callbacks' state with it."""
+        self.resumed = resume(self.cfg, self.info, self.parts, self.files.run_dir)
+        self.files.truncate_metrics(self.resumed.step)  # a restarted run rewrites the steps after its checkpoint
+        self.callbacks.load_state_dict(self.resumed.callbacks)
+        return self.resumed
 
     def loop(self, choices: dict[str, str]) -> dict[str, Any]:
         cfg, info, parts, stats = self.cfg, self.info, self.parts, self.stats
         sequence_data = cfg.data.name in ("text", "varlen") or parts.task == "lm"  # report tokens/s
-        self.evaluator.at_start(self.tracker)
-        batches, ledger = parts.data.batches(*self.resumed.data_position, self.resumed.step), Ledger(sequence_data)
-        progress = tqdm(  # rank 0 only
-            total=cfg.steps, initial=self.resumed.step, disable=not (info.is_main and cfg.progress), dynamic_ncols=True
-        )
+        step = self.resumed.step
+        self.callbacks.call("on_start", step)
+        batches, ledger = parts.data.batches(*self.resumed.data_position, step), Ledger(sequence_data, self.figures)
         parts.par.module.train()
-        with self.measure.profiler, closing(self.saver):
-            for step in range(self.resumed.step, cfg.steps):
-                if self.run_step(step, batches, ledger, progress):
-                    break  # eval.patience: every rank decides alike, after the same step
+        with closing(self.saver):
+            while step < cfg.steps:
+                stop = self.run_step(step, batches, ledger)
+                step += 1
+                if self.control.rollback_to is not None:
+                    step, batches = self.rollback(*self.control.rollback_to)
+                self.control.clear()
+                if stop:
+                    break  # every rank decides alike, after the same step
             if self.saver.pending is not None:  # the last async save: training has ended, but the run waits for it
                 t0 = time.perf_counter()
                 self.saver.wait()
                 stats.checkpoint_s.append(time.perf_counter() - t0)
         stats.checkpoint_io = {"verify_s": self.resumed.verify_s, "load_s": self.resumed.load_s,
                                "failed_saves": self.saver.failed}  # fmt: skip
-        progress.close()
         if cfg.checkpoint.export:
             export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
-        figures = summarize(cfg, info, parts, stats, self.measure)
-        figures |= {"eval": self.evaluator.summary(), "stopped_early": self.evaluator.stopped_at}
-        summary = Summary("ok", choices, figures=figures)
-        self.files.write_summary(summary)  # rank 0 only
-        return summary.to_dict()
+        summary = Summary("ok", choices, figures=summarize(cfg, info, parts, stats, self.measure, self.figures))
+        record = summary.to_dict()
+        self.callbacks.call("on_end", record)  # their blocks (eval, sources, ...) join it
+        self.files.write_summary(Summary.from_dict(record))  # rank 0 only
+        return record
 
-    def run_step(self, step: int, batches: Any, ledger: Ledger, progress: tqdm) -> bool:
-        """Run step `step` (0-based); settle, log and save when due. True: stop (eval.patience)."""
+    def run_step(self, step: int, batches: Any, ledger: Ledger) -> bool:
+        """Run step `step` (0-based); settle, log and save when due. True: stop (a callback asked)."""
         cfg, info, start = self.cfg, self.info, self.resumed.step
+        self.callbacks.call("on_step_start", step)
         poison = inject_fault(step, info)
         started = ledger.clock()  # the window's time is taken at its sync (framework.run.ledger)
         sampled = is_sampled(step, start, cfg.steps, cfg.metrics.sample_every)
@@ -189,38 +199,27 @@ class Trainer:
         self.measure.forward_timer.end_step()
         if step == start:
             self.guard.shorten_timeout(cfg.backend.step_timeout_s)
-        progress.update(1)
-        self.measure.profiler.step()
-        moe = step_figures(self.routed, *self.parts.moe[1:], info) if self.routed else None
-        ledger.add(PendingStep(values, sampled, started, moe), step, work.batches, self.parts.data)
-        evaluates = self.evaluator.due(step + 1)
-        if not (syncs_after(cfg, step, start) or evaluates):
+        ledger.add(PendingStep(values, sampled, started), step, work.batches, self.parts.data)
+        if not syncs_after(cfg, step, start):
             return False  # its figures wait on the device (framework.run.ledger): no host sync
         settled = ledger.settle()  # the one host sync of these steps: their window ends here
-        val = self.evaluator.after_step(step + 1) if evaluates else None  # after the window: not in throughput
-        if val is not None:
-            settled[-1].figures = replace(settled[-1].figures, val=val)
+        for entry in settled:  # derived figures (and an evaluation: after the window, not in its time)
+            entry.figures.extra.update(self.callbacks.gather("on_settled", entry.step, entry.figures.view()))
         record_steps(self.stats, settled, self.parts.par.counts_data, self.measure.forward_timer)
-        if is_logged(cfg, step) or val:
-            log_step(settled[-1], self.stats, self.parts, self.measure.peak_flops, self.files, self.tracker)
-        progress.set_postfix(loss=f"{settled[-1].figures.loss:.4f}", refresh=False)
-        self.end_of_step([e.figures for e in settled], step + 1)
-        return self.evaluator.stop
+        if is_logged(cfg, step) or self.control.log_requested:
+            log_step(settled[-1], self.stats, self.parts, self.measure.peak_flops, self.files, self.callbacks)
+        return self.end_of_step(settled, step + 1)
 
     def train_step(self, step: int, work: StepInput):
         """One optimizer step: forward and backward over the micro-batches, the update (skipped for
-        non-finite gradients under nonfinite=skip, or by amp's scaler); returns the step's figures,
-        waiting on the device (framework.run.step.reduce_step_figures)."""
-        cfg, info, parts = self.cfg, self.info, self.parts
-        if self.routed:  # the auxiliary loss's gradient: a micro-batch's share of the step, amp's scale
-            share = 1.0 if parts.par.pipeline is not None else 1.0 / len(work.batches)  # pipelines average
-            scaler = parts.precision.scaler
-            if scaler.is_enabled() and scaler._scale is None:  # made at its first use, which is after this
-                scaler._lazy_init_scale_growth_tracker(info.device)
-            set_aux_scale(self.routed, scaler._scale * share if scaler.is_enabled() else share)
+        non-finite gradients under nonfinite=skip, by amp's scaler, or at a callback's request);
+        returns the step's figures, waiting on the device (framework.run.step.reduce_step_figures)."""
+        cfg, info, parts, hooks = self.cfg, self.info, self.parts, self.callbacks
         with self.measure.sampled_step(work.sampled) as counter:
-            step_loss = forward_backward(cfg, info, parts, work, self.measure)
-            update = optimizer_step(parts, cfg.optim.grad_clip, skip_nonfinite=cfg.nonfinite == "skip")
+            before_backward = lambda micro: hooks.call("on_before_backward", step, micro)  # noqa: E731
+            step_loss = forward_backward(cfg, info, parts, work, self.measure, before_backward)
+            hooks.call("on_before_optimizer_step", step)
+            update = optimizer_step(parts, cfg.optim.grad_clip, cfg.nonfinite == "skip", self.control.skip_requested)
         if work.sampled:
             # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
             self.stats.state_bytes = model_state_bytes(parts.par.module, parts.optimizer, info.device)
@@ -229,36 +228,38 @@ class Trainer:
         parts.scheduler.step()
         if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
             release_cached_memory(info.device)
-        return reduce_step_figures(info, parts, work.batches, step_loss, update, self.guard.requested)
+        own = {SIGNAL: float(self.guard.requested), STOP: float(self.control.stop_reason is not None),
+               SAVE: float(self.control.save_requested)}  # fmt: skip
+        extra = self.figures.pack(own | hooks.gather("on_step_end", step), info.rank, info.device)
+        values, totals = reduce_step_figures(info, parts, work.batches, step_loss, update, extra)
+        hooks.call("on_step_reduced", step, self.figures.totals(totals))
+        return values
 
-    def end_of_step(self, settled: list[StepFigures], done: int) -> None:
-        """After step `done`, the last of the steps just settled: stop on a non-finite step among
-        them (nonfinite=stop), save when due, and stop with a checkpoint when any rank got a signal
-        (every rank sees it after the same step)."""
-        cfg, saver = self.cfg, self.saver
-        for k, figures in enumerate(settled):
-            bad = not math.isfinite(figures.loss) or (
-                not math.isfinite(figures.grad_norm) and not self.parts.precision.scaler.is_enabled()
-            )
-            if bad and cfg.nonfinite == "stop":
-                raise NonFiniteLoss(
-                    f"step {done - len(settled) + 1 + k}: loss {figures.loss}, gradient norm {figures.grad_norm} "
-                    "(nonfinite=stop; nonfinite=skip leaves such steps out). Last good checkpoint: "
-                    f"{checkpoint.latest(saver.root) or 'none (checkpoint.every=0)'}"
-                )
-        preempt = settled[-1].preempt
+    def end_of_step(self, settled: list[Entry], done: int) -> bool:
+        """After step `done`, the last of the steps just settled: save when due or asked, and stop
+        with a checkpoint when any rank got a signal (every rank sees it after the same step).
+        True: a callback asked to stop."""
+        cfg, last = self.cfg, settled[-1].figures
+        asked = [e.figures.extra for e in settled]
+        save = self.control.save_requested or any(f[SAVE] for f in asked)
         due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
-        if due or preempt:
-            t0 = time.perf_counter()
-            path = saver.save(
-                done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts)
-            )
-            self.stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
-            self.stats.checkpoint_saves += 1
-        if preempt:
-            if not saver.wait() or path is None:  # on disk before the process exits
+        if due or save or last.preempt:
+            path = self.save_to(self.saver, done)
+        if last.preempt:
+            if not self.saver.wait() or path is None:  # on disk before the process exits
                 raise CheckpointError(f"preempted after step {done}; its checkpoint could not be saved (see above)")
             raise Preempted(self.guard.signum or signal.SIGTERM, done, path)
+        return self.control.stop_reason is not None or any(f[STOP] for f in asked)
+
+    def save_to(self, saver: Checkpointer, done: int) -> str | None:
+        """A checkpoint after step `done` through `saver` (the run's, or a callback's own: the best
+        evaluation's), counted with the run's saves (summary.checkpoint)."""
+        t0 = time.perf_counter()
+        path = saver.save(done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts))
+        self.stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
+        self.stats.checkpoint_saves += 1
+        self.callbacks.call("on_save", done, path)
+        return path
 
     def state(self, done: int) -> TrainerState:
         """What a checkpoint after step `done` holds besides the model and optimizer."""
@@ -269,28 +270,27 @@ class Trainer:
             scaler=parts.precision.scaler.state_dict(),
             data=parts.data.position(),
             layout=layout(self.cfg, self.info, parts.par),
-            counters={"nonfinite_skipped": self.stats.skipped_steps, "eval": self.evaluator.state},
+            counters={"nonfinite_skipped": self.stats.skipped_steps, "callbacks": self.callbacks.state_dict()},
         )
 
-    def build_evaluator(self) -> Evaluator:
-        """Evaluation during training (framework.run.evaluation); with checkpoint.monitor=val_loss it
-        keeps one complete checkpoint of the best evaluation under <checkpoint root>/best. The
-        resolved config goes beside the checkpoints, for `framework.evaluate` and `framework.generate`."""
-        cfg, info, root = self.cfg, self.info, self.saver.root
-        if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):
-            checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
-        if not cfg.checkpoint.monitor:
-            return Evaluator(cfg, info, self.parts, self.resumed)
-        options = OmegaConf.merge(
-            cfg.checkpoint, {"keep_last": 1, "async_save": False}
-        )  # complete before training goes on
-        best = Checkpointer(checkpoint.best_root(root), info.rank, options)
+    def log_record(self, record: dict[str, Any], step: int, to_file: bool = True) -> None:
+        """A callback's line (an evaluation before training: to the trackers, not metrics.jsonl)."""
+        if to_file:
+            self.files.log_step({"step": step, **record})
+        self.callbacks.call("on_log", step, record)
 
-        def save_best(done: int) -> None:  # counted with the run's saves (summary.checkpoint)
-            t0 = time.perf_counter()
-            best.save(done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts))
-            self.stats.checkpoint_s.append(time.perf_counter() - t0)  # synchronous: training waited for all of it
-            self.stats.checkpoint_saves += 1
-            self.stats.best_saves += 1
-
-        return Evaluator(cfg, info, self.parts, self.resumed, save_best)
+    def rollback(self, path: str | None, skip_samples: int) -> tuple[int, Any]:
+        """Go back to checkpoint `path` (None: the newest complete one) and on from there, the data
+        `skip_samples` samples past where it left off; metrics.jsonl drops the steps after it."""
+        self.saver.wait()
+        path = path or checkpoint.latest(self.saver.root)
+        if path is None:
+            raise CheckpointError("a callback asked to roll back, but the run has no complete checkpoint")
+        back = resume_from(path, self.parts, self.info)
+        self.callbacks.load_state_dict(back.callbacks)
+        self.files.truncate_metrics(back.step)
+        del self.stats.losses[back.step :]
+        epoch, samples = back.data_position
+        if self.info.is_main:
+            print(f"rolled back to step {back.step} ({path}), skipping {skip_samples} samples", flush=True)
+        return back.step, self.parts.data.batches(epoch, samples + skip_samples, back.step)

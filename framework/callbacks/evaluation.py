@@ -1,6 +1,7 @@
 """Evaluation on the validation split, under every strategy: the held-out loss (a token-weighted
 mean for lm, sample-weighted for classify), perplexity or accuracy, the best evaluation and early
-stopping (`eval.*`, `checkpoint.monitor`).
+stopping (`eval.*`, `checkpoint.monitor`): the `Evaluation` callback during training, `evaluate`
+for framework.evaluate too.
 
 How the split is read: data-parallel rank r of w reads samples r, r+w, ... (no shuffling), padded
 by repeating samples to the same number of full batches on every rank (FSDP's collectives and a
@@ -15,22 +16,23 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
+from framework.checkpoint.store import Checkpointer, best_root
 from framework.contract import logits_of
 from framework.data import build_dataset, to_device
 from framework.data.images import DeviceAugment
 from framework.dist import DistInfo, all_reduce_sum
+from framework.hooks import Run
 from framework.loss import IGNORE_INDEX, cross_entropy
-from framework.run.step import Parts, Resumed
-from framework.tracking import Tracker
+
+Parts = Any  # framework.run.step.Parts: the model, its data and precision (this room sits below the run's)
 
 
 def eval_batches(n: int, dp_rank: int, dp_size: int, batch_size: int) -> tuple[list[list[int]], list[list[bool]]]:
@@ -153,85 +155,92 @@ def evaluate(setup: Parts, val: EvalData, info: DistInfo, max_batches: int = -1)
     return result
 
 
-def tracker_names(record: dict[str, Any]) -> dict[str, Any]:
-    """A metrics.jsonl record as W&B/TensorBoard take it: val_loss -> val/loss, and so on."""
-    return {(f"val/{k[4:]}" if k.startswith("val_") else k): v for k, v in record.items()}
+class Evaluation:
+    """Evaluation during training (eval.every, eval.at_start): when it is due, the best so far
+    (checkpoint.monitor=val_loss: one complete checkpoint of the best under <checkpoint root>/best)
+    and early stopping (eval.patience). Every rank holds the same figures (they come from an
+    all-reduce), so every rank decides the same: they stop after the same step."""
 
+    figures = (
+        {"name": "val_loss", "reduce": None, "summary": ()},
+        {"name": "val_perplexity", "reduce": None, "summary": ()},
+        {"name": "val_accuracy", "reduce": None, "summary": ()},
+        {"name": "eval_s", "reduce": None, "summary": ()},
+    )
 
-@dataclass
-class Evaluator:
-    """Evaluation during training: when it is due, the best so far (saved through `save_best`),
-    and early stopping. Every rank holds the same figures (they come from an all-reduce), so
-    every rank decides the same: they stop after the same step."""
+    def __init__(self) -> None:
+        self.run: Run | None = None
+        self.val: EvalData | None = None
+        self.best: Checkpointer | None = None
+        self.best_loss, self.best_step, self.stale = math.inf, None, 0  # stale: evaluations since the best
+        self.stopped_at: int | None = None  # eval.patience: the step the run stopped after
+        self.history: list[dict[str, float]] = []
+        self.seconds, self.best_saves = 0.0, 0
 
-    cfg: DictConfig
-    info: DistInfo
-    parts: Parts
-    resumed: Resumed
-    save_best: Callable[[int], None] | None = None  # checkpoint.monitor: save after step `done`
-    val: EvalData | None = None
-    best_loss: float = math.inf
-    best_step: int | None = None
-    stale: int = 0  # evaluations since the last improvement
-    stopped_at: int | None = None  # eval.patience: the step the run stopped after
-    history: list[dict[str, float]] = field(default_factory=list)
-    seconds: float = 0.0
-    state: dict = field(default_factory=dict)  # best val_loss and its step, evaluations since (checkpointed)
+    def on_build(self, run: Run) -> None:
+        self.run, cfg = run, run.cfg
+        if cfg.eval.every > 0 or cfg.eval.at_start:
+            self.val = build_eval_data(cfg, run.parts, run.info.device)
+        if cfg.checkpoint.monitor:  # complete before training goes on
+            options = OmegaConf.merge(cfg.checkpoint, {"keep_last": 1, "async_save": False})
+            self.best = Checkpointer(best_root(run.checkpoint_root), run.info.rank, options)
 
-    def __post_init__(self):
-        e, state = self.cfg.eval, self.resumed.eval_state
-        self.state = state
-        if state:  # resumed: the best evaluation before the checkpoint
-            self.best_loss, self.best_step, self.stale = state["best_loss"], state["best_step"], state["stale"]
-        if e.every > 0 or e.at_start:
-            self.val = build_eval_data(self.cfg, self.parts, self.info.device)
+    def on_start(self, step: int) -> None:
+        """eval.at_start: the initial weights, logged as step 0 to W&B/TensorBoard (metrics.jsonl
+        has lines of optimizer steps only) and in summary.eval.history; not a best checkpoint."""
+        if self.val is not None and self.run.cfg.eval.at_start and step == 0:
+            self.run.log(self.evaluate(0), 0, False)
 
-    def run(self, done: int) -> dict[str, float]:
+    def due(self, done: int) -> bool:
+        """Whether an evaluation follows step `done` (every eval.every steps, and after the last)."""
+        every = self.run.cfg.eval.every
+        return every > 0 and (done % every == 0 or done == self.run.cfg.steps)
+
+    def evaluate(self, done: int) -> dict[str, float]:
         """Evaluate after `done` optimizer steps; returns the metrics.jsonl fields."""
-        result = evaluate(self.parts, self.val, self.info, self.cfg.eval.steps)
+        result = evaluate(self.run.parts, self.val, self.run.info, self.run.cfg.eval.steps)
         self.seconds += result["seconds"]
         figures = {k: v for k, v in result.items() if k in ("loss", "perplexity", "accuracy")}
         self.history.append({"step": done, **figures, "terms": result["terms"]})
         return {**{f"val_{k}": v for k, v in figures.items()}, "eval_s": result["seconds"]}
 
-    def at_start(self, tracker: Tracker) -> None:
-        """eval.at_start: the initial weights, logged as step 0 to W&B/TensorBoard (metrics.jsonl
-        has lines of optimizer steps only) and in summary.eval.history; not a best checkpoint."""
-        if self.val is not None and self.cfg.eval.at_start and self.resumed.step == 0:
-            tracker.log(tracker_names(self.run(0)), step=0)
-
-    def due(self, done: int) -> bool:
-        """Whether an evaluation follows step `done` (every eval.every steps, and after the last)."""
-        every = self.cfg.eval.every
-        return every > 0 and (done % every == 0 or done == self.cfg.steps)
-
-    def after_step(self, done: int) -> dict[str, float] | None:
-        """Evaluate when due; track the best and save it; decide early stopping. None when no
-        evaluation was due."""
+    def on_settled(self, step: int, figures: dict[str, Any]) -> dict[str, float] | None:
+        """After the window's sync (not in its time): evaluate when due, keep the best, decide
+        early stopping; the step's line is written whatever metrics.log_every says."""
+        done, e = step + 1, self.run.cfg.eval
         if not self.due(done):
             return None
-        record = self.run(done)
-        loss = record["val_loss"]
-        improved = loss < self.best_loss - self.cfg.eval.min_delta
-        self.best_loss, self.best_step = (loss, done) if improved else (self.best_loss, self.best_step)
+        record = self.evaluate(done)
+        improved = record["val_loss"] < self.best_loss - e.min_delta
+        if improved:
+            self.best_loss, self.best_step = record["val_loss"], done
         self.stale = 0 if improved else self.stale + 1
-        # checkpointed with the run (a resumed run goes on from its best, not from scratch)
-        self.state = {"best_loss": self.best_loss, "best_step": self.best_step, "stale": self.stale}
-        if improved and self.save_best is not None:
-            self.save_best(done)
-        if self.cfg.eval.patience and self.stale >= self.cfg.eval.patience and done < self.cfg.steps:
+        if improved and self.best is not None:
+            self.run.save(self.best, done)
+            self.best_saves += 1
+        if e.patience and self.stale >= e.patience and done < self.run.cfg.steps:
             self.stopped_at = done
+            self.run.control.stop("eval.patience")
+        self.run.control.log_step()
         return record
 
-    @property
-    def stop(self) -> bool:
-        return self.stopped_at is not None
+    def state_dict(self) -> dict[str, Any]:  # a resumed run goes on from its best, not from scratch
+        if self.best_step is None and not self.stale:
+            return {}
+        return {"best_loss": self.best_loss, "best_step": self.best_step, "stale": self.stale}
 
-    def summary(self) -> dict[str, Any] | None:
-        """summary.json's `eval` block (None when evaluation is off)."""
-        if not self.history:
-            return None
-        last = {k: v for k, v in self.history[-1].items() if k not in ("step", "terms")}
-        best = self.best_loss if self.best_step is not None else None
-        return {**last, "best_loss": best, "best_step": self.best_step, "evals": len(self.history),
-                "eval_s": self.seconds, "history": self.history}  # fmt: skip
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.best_loss, self.best_step, self.stale = state["best_loss"], state["best_step"], state["stale"]
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        """summary.json's `eval` block (None when evaluation is off), `stopped_early`, and the best
+        evaluation's saves among the run's checkpoints."""
+        summary["stopped_early"] = self.stopped_at
+        summary["checkpoint"]["best_saves"] = self.best_saves
+        summary["eval"] = None
+        if self.history:
+            last = {k: v for k, v in self.history[-1].items() if k not in ("step", "terms")}
+            best = self.best_loss if self.best_step is not None else None
+            summary["eval"] = {**last, "best_loss": best, "best_step": self.best_step, "evals": len(self.history),
+                               "eval_s": self.seconds, "history": self.history}  # fmt: skip

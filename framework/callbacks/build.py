@@ -1,0 +1,55 @@
+"""The run's callbacks, built in one place: the framework's own, chosen by the config they have
+always had (eval.*, nonfinite, progress, profile, logger, data.sources), then the user's
+`callbacks` entries (`+callbacks.mine._target_=pkg.Mine`, with their arguments beside it), each
+instantiated once, in the order given. The loggers come last, so that the summary they upload
+holds what every other callback added to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from framework.callbacks.evaluation import Evaluation
+from framework.callbacks.loggers import Loggers
+from framework.callbacks.mixture import MixtureSources
+from framework.callbacks.model import ModelSteps
+from framework.callbacks.nonfinite import NonFiniteCheck
+from framework.callbacks.profiler import Profiler
+from framework.callbacks.progress import ProgressBar
+from framework.dist import DistInfo
+from framework.hooks import Callbacks
+from framework.tracking import build_tracker
+
+
+def own_callbacks(cfg: DictConfig, is_main: bool) -> list[tuple[str, Any]]:
+    """The framework's callbacks this config asks for, by name (a user's entry of the same name
+    is refused by the config check)."""
+    named: list[tuple[str, Any]] = [("model", ModelSteps())]
+    if cfg.data.get("sources"):
+        named.append(("mixture", MixtureSources()))
+    if cfg.nonfinite == "stop":
+        named.append(("nonfinite", NonFiniteCheck()))
+    named.append(("eval", Evaluation()))
+    if cfg.profile:
+        named.append(("profiler", Profiler()))
+    if cfg.progress and is_main:
+        named.append(("progress", ProgressBar()))
+    return named
+
+
+OWN = ("model", "mixture", "nonfinite", "eval", "profiler", "progress", "loggers")
+
+
+def user_callbacks(cfg: DictConfig) -> list[tuple[str, Any]]:
+    """The `callbacks` entries, instantiated (framework.config.callback_checks checked them)."""
+    entries = cfg.get("callbacks") or {}
+    return [(name, instantiate(entry)) for name, entry in entries.items() if entry is not None]
+
+
+def build_callbacks(cfg: DictConfig, info: DistInfo, run_dir: str, choices: dict[str, str]) -> Callbacks:
+    """Every callback of this rank's run, and the figures they declare up front."""
+    tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), run_dir, choices, info.is_main)
+    named = [*own_callbacks(cfg, info.is_main), *user_callbacks(cfg), ("loggers", Loggers(tracker))]
+    return Callbacks(named, info.world_size)

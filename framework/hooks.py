@@ -1,0 +1,168 @@
+"""What watches or changes a step, beside the loop rather than in it: the hooks a callback may
+define, the run it sees (`Run`), and the one small API through which it asks the loop for
+something (`Control`). docs/callbacks.md is the user's page; this is the contract.
+
+A callback is any class with at least one of `HOOKS` (subclassing `Callback` is optional; it only
+supplies no-op hooks). The framework's own (evaluation, the non-finite check, the progress bar,
+the profiler, the loggers, the model's step figures) and a user's (`+callbacks.mine._target_=
+pkg.Mine`) are called alike, in that order, on every rank.
+
+Ranks. Every rank calls every hook. A request a callback makes before the step's all-reduce
+(up to `on_step_end`) rides it, so any one rank's request is every rank's. A request made after
+it (`on_settled`, `on_evaluate`) is acted on where it is made: decide it from the step's
+figures, which every rank holds alike, and every rank decides the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from framework.figures import Registry
+
+# The hooks, in the order a run calls them (arguments after self):
+HOOKS = (
+    "on_build",  # (run: Run) the parts are built, before resume: declare figures here
+    "on_start",  # (step) resumed (or fresh) and about to train from optimizer step `step` (0-based)
+    "on_step_start",  # (step) before the step's batches are read
+    "on_before_backward",  # (step, micro) each micro-batch's backward (a pipeline: once, before its schedule)
+    "on_before_optimizer_step",  # (step) gradients reduced and unscaled, before clipping and the update
+    "on_step_end",  # (step) -> {figure: value} after the update, on the device: the values ride the all-reduce
+    "on_step_reduced",  # (step, totals) the step's reduced figures, still on the device (post-step updates)
+    "on_settled",  # (step, figures) after the ledger's host sync, each settled step: -> {derived figure: value}
+    "on_log",  # (step, record) a metrics.jsonl line (step 0: an evaluation before training, not in the file)
+    "on_evaluate",  # (step, result) an evaluation after step `step`
+    "on_save",  # (step, path) a checkpoint after step `step` was written (async: staged)
+    "state_dict",  # () -> a JSON-able dict saved in every checkpoint (trainer.json)
+    "load_state_dict",  # (state) what state_dict returned, when a run resumes from that checkpoint
+    "on_exception",  # (error) the run is failing (then on_end is not called)
+    "on_end",  # (summary) the run's summary.json figures (rank 0's are written after this)
+)
+
+
+class Callback:
+    """Optional base: every hook a no-op. Override the ones you need."""
+
+    def on_build(self, run: Run) -> None: ...
+    def on_start(self, step: int) -> None: ...
+    def on_step_start(self, step: int) -> None: ...
+    def on_before_backward(self, step: int, micro: int) -> None: ...
+    def on_before_optimizer_step(self, step: int) -> None: ...
+    def on_step_end(self, step: int) -> Mapping[str, Any] | None: ...
+    def on_step_reduced(self, step: int, totals: Mapping[str, Any]) -> None: ...
+    def on_settled(self, step: int, figures: Mapping[str, Any]) -> Mapping[str, Any] | None: ...
+    def on_log(self, step: int, record: Mapping[str, Any]) -> None: ...
+    def on_evaluate(self, step: int, result: Mapping[str, Any]) -> None: ...
+    def on_save(self, step: int, path: str | None) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def on_exception(self, error: BaseException) -> None: ...
+    def on_end(self, summary: dict[str, Any]) -> None: ...
+
+
+def defined_hooks(cls: type) -> list[str]:
+    """The hooks `cls` defines itself (the base class's no-ops are not)."""
+    return [h for h in HOOKS if callable(getattr(cls, h, None)) and getattr(cls, h) is not getattr(Callback, h, None)]
+
+
+@dataclass
+class Control:
+    """What a callback may ask of the loop. Each request holds for the step it is made in."""
+
+    stop_reason: str | None = None
+    save_requested: bool = False
+    skip_requested: bool = False
+    log_requested: bool = False
+    rollback_to: tuple[str | None, int] | None = None
+
+    def stop(self, reason: str = "a callback") -> None:
+        """End the run after this step (a checkpoint is saved where checkpoint.every asks)."""
+        self.stop_reason = reason
+
+    def save(self) -> None:
+        """Save a checkpoint after this step."""
+        self.save_requested = True
+
+    def skip_update(self) -> None:
+        """In on_before_optimizer_step: this step's update is not applied (counted as skipped)."""
+        self.skip_requested = True
+
+    def rollback(self, path: str | None = None, skip_samples: int = 0) -> None:
+        """After this step, go back to checkpoint `path` (None: the newest complete one) and move
+        the data `skip_samples` samples past where that checkpoint left it."""
+        self.rollback_to = (path, skip_samples)
+
+    def log_step(self) -> None:
+        """Write this step's metrics.jsonl line even when metrics.log_every would not."""
+        self.log_requested = True
+
+    def clear(self) -> None:
+        self.stop_reason, self.save_requested, self.skip_requested = None, False, False
+        self.log_requested, self.rollback_to = False, None
+
+
+@dataclass
+class Run:
+    """The run a callback sees (on_build): its config, rank and mesh, what it trains, its figures
+    and its control, and where it writes."""
+
+    cfg: Any  # the resolved config (read, never written)
+    info: Any  # framework.dist.DistInfo: rank, world_size, device
+    parts: Any  # framework.run.step.Parts: the model (parts.par.module), optimizer, data, precision
+    figures: Registry
+    control: Control
+    run_dir: str
+    checkpoint_root: str
+    log: Callable[[dict[str, Any], int, bool], None] = field(repr=False, default=lambda record, step, to_file: None)
+    save: Callable[[Any, int], str | None] = field(repr=False, default=lambda checkpointer, done: None)
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def mesh(self) -> Any:
+        """framework.parallel.dims's mesh (its `dims` the degrees), None off a device mesh."""
+        return self.parts.par.mesh
+
+
+class Callbacks:
+    """The run's callbacks by name, in call order, and the figures they declare (`figures`); each
+    hook calls only the callbacks that define it."""
+
+    def __init__(self, named: list[tuple[str, Any]], world: int = 1):
+        self.named = named
+        self.figures = Registry(world)
+        for name, callback in named:
+            for spec in declared_figures(callback):
+                self.figures.declare(spec, name)
+        self.hooks = {h: [(n, getattr(cb, h)) for n, cb in named if h in defined_hooks(type(cb))] for h in HOOKS}
+
+    def __getitem__(self, name: str) -> Any:
+        return dict(self.named)[name]
+
+    def call(self, hook: str, *args: Any) -> None:
+        for _, method in self.hooks[hook]:
+            method(*args)
+
+    def gather(self, hook: str, *args: Any) -> dict[str, Any]:
+        """Call a hook that returns figures; their values, merged (a name is declared once)."""
+        out: dict[str, Any] = {}
+        for _, method in self.hooks[hook]:
+            out |= method(*args) or {}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: method() for name, method in self.hooks["state_dict"]}
+
+    def load_state_dict(self, states: Mapping[str, Any]) -> None:
+        for name, method in self.hooks["load_state_dict"]:
+            if name in states:
+                method(states[name])
+
+
+def declared_figures(callback: Any) -> list[Any]:
+    """What a callback declares up front (`figures`: a class attribute of Figures or dicts): the
+    config check reads it before any worker starts; a worker registers it before on_build."""
+    return list(getattr(type(callback) if not isinstance(callback, type) else callback, "figures", ()) or ())
