@@ -97,7 +97,8 @@ def ep_table() -> None:
             rate, plan = s["throughput"]["tokens_per_s"], s["plan"]
             share = a2a_share(Path(out_dir) / name / "profile")
             step_ms = [1000 * plan[k]["step_time_s"] for k in ("predicted", "measured")]
-            a2a = [s["moe"]["all_to_all_bytes"] or 0, plan["predicted"]["all_to_all_bytes"] or 0]
+            sent = s.get("comm_by_op", {}).get("all_to_all", {}).get("mean_bytes")
+            a2a = [sent or 0, plan["predicted"]["all_to_all_bytes"] or 0]
             out.append([name, rate, rate / base, calls, *a2a, share, *step_ms])
     print("\n(c) expert parallel at 2 ranks (all-to-all per step: the mean rank's; its share of step time)\n")
     heads = ["layout", "tokens/s", "vs all experts", "a2a calls", "a2a bytes", "planned", "a2a share", "planned step ms",

@@ -92,8 +92,7 @@ def load_model(path: str, module) -> None:
 def evaluate_rank(config: dict[str, Any], path: str | None, whole_file: bool) -> dict[str, Any]:
     """One rank: build the model as the run did, load the checkpoint's weights (none: the model's
     own, as built: pretrained or initialised), evaluate."""
-    from framework.run.evaluation import build_eval_data, evaluate
-
+    from framework.callbacks.evaluation import build_eval_data, evaluate
     from framework.config import resolve_backend, resolve_device
     from framework.data import build_dataset
     from framework.dist import destroy_distributed, init_distributed

@@ -126,9 +126,19 @@ class Registry:
         return out
 
     def read(self, row: list[float]) -> dict[str, float | list[float]]:
-        """The reduced figures from the summed vector read on the host (the ledger's sync)."""
-        totals = self.totals(torch.tensor(row, dtype=torch.float64))
-        return {name: _plain(t, self.figures[name]) for name, t in totals.items()}
+        """The reduced figures from the summed vector the ledger's sync read (plain Python: the
+        host has its values already)."""
+        out, at = {}, 0
+        for f in self.reduced:
+            n = self.slots(f)
+            chunk, at = row[at : at + n], at + n
+            if f.reduce == "mean":
+                chunk = [v / self.world for v in chunk]
+            elif f.reduce in ("max", "min"):
+                pick = max if f.reduce == "max" else min
+                chunk = [pick(chunk[r * f.width + k] for r in range(self.world)) for k in range(f.width)]
+            out[f.name] = chunk if f.width > 1 else chunk[0]
+        return out
 
     @property
     def width(self) -> int:
@@ -179,8 +189,3 @@ def _vector(value: Any, f: Figure, device: torch.device, empty: float) -> torch.
     if t.numel() != f.width:
         raise FigureError(f"figure {f.name!r}: {t.numel()} values this step; it was declared width={f.width}")
     return t
-
-
-def _plain(t: torch.Tensor, f: Figure) -> float | list[float]:
-    values = t.tolist()
-    return values if f.width > 1 else values[0]

@@ -74,6 +74,7 @@ class Control:
     save_requested: bool = False
     skip_requested: bool = False
     log_requested: bool = False
+    sync_requested: bool = False
     rollback_to: tuple[str | None, int] | None = None
 
     def stop(self, reason: str = "a callback") -> None:
@@ -97,9 +98,15 @@ class Control:
         """Write this step's metrics.jsonl line even when metrics.log_every would not."""
         self.log_requested = True
 
+    def sync(self) -> None:
+        """Before on_settled: settle this step's figures at its end (its on_settled follows at
+        once, not at the next logged step). Ask it alike on every rank (a step-count rule): the
+        callbacks that run collectives in on_settled need every rank there."""
+        self.sync_requested = True
+
     def clear(self) -> None:
         self.stop_reason, self.save_requested, self.skip_requested = None, False, False
-        self.log_requested, self.rollback_to = False, None
+        self.log_requested, self.sync_requested, self.rollback_to = False, False, None
 
 
 @dataclass
@@ -116,6 +123,7 @@ class Run:
     checkpoint_root: str
     log: Callable[[dict[str, Any], int, bool], None] = field(repr=False, default=lambda record, step, to_file: None)
     save: Callable[[Any, int], str | None] = field(repr=False, default=lambda checkpointer, done: None)
+    call: Callable[..., None] = field(repr=False, default=lambda hook, *args: None)  # every callback's `hook`
 
     @property
     def rank(self) -> int:

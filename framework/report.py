@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.measure.plotting import plot, speed
-from framework.report_table import COLUMNS, DRIFT, column_texts, fastest, fmt
+from framework.report_table import DRIFT, column_texts, columns, fastest, fmt
 from framework.run.run_files import SUMMARY_FILE, read_summary
 
 CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
@@ -157,11 +157,11 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
     ok = [r for r in runs if r.ok]
     failed = [r for r in runs if not r.ok]
     # only the columns some run has a value for (samples/s for image models, MFU where known)
-    columns = [c for c in COLUMNS if any(c[1](r.summary) is not None for r in ok)]
+    shown = [c for c in columns([r.summary for r in ok]) if any(c[1](r.summary) is not None for r in ok)]
     if any((r.summary.get("throughput") or {}).get("tokens_per_s") for r in ok):
-        columns = [c for c in columns if c[0] != "samples/s"]
+        shown = [c for c in shown if c[0] != "samples/s"]
     best = {}
-    for header, get, better in columns:
+    for header, get, better in shown:
         values = [v for v in (get(r.summary) for r in ok) if v is not None]
         if better and len(set(values)) > 1:  # a tie everywhere marks nothing
             best[header] = max(values) if better == "max" else min(values)
@@ -170,8 +170,8 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
     lines += [f"{len(runs)} runs: {len(ok)} ok, {len(failed)} failed. Best value of each column in bold."]
     if common:
         lines += [f"Every run: `{' '.join(common)}`."]
-    head = ["job", "overrides", "world", "global batch", *CHOICE_KEYS[:3], *(c[0] for c in columns)]
-    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *_rows(ok, columns, best)]
+    head = ["job", "overrides", "world", "global batch", *CHOICE_KEYS[:3], *(c[0] for c in shown)]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *_rows(ok, shown, best)]
     if failed:
         lines += ["", "## Failed", "", "| job | overrides | error |", "|---|---|---|"]
         for run in failed:
@@ -201,10 +201,10 @@ def log_to_wandb(root: Path, runs: list[Run], logger: Any) -> str | None:
     Returns the offline run folder (to `wandb sync`), or None."""
     import wandb
 
-    columns = ["job", "overrides", "status", *(c[0] for c in COLUMNS)]
-    table = wandb.Table(columns=columns)
+    every = columns([r.summary for r in runs])
+    table = wandb.Table(columns=["job", "overrides", "status", *(c[0] for c in every)])
     for run in runs:
-        table.add_data(run.name, run.label, run.summary.get("status"), *(c[1](run.summary) for c in COLUMNS))
+        table.add_data(run.name, run.label, run.summary.get("status"), *(c[1](run.summary) for c in every))
     wb = wandb.init(
         project=logger.project,
         entity=logger.entity,

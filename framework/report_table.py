@@ -51,14 +51,28 @@ COLUMNS = [
     ("activations MB", _memory("activation_bytes"), "min"),
     ("comm wire MB/step", _comm_wire, "min"),
     ("imbalance", lambda s: (s.get("load_balance") or {}).get("imbalance"), "min"),
-    # routed experts (a column only where a run has them): the experts' load, expert parallel's traffic
-    ("expert load", lambda s: (s.get("moe") or {}).get("load_imbalance"), "min"),
-    ("all-to-all MB/step", lambda s: _mb((s.get("moe") or {}).get("all_to_all_bytes")), "min"),
+    # the mean rank's all-to-all traffic (a column only where a run has one)
+    ("all-to-all MB/step", lambda s: _mb(((s.get("comm_by_op") or {}).get("all_to_all") or {}).get("mean_bytes")), "min"),
     ("final loss", lambda s: s.get("final_loss"), "min"),
-    ("val loss", lambda s: (s.get("eval") or {}).get("loss"), "min"),
     ("plan error", _plan_error, None),
 ]
 MAX_DECIMALS = 6
+DECLARED_AFTER = "imbalance"  # the runs' declared figures' columns go after this one
+
+
+def columns(summaries: list[dict[str, Any]]) -> list[tuple[str, Any, str | None]]:
+    """The table's columns: COLUMNS, and after DECLARED_AFTER the columns the runs' figures
+    declare (summary.json `figure_columns`, framework/figures.py), each once, in the order met."""
+    declared: dict[str, tuple[str, Any, str | None]] = {}
+    for summary in summaries:
+        for title, group, key, better in summary.get("figure_columns") or []:
+            declared.setdefault(title, (title, _block_value(group, key), better))
+    at = next(k for k, c in enumerate(COLUMNS) if c[0] == DECLARED_AFTER) + 1
+    return [*COLUMNS[:at], *declared.values(), *COLUMNS[at:]]
+
+
+def _block_value(group: str, key: str):
+    return lambda s: (s.get(group) or {}).get(key)
 
 
 def fmt(value: Any) -> str:

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
         "optim",
         "figures",
         "hooks",  # the callbacks' contract: hooks, Control, Run (validation reads it)
+        "convert",  # model converters (peft=lora), applied at one point of the build
     ),  # fmt: skip
     # the measure wing: what a run measures and how it counts (FLOPs, memory, collectives, peaks)
     ("measure",),

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from framework.dist import bound_device, cuda_device_index, slurm_binds_gpus
+from framework.figures import Registry
 from framework.measure.metrics import above_ceiling
 from framework.optim import fuses
 from framework.run.ledger import Ledger
@@ -55,7 +56,7 @@ def settle_with_device(ledger: Ledger, clock: Clock, device_done_at: float, monk
 def add_step(ledger: Ledger, clock: Clock, step: int, host_s: float) -> None:
     started = ledger.clock()
     clock.now += host_s  # the host queues the step's kernels and goes on
-    values = torch.tensor([2.0, 1.0, 16.0, 2.0, 0.0, 1.0, 1.0, float("nan")])
+    values = torch.tensor([2.0, 1.0, 16.0, 2.0, 1.0, 1.0, float("nan")])  # the loop's own (step.CORE)
     data = SimpleNamespace(tokens_in=lambda b: 16, slots_in=lambda b: 16)
     ledger.add(PendingStep(values, False, started), step, [(0, (None, torch.zeros(2)))], data)
 
@@ -64,7 +65,7 @@ def test_a_windows_seconds_are_the_wall_time_between_syncs_not_the_hosts(monkeyp
     """Four steps the host queues in 10 ms each, which the device finishes 2 s after the window
     began: each step is 0.5 s (the host's 10 ms would read tokens/s and MFU 50x high)."""
     clock = Clock()
-    ledger = Ledger(sequence_data=True, clock=clock)
+    ledger = Ledger(sequence_data=True, figures=Registry(), clock=clock)
     begin = clock.now
     for step in range(4):
         add_step(ledger, clock, step, host_s=0.01)
@@ -83,7 +84,7 @@ def test_a_windows_seconds_are_the_wall_time_between_syncs_not_the_hosts(monkeyp
 def test_a_cpu_window_is_the_steps_own_time():
     """On a CPU the device is done when the host is: the window is the steps' host time."""
     clock = Clock()
-    ledger = Ledger(sequence_data=False, clock=clock)
+    ledger = Ledger(sequence_data=False, figures=Registry(), clock=clock)
     for step, host_s in enumerate((0.3, 0.1)):
         add_step(ledger, clock, step, host_s)
     settled = ledger.settle()

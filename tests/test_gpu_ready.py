@@ -315,8 +315,8 @@ def test_every_rank_pops_its_forward_timings():
         with timer:
             pass
         timer.end_step()
-    figures = [StepFigures(loss=1.0, tokens=8, samples=2, grad_norm=0.5, seconds=0.1, preempt=False, sampled=False,
-                           applied=True, loss_scale=None, val=None) for _ in range(3)]  # fmt: skip
+    figures = [StepFigures(loss=1.0, tokens=8, samples=2, grad_norm=0.5, seconds=0.1, sampled=False,
+                           applied=True, loss_scale=None) for _ in range(3)]  # fmt: skip
     record_steps(stats, [Entry(None, k, 0, 8, 8, f) for k, f in enumerate(figures)], False, timer)
     assert timer.steps == [] and stats.forward_s == [] and stats.losses == [1.0] * 3
 

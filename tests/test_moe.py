@@ -1,18 +1,24 @@
-"""Mixture of experts (models/moe.py, framework/moe.py): the routed layer against a token-by-token
-computation, dropped tokens and load imbalance against hand counts, the auxiliary loss's
-gradient, and a Llama with experts through the training loop. Its parity with one process under
+"""Mixture of experts (models/moe.py, framework/callbacks/model.py): the routed layer against a
+token-by-token computation, dropped tokens and load imbalance against hand counts, the auxiliary
+loss's gradient (global-batch balance: the same however the batch is split), and a Llama with
+experts through the training loop. Its parity with one process under
 every strategy is the compatibility matrix's (tests/matrix.py: the llama(moe) row)."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.callbacks.model import ModelSteps
+from framework.contract import spec_of
 from framework.dist import DistInfo
-from framework.moe import routed_layers, set_aux_scale, step_figures
+from framework.figures import Registry
+from framework.hooks import Control, Run
+from framework.moe import routed_layers
 from models.llama import Llama
 from models.moe import MoE, MoEArgs
 from tests.helpers import read_metrics, read_summary, train_cli
@@ -45,7 +51,10 @@ def test_a_dropless_layer_equals_each_token_through_its_experts(shared):
     m, x = layer(shared_experts=shared), torch.randn(24, 8, generator=torch.Generator().manual_seed(1))
     want = by_hand(m, x) + (m.shared(x) if shared else 0)
     assert torch.allclose(m(x[None])[0], want, atol=1e-5)
-    assert m.stats["dropped"] == 0 and m.stats["tokens"].sum() == 24 * 2
+    counts = m.read_counts()
+    assert counts["dropped"] == 0 and counts["tokens"].sum() == 24 * 2
+    assert torch.allclose(counts["probs"].sum(), torch.tensor(24.0))  # each token's probabilities sum to 1
+    assert m.read_counts() == {}  # read once: the next step counts afresh
 
 
 def test_capacity_drops_what_a_hand_count_drops():
@@ -58,49 +67,98 @@ def test_capacity_drops_what_a_hand_count_drops():
         m.gate.weight[0, 0], m.gate.weight[1, 0] = 50.0, 40.0
         x[:, 0] = 1.0
     out = m(x[None])[0]
-    assert m.stats["dropped"] == 24 and m.stats["tokens"].tolist() == [24, 24, 0, 0]
+    counts = m.read_counts()
+    assert counts["dropped"] == 24 and counts["tokens"].tolist() == [24, 24, 0, 0]
     assert torch.allclose(out[:12], by_hand(m, x[:12]), atol=1e-5)  # the first 12 tokens: both experts
     assert torch.allclose(out[12:], torch.zeros_like(out[12:]), atol=1e-6)  # the rest: dropped by both
 
 
+def one_rank_run(model) -> tuple[ModelSteps, Run]:
+    """The model's step protocol as a one-process run sees it (framework/callbacks/model.py)."""
+    parts = SimpleNamespace(par=SimpleNamespace(module=model, mesh=None, pipeline=None), n_blocks=2,
+                            spec=spec_of(model, {}), precision=SimpleNamespace(scaler=torch.amp.GradScaler("cpu", enabled=False)))  # fmt: skip
+    run = Run(SimpleNamespace(accumulation_steps=1), ONE, parts, Registry(), Control(), "", "")
+    steps = ModelSteps()
+    steps.on_build(run)
+    return steps, run
+
+
 def test_load_imbalance_and_bias_balancing_follow_a_hand_count():
-    """Two blocks' counts read into the step's figures: the imbalance is the mean over blocks of
-    max/mean; balance=bias moves each expert's bias by rate x sign(mean - load)."""
+    """Two blocks' counts through the step protocol into the step's figures: the imbalance is the
+    mean over blocks of max/mean; balance=bias moves each expert's bias by rate x sign(mean - load);
+    the balancing loss is coef x E x sum f_e P_e of the whole step."""
     model = Llama("debug", **SHAPE, moe={"experts": 4, "top_k": 2, "balance": "bias", "bias_rate": 0.5})
     tokens = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(3))
     layers = routed_layers(model, "layers")
-    counts = []
+    counts, probs = [], []
     for _, m in layers:  # the routing by hand, from each block's own input
-        m.register_forward_hook(lambda mod, inp, out: counts.append(
-            torch.bincount(mod.route(inp[0].reshape(-1, 16))[0].flatten(), minlength=4).float()))  # fmt: skip
+        def by_hand(mod, inp, out):
+            chosen, _, scores = mod.route(inp[0].reshape(-1, 16))
+            counts.append(torch.bincount(chosen.flatten(), minlength=4).float())
+            probs.append((scores / scores.sum(-1, keepdim=True)).mean(0).detach())
+        m.register_forward_hook(by_hand)
+    steps, run = one_rank_run(model)
     model(tokens)
-    figures = step_figures(layers, 2, 4, 1, ONE)
+    reduced = run.figures.pack(steps.on_step_end(0), 0, torch.device("cpu"))  # one rank: its sum is its own
+    steps.on_step_reduced(0, run.figures.totals(reduced))
+    figures = steps.on_settled(0, run.figures.read(reduced.tolist()))
     want = sum(float(c.max() / c.mean()) for c in counts) / 2
     assert figures["moe_load_imbalance"] == pytest.approx(want)
     assert figures["moe_tokens_per_expert"] == (counts[0] + counts[1]).tolist() and figures["moe_dropped_tokens"] == 0
+    aux = [0.01 * 4 * float((c / c.sum() * p).sum()) for c, p in zip(counts, probs, strict=True)]
+    assert figures["moe_aux_loss"] == pytest.approx(sum(aux) / 2, rel=1e-5)
     for (_, m), c in zip(layers, counts, strict=True):
         assert torch.equal(m.expert_bias, 0.5 * torch.sign(c.mean() - c))
-    assert all(m.stats["calls"] == 0 for _, m in layers)  # read once: the next step counts afresh
+        assert torch.allclose(m.balance_share, c / c.sum())  # f of the next step: this step's shares
 
 
 def test_the_auxiliary_loss_gradient_joins_the_training_loss():
-    """balance=aux_loss adds coef x E x sum f_e P_e to the loss through backward: the router's
-    gradient equals autograd's of loss + aux (scaled by the framework's share of the step)."""
+    """balance_scope=micro adds coef x E x sum f_e P_e of the forward's own tokens to the loss
+    through backward: the router's gradient equals autograd's of loss + aux (scaled by the
+    framework's share of the step)."""
     m, x = (
-        layer(balance="aux_loss", aux_loss_coef=0.1),
+        layer(balance="aux_loss", aux_loss_coef=0.1, balance_scope="micro"),
         torch.randn(1, 24, 8, generator=torch.Generator().manual_seed(4)),
     )
-    set_aux_scale([(0, m)], 0.5)
+    m.set_aux_scale(torch.tensor(0.5))
     m(x).square().sum().backward()
     got = m.gate.weight.grad.clone()
     m.zero_grad()
-    m.aux_scale = torch.zeros(())  # the same forward without the aux gradient, plus the aux loss by hand
+    m.set_aux_scale(torch.zeros(()))  # the same forward without the aux gradient, plus the aux loss by hand
     y = m(x)
     flat = x.reshape(-1, 8)
     scores = m.gate(flat).softmax(-1)
     f = torch.bincount(scores.topk(2).indices.flatten(), minlength=4).float() / 48
     (y.square().sum() + 0.5 * 0.1 * 4 * (f * scores.mean(0)).sum()).backward()
     assert torch.allclose(got, m.gate.weight.grad, atol=1e-6)
+
+
+def aux_gradient(m: MoE, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The router's gradient from the auxiliary loss alone, over the batch given in `pieces`
+    (micro-batches, each weighing its share of the step, as the framework scales them)."""
+    m.zero_grad()
+    for x in pieces:
+        m.set_aux_scale(torch.tensor(1.0 / len(pieces)))
+        (m(x) * 0).sum().backward()
+    return m.gate.weight.grad.clone()
+
+
+def test_the_global_balance_trains_the_same_however_the_batch_is_split():
+    """balance_scope=global: f is the last step's share over the whole global batch, so the
+    gradient of one batch equals the summed gradients of its halves (the micro scope's does
+    not), and it is the gradient of coef x E x sum f_e P_e over the whole batch."""
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(5))
+    m = layer(balance="aux_loss", aux_loss_coef=0.1)
+    with torch.no_grad():
+        m.balance_share.copy_(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    whole, halves = aux_gradient(m, [x]), aux_gradient(m, [x[:1], x[1:]])
+    assert torch.allclose(whole, halves, atol=1e-7)
+    m.zero_grad()
+    scores = m.gate(x.reshape(-1, 8)).softmax(-1)
+    (0.1 * 4 * (m.balance_share * scores.mean(0)).sum()).backward()
+    assert torch.allclose(whole, m.gate.weight.grad, atol=1e-7)
+    micro = layer(balance="aux_loss", aux_loss_coef=0.1, balance_scope="micro")
+    assert not torch.allclose(aux_gradient(micro, [x]), aux_gradient(micro, [x[:1], x[1:]]), atol=1e-5)
 
 
 def test_flops_count_active_experts_not_all():
@@ -313,12 +371,9 @@ def test_expert_parallel_trains_as_one_process(mixtral_ep):
     error = summary["plan"]["error"]
     assert error["param_bytes"] == error["grad_bytes"] == error["optim_bytes"] == 0.0, error
     # 2 layers x (8 B x 4 experts + 4 x 4 x 16 tokens x top-2 x 32 wide x 4 B), as the ranks sent it
-    assert (
-        summary["moe"]["all_to_all_bytes"]
-        == 2 * (8 * 4 + 4 * 4 * 16 * 2 * 32 * 4)
-        == summary["plan"]["predicted"]["all_to_all_bytes"]
-    )
-    assert error["all_to_all_bytes"] == 0.0 and summary["moe"]["all_to_all_imbalance"] >= 1.0
+    all_to_all = summary["comm_by_op"]["all_to_all"]  # over the ranks: the mean rank's, the busiest's over it
+    assert all_to_all["mean_bytes"] == 2 * (8 * 4 + 4 * 4 * 16 * 2 * 32 * 4) == summary["plan"]["predicted"]["all_to_all_bytes"]
+    assert error["all_to_all_bytes"] == 0.0 and all_to_all["imbalance"] >= 1.0
 
 
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(mixtral_ep):
@@ -398,7 +453,11 @@ def test_a_sweep_report_shows_the_experts_load_and_all_to_all_where_runs_have_ex
         (run / ".hydra").mkdir(parents=True)
         (run / ".hydra" / "overrides.yaml").write_text(f"- parallel={parallel}\n")
         summary = {"status": "ok", "choices": {"parallel": parallel}, "world_size": 2, "final_loss": 2.0,
-                   "throughput": {"tokens_per_s": 1000.0 + num}, "moe": moe}  # fmt: skip
+                   "throughput": {"tokens_per_s": 1000.0 + num}}  # fmt: skip
+        if moe is not None:  # as a run with routed experts writes it: the figures' block, their declared column
+            sent = moe.pop("all_to_all_bytes")
+            summary |= {"moe": moe, "figure_columns": [["expert load", "moe", "load_imbalance", "min"]],
+                        "comm_by_op": {"all_to_all": {"mean_bytes": sent}} if sent else {}}  # fmt: skip
         (run / "summary.json").write_text(json.dumps(summary))
         (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
 

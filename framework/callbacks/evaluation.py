@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from framework.checkpoint.store import Checkpointer, best_root
+from framework.checkpoint.store import Checkpointer, best_root, write_config
 from framework.contract import logits_of
 from framework.data import build_dataset, to_device
 from framework.data.images import DeviceAugment
@@ -162,7 +162,7 @@ class Evaluation:
     all-reduce), so every rank decides the same: they stop after the same step."""
 
     figures = (
-        {"name": "val_loss", "reduce": None, "summary": ()},
+        {"name": "val_loss", "reduce": None, "summary": ("last",), "group": "eval", "key": "loss", "report": "val loss"},
         {"name": "val_perplexity", "reduce": None, "summary": ()},
         {"name": "val_accuracy", "reduce": None, "summary": ()},
         {"name": "eval_s", "reduce": None, "summary": ()},
@@ -182,6 +182,8 @@ class Evaluation:
         if cfg.eval.every > 0 or cfg.eval.at_start:
             self.val = build_eval_data(cfg, run.parts, run.info.device)
         if cfg.checkpoint.monitor:  # complete before training goes on
+            if run.info.is_main and not cfg.checkpoint.every:  # the run's config beside them (the loop's otherwise)
+                write_config(run.checkpoint_root, OmegaConf.to_container(cfg, resolve=True))
             options = OmegaConf.merge(cfg.checkpoint, {"keep_last": 1, "async_save": False})
             self.best = Checkpointer(best_root(run.checkpoint_root), run.info.rank, options)
 
@@ -190,6 +192,10 @@ class Evaluation:
         has lines of optimizer steps only) and in summary.eval.history; not a best checkpoint."""
         if self.val is not None and self.run.cfg.eval.at_start and step == 0:
             self.run.log(self.evaluate(0), 0, False)
+
+    def on_step_end(self, step: int) -> None:
+        if self.due(step + 1):  # its figures settled at once: the evaluation follows this step
+            self.run.control.sync()
 
     def due(self, done: int) -> bool:
         """Whether an evaluation follows step `done` (every eval.every steps, and after the last)."""
@@ -222,6 +228,7 @@ class Evaluation:
             self.stopped_at = done
             self.run.control.stop("eval.patience")
         self.run.control.log_step()
+        self.run.call("on_evaluate", step, record)
         return record
 
     def state_dict(self) -> dict[str, Any]:  # a resumed run goes on from its best, not from scratch

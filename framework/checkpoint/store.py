@@ -179,11 +179,11 @@ class Checkpointer:
         if self.rank == 0:
             small[TRAINER_FILE] = json.dumps(state.__dict__, indent=2).encode()
         import torch.distributed.checkpoint as dcp  # here: a run that never saves never imports it
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from framework.checkpoint.io import VerifiedWriter
+        from framework.checkpoint.optim_state import state_dicts
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = state_dicts(model, optimizer)
         if not self.fits(model_sd, optim_sd):  # refused before it writes: nothing to clean up
             full = space.no_space(self.root, self.need, self.measured)
             return self._failed(path, CheckpointError(f"checkpoint {path} not saved: {full}"))
@@ -272,45 +272,20 @@ def load(
     source): a layout that holds a tie twice (a pipeline) loads a copy the checkpoint does not
     have (a one-process save keeps one optimizer state for the tied parameter) from its source's."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from framework.checkpoint.io import SafeLoadPlanner, SafeReader, read_metadata
+    from framework.checkpoint.optim_state import borrow_tied_state, load_state_dicts, return_tied_state, state_dicts
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = state_dicts(model, optimizer)
     tensors = {"model": model_sd, "optim": optim_sd}
     saved = read_metadata(path).state_dict_metadata if ties else {}
-    borrowed = _borrow_tied_state(optim_sd.get("state", {}), ties or {}, saved)
+    borrowed = borrow_tied_state(optim_sd, ties or {}, saved)
     dcp.load(tensors, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
-    _return_tied_state(optim_sd.get("state", {}), borrowed)
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+    return_tied_state(optim_sd, borrowed)
+    load_state_dicts(model, optimizer, tensors["model"], tensors["optim"])
     rng_path = os.path.join(path, rng_file(rank))
     rng = torch.load(rng_path, weights_only=True) if os.path.exists(rng_path) else None
     return read_trainer_state(path), rng
-
-
-def _borrow_tied_state(state: dict, ties: dict[str, str], saved: dict) -> list[tuple[str, str, bool]]:
-    """Point each tied copy's optimizer state the checkpoint lacks at its source's entry (renamed,
-    or, where the source is here too, dropped and copied after the load): (alias, source, copied)."""
-    borrowed = []
-    for alias, source in ties.items():
-        if alias not in state or any(k.startswith(f"optim.state.{alias}.") for k in saved):
-            continue
-        if not any(k.startswith(f"optim.state.{source}.") for k in saved):
-            continue
-        copied = source in state
-        entry = state.pop(alias)
-        if not copied:
-            state[source] = entry
-        borrowed.append((alias, source, copied))
-    return borrowed
-
-
-def _return_tied_state(state: dict, borrowed: list[tuple[str, str, bool]]) -> None:
-    for alias, source, copied in borrowed:
-        if copied:
-            state[alias] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[source].items()}
-        else:
-            state[alias] = state.pop(source)
 
 
 # ----------------------------------------------------------------------------- the best checkpoint, the config

@@ -240,7 +240,7 @@ class PlanConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation during training (framework/run/evaluation.py) on the data group's validation split."""
+    """Validation during training (framework/callbacks/evaluation.py) on the data group's validation split."""
 
     every: int = 0  # evaluate every N optimizer steps (0: never); when on, also once at the end
     steps: int = -1  # batches per evaluation per data-parallel rank (-1: the whole validation split)

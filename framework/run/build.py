@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from framework.checkpoint import store as checkpoint
 from framework.checkpoint.resume import choose as choose_resume
 from framework.contract import blocks_of, build_model, spec_of
+from framework.convert import convert_model
 from framework.data import build_data
 from framework.data.datasets import truncation_line
 from framework.dist import DistInfo, restart_count
@@ -28,7 +29,6 @@ from framework.measure.peak import PeakProbe
 from framework.optim import build_optimizer, build_scheduler, resumed_schedule
 from framework.parallel import Parallelized, parallelize
 from framework.parallel.dims import Strategy
-from framework.peft import apply_peft
 from framework.precision import build_precision
 from framework.run.measurements import Measurements
 from framework.run.run_files import checkpoint_root
@@ -45,7 +45,7 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     seed_everything(cfg.seed)
     meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
     spec = spec_of(meta, cfg.model)
-    apply_peft(meta, cfg.get("peft"), spec.blocks, cfg.seed)  # peft=lora: adapters, the rest frozen
+    convert_model(meta, cfg, spec)  # model converters (framework/convert.py), before FLOPs are counted
     flops = count_flops(meta, spec, cfg, Strategy.of(cfg.parallel).devices(info.world_size))
     n_blocks = len(blocks_of(meta, spec))
     par = parallelize(meta, spec, cfg, info)
@@ -106,15 +106,8 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
         step=state.step,
         data_position=(state.data["epoch"], state.data["samples"]),
         skipped_steps=state.counters.get("nonfinite_skipped", 0),
-        callbacks=callback_states(state.counters),
+        callbacks=state.counters.get("callbacks", {}),  # each callback's state_dict, by name
     )
-
-
-def callback_states(counters: dict) -> dict:
-    """Each callback's saved state by name (a checkpoint of an earlier version kept the
-    evaluation's alone, as `eval`)."""
-    legacy = {"eval": counters["eval"]} if "eval" in counters else {}
-    return legacy | counters.get("callbacks", {})
 
 
 def data_position(saved: dict, data, path: str) -> None:

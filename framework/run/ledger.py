@@ -9,14 +9,15 @@ on CUDA the host runs ahead and the GPU never idles waiting for it.
 
 Synced (`syncs_after`): the logged steps (metrics.log_every; the default, 1, syncs every step),
 the first step (warm-up, measured apart), the sampled steps and the steps before them (so a
-sampled step's time is its own), checkpoint steps, evaluation steps and the last step. A signal or
+sampled step's time is its own), checkpoint steps, the last step, and a step a callback asks to
+settle (framework.hooks.Control.sync: work of its own follows it). A signal or
 a non-finite step is acted on at the next synced step.
 
 Time is the window's, not the host's: from the start of the window's first step to the end of the
 sync that settles it, read on the host clock after the device has finished (a host's own time of a
 step on CUDA is only how long it took to queue the kernels, and read high tokens/s and MFU on a
 GPU-bound step). The steps settled together share the window evenly. Work between windows
-(an evaluation, a checkpoint save) happens after a sync and before the next window starts.
+(a callback's, a checkpoint save) happens after a sync and before the next window starts.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ def syncs_after(cfg: DictConfig, step: int, start: int) -> bool:
         or is_sampled(step, start, cfg.steps, every)
         or is_sampled(step + 1, start, cfg.steps, every)
         or bool(cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
-        or bool(cfg.eval.every and (done % cfg.eval.every == 0 or done == cfg.steps))
     )
 
 
@@ -119,8 +119,8 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
 
 def log_step(entry: Entry, stats: RunStats, parts: Parts, peak: float | None, files: RunFiles,
              callbacks: Callbacks) -> dict:  # fmt: skip
-    """One line of metrics.jsonl (rank 0 writes it) and its `on_log` (W&B, TensorBoard: their
-    callbacks); the record. The registry's figures follow the loop's own (framework/figures.py)."""
+    """One line of metrics.jsonl (rank 0 writes it) and its `on_log` (the trackers are callbacks);
+    the record. The registry's figures follow the loop's own (framework/figures.py)."""
     figures, step = entry.figures, entry.step
     seconds, sampled = figures.seconds, figures.sampled
     tokens_per_s = figures.tokens / seconds if figures.tokens is not None else None

@@ -35,7 +35,7 @@ class RunStats:
     state_bytes: dict[str, int] = field(default_factory=dict)  # parameters, gradients, optimizer
     first_step_s: float | None = None  # the first step's time (compilation included)
     startup_s: float | None = None  # process start to the end of the first optimizer step
-    checkpoint_saves: int = 0  # every checkpoint written: the periodic ones and the best evaluation's
+    checkpoint_saves: int = 0  # every checkpoint written: the periodic ones and the callbacks' own
     checkpoint_s: list[float] = field(default_factory=list)  # seconds training waited for saves
     checkpoint_io: dict[str, Any] = field(default_factory=dict)  # verify_s, load_s, failed_saves
     skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
@@ -57,9 +57,10 @@ class Given(NamedTuple):
 def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements,
               figures: Registry) -> dict[str, Any]:  # fmt: skip
     """The figures of the run's summary.json: per-rank figures are the max over ranks (one gather,
-    at the end); the registry's figures over the run's steps, in their blocks (framework/figures.py). `checkpoint.saves` counts every checkpoint the run wrote, periodic
-    (checkpoint.every, a preemption's) and the best evaluation's (checkpoint.monitor), which
-    `checkpoint.best_saves` counts apart; `blocking_s` is what training waited for them all."""
+    at the end); the registry's figures over the run's steps, in their blocks (framework/figures.py);
+    callbacks add their own blocks after this (on_end). `checkpoint.saves` counts every checkpoint the run wrote, periodic
+    (checkpoint.every, a preemption's, a callback's request) and a callback's own (the best
+    checkpoint's, which its callback counts apart); `blocking_s` is what training waited for them all."""
     everyone = all_gather_object(rank_figures(info, stats, measure), info)
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
     # the peak of the rank whose peak is largest, taken apart
@@ -108,6 +109,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "comm_by_op": ops_over_ranks([r["comm"] for r in everyone]),
         "load_balance": balance,
         **figures.summarize(stats.figures),
+        "figure_columns": figures.columns(),  # the sweep report's columns of declared figures
     }
     summary["plan"] = plan_check(cfg, info.world_size, summary, stats.plan_auto) if info.is_main else None  # rank 0's
     return summary
@@ -133,8 +135,8 @@ def rank_figures(info: DistInfo, stats: RunStats, measure: Measurements) -> dict
 
 
 def checkpoint_figures(stats: RunStats) -> dict[str, Any]:
-    """summary.checkpoint: the saves, the best evaluation's among them, what training waited for."""
-    return {"saves": stats.checkpoint_saves, "best_saves": 0, "blocking_s": sum(stats.checkpoint_s),
+    """summary.checkpoint: the saves, what training waited for (a callback's own saves among them)."""
+    return {"saves": stats.checkpoint_saves, "blocking_s": sum(stats.checkpoint_s),
             **stats.checkpoint_io}  # fmt: skip
 
 
@@ -222,7 +224,7 @@ class Segment(NamedTuple):
         return f"steps {self.start_step + 1}-{last} ({self.steps} this run, resumed from step {self.start_step})"
 
 
-def report(summary: dict[str, Any], segment: Segment, run_dir: str, offline_dir: str | None) -> None:
+def report(summary: dict[str, Any], segment: Segment, run_dir: str) -> None:
     """Rank 0's closing lines: what this process trained and where the run's files are."""
     rate = summary["throughput"]
     speed = f"{rate['tokens_per_s']:.0f} tokens/s" if rate["tokens_per_s"] else f"{rate['samples_per_s']:.1f} samples/s"
@@ -240,8 +242,6 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str, offline_dir:
               f"memory budget of {limit / 2**20:g} MB (plan.memory_budget_mb; summary.json plan.budget)", flush=True)  # fmt: skip
     if summary.get("mfu_flag"):
         print(f"warning: {summary['mfu_flag']} (summary.json mfu_flag)", flush=True)
-    if offline_dir:  # the loggers' callback's W&B folder
-        print(f"W&B offline run: {offline_dir}  (upload later with: wandb sync {offline_dir})", flush=True)
 
 
 def ops_over_ranks(comm: list[dict[str, Any] | None]) -> dict[str, dict[str, float]]:

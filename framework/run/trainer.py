@@ -107,7 +107,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
         callbacks.call("on_exception", err)
         raise
     if info.is_main:
-        report(summary, segment, files.run_dir, callbacks["loggers"].offline_dir)
+        report(summary, segment, files.run_dir)
     return summary
 
 
@@ -136,13 +136,13 @@ class Trainer:
         cfg, info, root = self.cfg, self.info, checkpoint_root(self.cfg, self.files.run_dir)
         self.measure = build_measurements(cfg, info, self.parts, self.files.run_dir)
         self.saver = Checkpointer(root, info.rank, cfg.checkpoint)
-        if info.is_main and (cfg.checkpoint.every or cfg.checkpoint.monitor):  # for evaluate and generate
+        if info.is_main and cfg.checkpoint.every:  # beside the checkpoints, for the front doors (framework.*)
             checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
         self.figures = self.callbacks.figures
         for figure in LOOP_FIGURES:
             self.figures.declare(figure, "loop")
         run = Run(cfg, info, self.parts, self.figures, self.control, self.files.run_dir, root,
-                  log=self.log_record, save=self.save_to)  # fmt: skip
+                  log=self.log_record, save=self.save_to, call=self.callbacks.call)  # fmt: skip
         self.callbacks.call("on_build", run)
 
     def resume(self) -> Resumed:
@@ -178,7 +178,7 @@ class Trainer:
             export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
         summary = Summary("ok", choices, figures=summarize(cfg, info, parts, stats, self.measure, self.figures))
         record = summary.to_dict()
-        self.callbacks.call("on_end", record)  # their blocks (eval, sources, ...) join it
+        self.callbacks.call("on_end", record)  # their own blocks join it
         self.files.write_summary(Summary.from_dict(record))  # rank 0 only
         return record
 
@@ -200,10 +200,10 @@ class Trainer:
         if step == start:
             self.guard.shorten_timeout(cfg.backend.step_timeout_s)
         ledger.add(PendingStep(values, sampled, started), step, work.batches, self.parts.data)
-        if not syncs_after(cfg, step, start):
+        if not (syncs_after(cfg, step, start) or self.control.sync_requested):
             return False  # its figures wait on the device (framework.run.ledger): no host sync
         settled = ledger.settle()  # the one host sync of these steps: their window ends here
-        for entry in settled:  # derived figures (and an evaluation: after the window, not in its time)
+        for entry in settled:  # derived figures, a callback's work: after the window, not in its time
             entry.figures.extra.update(self.callbacks.gather("on_settled", entry.step, entry.figures.view()))
         record_steps(self.stats, settled, self.parts.par.counts_data, self.measure.forward_timer)
         if is_logged(cfg, step) or self.control.log_requested:
@@ -252,8 +252,8 @@ class Trainer:
         return self.control.stop_reason is not None or any(f[STOP] for f in asked)
 
     def save_to(self, saver: Checkpointer, done: int) -> str | None:
-        """A checkpoint after step `done` through `saver` (the run's, or a callback's own: the best
-        evaluation's), counted with the run's saves (summary.checkpoint)."""
+        """A checkpoint after step `done` through `saver` (the run's, or a callback's own), counted
+        with the run's saves (summary.checkpoint)."""
         t0 = time.perf_counter()
         path = saver.save(done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts))
         self.stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
@@ -274,7 +274,7 @@ class Trainer:
         )
 
     def log_record(self, record: dict[str, Any], step: int, to_file: bool = True) -> None:
-        """A callback's line (an evaluation before training: to the trackers, not metrics.jsonl)."""
+        """A callback's line (to_file=False: to the other callbacks only, e.g. figures before training)."""
         if to_file:
             self.files.log_step({"step": step, **record})
         self.callbacks.call("on_log", step, record)

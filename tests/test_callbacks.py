@@ -1,0 +1,169 @@
+"""Callbacks by `_target_` (framework/callbacks, docs/callbacks.md): docs/callbacks.md's own `StopAt`,
+copied out of the repository into a package of its own, under ddp, fsdp and pp: it sees every
+step, its figure lands in metrics.jsonl, W&B and summary.json, it stops the run at the step it
+picks, and its state resumes from a checkpoint. Bad entries are refused in one line before any
+worker starts; the figure registry packs sum/max/min/mean into one all-reduce."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+import torch
+
+from framework.config import ConfigError, validate
+from framework.figures import Figure, FigureError, Registry
+from tests.helpers import ROOT, compose_config, read_metrics, read_summary, train_cli, wandb_runs
+
+SMOKE = ["experiment=smoke", "steps=6", "data.batch_size=4"]
+LAYOUTS = {
+    "ddp": ["parallel=ddp", "launch.nproc_per_node=2"],
+    "fsdp": ["parallel=fsdp", "launch.nproc_per_node=2"],
+    "pp": ["parallel=pp", "launch.nproc_per_node=2", "parallel.n_microbatches=2"],
+}
+
+
+def docs_example() -> str:
+    """The python block of docs/callbacks.md that defines StopAt."""
+    text = (ROOT / "docs" / "callbacks.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "class StopAt" in b)
+
+
+@pytest.fixture(scope="module")
+def user_package(tmp_path_factory):
+    """docs/callbacks.md's StopAt as a user's own package, outside the repository."""
+    root = tmp_path_factory.mktemp("site")
+    (root / "userpkg").mkdir()
+    (root / "userpkg" / "__init__.py").write_text("")
+    (root / "userpkg" / "callbacks.py").write_text(docs_example())
+    return {"PYTHONPATH": str(root)}
+
+
+def stop_at(n: int) -> list[str]:
+    return ["+callbacks.mine._target_=userpkg.callbacks.StopAt", f"+callbacks.mine.stop_at={n}"]
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "pp"])
+def test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resumes(layout, user_package, tmp_path):
+    """StopAt(3) from a package outside the repository, checkpoints every 2 steps: three lines,
+    `user/seen` 1, 2, 3 in metrics.jsonl (every rank counted every step: max over ranks), its
+    last in summary.json (and W&B under ddp); resumed from step 2 into a new run with StopAt(5),
+    it counts on from its checkpoint (3, 4, 5), not from 0."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    wandb = layout == "ddp"  # W&B's service costs a run seconds: one layout reads its files
+    proc = train_cli([*SMOKE, *LAYOUTS[layout], *stop_at(3), "checkpoint.every=2"], first, env=user_package, wandb=wandb)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics, summary = read_metrics(first), read_summary(first)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["user/seen"] for m in metrics] == [1, 2, 3]
+    assert summary["status"] == "ok" and summary["figures"]["user/seen"] == 3
+    if wandb:
+        (run,) = wandb_runs(first)
+        assert "user/seen" in run["summary"], run["summary"]
+    proc = train_cli([*SMOKE, *LAYOUTS[layout], *stop_at(5), f"checkpoint.resume={first / 'checkpoints' / 'step-000002'}"],
+                     resumed, env=user_package)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(m["step"], m["user/seen"]) for m in read_metrics(resumed)] == [(3, 3), (4, 4), (5, 5)]
+
+
+def test_the_docs_example_is_a_callback_the_config_check_accepts(user_package, monkeypatch):
+    monkeypatch.syspath_prepend(user_package["PYTHONPATH"])
+    validate(compose_config(["experiment=smoke", *stop_at(2)]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        (["+callbacks.mine._target_=nopkg.Nothing"], "callbacks.mine._target_", "does not import"),
+        (["+callbacks.mine._target_=collections.OrderedDict"], "callbacks.mine._target_", "defines no hook"),
+        (["+callbacks.mine._target_=tests.test_callbacks.Twice"], "callbacks.mine.figures", "declared twice"),
+        (["+callbacks.mine._target_=tests.test_callbacks.Spread"], "callbacks.mine.figures", "reduce='spread'"),
+        (["+callbacks.mine._target_=tests.test_callbacks.Spread", "+callbacks.mine.wrong=1"], "callbacks.mine",
+         "unexpected keyword"),
+        (["+callbacks.eval._target_=tests.test_callbacks.Twice"], "callbacks.eval", "framework's own"),
+    ],
+)  # fmt: skip
+def test_bad_callback_entries_are_one_line_naming_the_key(overrides, key, says):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["experiment=smoke", *overrides]))
+    assert err.value.key == key and says in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_bad_entry_stops_train_py_before_any_worker_starts(tmp_path):
+    proc = train_cli([*SMOKE, "+callbacks.mine._target_=nopkg.Nothing"], tmp_path / "run")
+    assert proc.returncode == 2 and "callbacks.mine._target_" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+class Twice:
+    figures = (Figure("user/a"), {"name": "user/a", "reduce": "max"})
+
+    def on_step_end(self, step):
+        return {"user/a": 1.0}
+
+
+class Spread:
+    figures = ({"name": "user/b", "reduce": "spread"},)
+
+    def __init__(self):
+        pass
+
+    def on_step_end(self, step):
+        return {"user/b": 1.0}
+
+
+def test_one_all_reduce_carries_sum_max_min_and_mean():
+    """Two ranks' packed vectors, summed as the all-reduce sums them, read back: sum and mean per
+    value, max and min from a row each rank fills alone; a vector figure keeps its width."""
+    reg = Registry(world=2)
+    for f in (Figure("s"), Figure("hi", reduce="max"), Figure("lo", reduce="min"), Figure("avg", reduce="mean"),
+              Figure("v", width=3), Figure("derived", reduce=None)):  # fmt: skip
+        reg.declare(f, "test")
+    ranks = [{"s": 1.0, "hi": 5.0, "lo": -2.0, "avg": 4.0, "v": [1, 2, 3]},
+             {"s": 2.0, "hi": 7.0, "lo": 3.0, "avg": 8.0, "v": [10, 20, 30]}]  # fmt: skip
+    summed = sum(reg.pack(values, rank, torch.device("cpu")) for rank, values in enumerate(ranks))
+    assert reg.read(summed.tolist()) == {"s": 3.0, "hi": 7.0, "lo": -2.0, "avg": 6.0, "v": [11.0, 22.0, 33.0]}
+    device = reg.totals(summed)
+    assert device["hi"].item() == 7.0 and device["v"].tolist() == [11.0, 22.0, 33.0]
+    with pytest.raises(FigureError, match="declared twice"):
+        reg.declare(Figure("s"), "another")
+    steps = [{"s": 1.0, "v": [1, 1, 1]}, {"s": 3.0, "v": [2, 2, 2]}]
+    reg.figures["s"] = Figure("s", summary=("mean", "last", "max"))
+    assert reg.summarize(steps)["figures"] == {"s": 2.0, "s_last": 3.0, "s_max": 3.0, "v": [1.5, 1.5, 1.5]}
+
+
+def test_the_run_files_name_no_feature():
+    """The loop's files name no capability: those are callbacks and the contract's step protocol."""
+    words = re.compile(r"\b(moe|expert|experts|routed|routing|lora|peft|sources|mixture|eval|evaluat\w*|val|"
+                       r"patience|monitor|profiler|tqdm|progress|wandb|tensorboard)\b", re.I)  # fmt: skip
+    files = [ROOT / "framework" / "run" / f"{n}.py" for n in ("trainer", "step", "ledger", "summary", "build")]
+    files.append(ROOT / "framework" / "report_table.py")
+    found = {f.name: sorted({m.group(0).lower() for m in words.finditer(f.read_text())}) for f in files}
+    assert not any(found.values()), found
+
+
+def test_models_have_no_import_circle():
+    """models/ import one another downwards only (llama and moe both take the SwiGLU from swiglu)."""
+    import ast
+
+    graph = {}
+    for path in (ROOT / "models").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("models."):
+                deps.add(node.module.split(".")[1])
+        graph[path.stem] = deps
+
+    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
+        return any(d == b or (d not in seen and reaches(d, b, seen | {d})) for d in graph.get(a, ()))
+
+    circles = sorted(m for m in graph if reaches(m, m))
+    assert not circles, circles
+
+
+def test_the_docs_hooks_are_the_contracts():
+    from framework.hooks import HOOKS
+
+    table = (ROOT / "docs" / "callbacks.md").read_text()
+    assert all(f"`{hook}(" in table for hook in HOOKS), [h for h in HOOKS if f"`{h}(" not in table]
+    assert textwrap.dedent(docs_example()).count("def ") >= 5
