@@ -11,7 +11,9 @@ first, the sampled ones included. Both sides: tokens over seconds of steps 2..N.
 
 With the optional extra `peers` installed (`pip install -e ".[peers]"`), the same job written with
 Lightning Fabric and with Accelerate (`peers_ddp.py`) runs in every pair too, as extra columns.
-The last line is `framework/raw throughput ratio: X`, the median of all pairs.
+The last line is `framework/raw throughput ratio: X`, the median of all pairs. Each pair also runs
+the framework with a no-op user callback (`noop_callback.py`: every hook defined, one figure), so
+the callback machinery's cost is its own column: `no-op callback / framework`.
 
     python benchmarks/overhead.py --hf-llama     # the tiny Llama row: model=hf under ddp against Accelerate
 
@@ -45,14 +47,18 @@ def steady_rate(seconds: list[float], tokens: list[int]) -> float:
     return sum(tokens[1:]) / sum(seconds[1:])
 
 
-def run_framework(steps: int, precision: str, out: Path, hf_config: str | None = None) -> float:
+CALLBACK = ["+callbacks.noop._target_=noop_callback.EveryHook"]  # benchmarks/ is on the workers' path
+
+
+def run_framework(steps: int, precision: str, out: Path, hf_config: str | None = None, extra: tuple = ()) -> float:
     model = ([f"model.n_layer={MODEL['n_layer']}", f"model.n_embd={MODEL['n_embd']}", f"model.n_head={MODEL['n_head']}"]
              if hf_config is None else ["model=hf", f"model.config={hf_config}"])  # fmt: skip
     # device=cpu: the raw loop it is compared with is a CPU/gloo loop, also on a machine with GPUs
     args = [sys.executable, str(ROOT / "train.py"), "device=cpu", f"steps={steps}", f"precision={precision}",
             "parallel=ddp", f"launch.nproc_per_node={WORLD}", f"hydra.run.dir={out}", *model,
-            f"data.seq_len={MODEL['seq_len']}", f"data.batch_size={MODEL['batch_size']}"]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+            f"data.seq_len={MODEL['seq_len']}", f"data.batch_size={MODEL['batch_size']}", *extra]  # fmt: skip
+    path = os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": path}
     subprocess.run(args, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return steady_rate(
@@ -127,28 +133,34 @@ def main() -> None:
         return
 
     peers = installed_peers()
-    rows, ratios = [], {}
+    rows, ratios, hooks = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precisions.split(","):
             for pair in range(args.pairs):
                 # A B in even pairs, B A in odd ones: whatever drifts within a pair falls on both
                 out = Path(tmp) / f"{precision}-{pair}"
+                hooked = Path(tmp) / f"{precision}-{pair}-noop"
                 if pair % 2 == 0:
                     framework, raw = run_framework(args.steps, precision, out), run_raw(args.steps, precision)
+                    noop = run_framework(args.steps, precision, hooked, extra=CALLBACK)
                 else:
+                    noop = run_framework(args.steps, precision, hooked, extra=CALLBACK)
                     raw, framework = run_raw(args.steps, precision), run_framework(args.steps, precision, out)
                 others = [run_raw(args.steps, precision, peer) for peer in peers]
                 ratios.setdefault(precision, []).append(framework / raw)
-                rows.append([precision, pair + 1, framework, raw, *others, framework / raw])
-                print(f"{precision} pair {pair + 1}: framework {framework:,.0f} tokens/s, raw {raw:,.0f}", flush=True)
+                hooks.setdefault(precision, []).append(noop / framework)
+                rows.append([precision, pair + 1, framework, noop, raw, *others, framework / raw, noop / framework])
+                print(f"{precision} pair {pair + 1}: framework {framework:,.0f} tokens/s, with a no-op callback "
+                      f"{noop:,.0f}, raw {raw:,.0f}", flush=True)  # fmt: skip
     print(f"\ngpt {MODEL['n_layer']}x{MODEL['n_embd']}, T={MODEL['seq_len']}, B={MODEL['batch_size']} per rank, "
           f"{WORLD} gloo ranks, DDP, {args.steps} steps per run (steady tokens/s, steps 2..N)\n")  # fmt: skip
     peer_columns = [f"{peer} tokens/s" for peer in peers]
-    print(
-        table(["precision", "pair", "framework tokens/s", "raw loop tokens/s", *peer_columns, "framework / raw"], rows)
-    )
+    print(table(["precision", "pair", "framework tokens/s", "framework + no-op callback tokens/s", "raw loop tokens/s",
+                 *peer_columns, "framework / raw", "no-op callback / framework"], rows))  # fmt: skip
     print()
-    print(table(["precision", "median framework / raw"], [[p, statistics.median(r)] for p, r in ratios.items()]))
+    medians = [[p, statistics.median(r), statistics.median(hooks[p])] for p, r in ratios.items()]
+    print(table(["precision", "median framework / raw", "median no-op callback / framework"], medians))
+    print(f"no-op callback/framework throughput ratio: {statistics.median(r for rs in hooks.values() for r in rs):.3f}")
     print(f"framework/raw throughput ratio: {statistics.median(r for rs in ratios.values() for r in rs):.3f}")
 
 

@@ -252,6 +252,13 @@ def step_modules(model: nn.Module, spec: ModelSpec) -> list[tuple[int | None, nn
     return found
 
 
+def step_buffers(model: nn.Module) -> list[str]:
+    """The buffers of the step protocol's modules, by name: each rank updates its own from the
+    step's reduced totals (after_step), identically, so no strategy needs to sync them."""
+    return [f"{name}.{b}" if name else b for name, module in model.named_modules()
+            if callable(getattr(module, "read_counts", None)) for b, _ in module.named_buffers(recurse=False)]  # fmt: skip
+
+
 def forget_counts(model: nn.Module) -> None:
     """Drop what the step protocol's modules counted so far (a forward that is not a step's: a
     pipeline's shape inference)."""

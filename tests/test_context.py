@@ -252,9 +252,9 @@ def test_gpt_positions_default_is_the_plain_forward():
 def _evaluate_fresh_model(rank: int, world: int, overrides: list[str]) -> tuple[float, list[int]]:
     """The held-out loss of the freshly built model (row-seeded: the same weights at any layout)
     and the sequence lengths its forward saw on this rank."""
-    from framework.callbacks.evaluation import build_eval_data, evaluate
     from omegaconf import OmegaConf
 
+    from framework.callbacks.evaluation import build_eval_data, evaluate
     from framework.dist import DistInfo
     from framework.run.build import build
 

@@ -6,6 +6,7 @@ every strategy is the compatibility matrix's (tests/matrix.py: the llama(moe) ro
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from framework.hooks import Control, Run
 from framework.moe import routed_layers
 from models.llama import Llama
 from models.moe import MoE, MoEArgs
-from tests.helpers import read_metrics, read_summary, train_cli
+from tests.helpers import count_syncs, read_metrics, read_summary, train_cli
 
 SHAPE = {"dim": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "vocab_size": 64}
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend=None)
@@ -212,12 +213,12 @@ def test_routed_experts_are_refused_where_they_cannot_run():
         assert err.value.key == key and "\n" not in str(err.value), str(err.value)
 
 
-# A Llama with 4 routed experts (top 2, dropless), 5 steps on a global batch of 8. Bias balancing:
-# its loads are the whole step's on every rank; the auxiliary loss's f x P is each rank's own batch's
-# (as in every data-parallel framework), so it is not the one-process value
+# A Llama with 4 routed experts (top 2, dropless), 5 steps on a global batch of 8, with the default
+# balance: the auxiliary loss over the global batch (model.moe.balance_scope=global: f is the last
+# step's over every rank and micro-batch), so every split of the batch trains as one process
 MOE_RUN = ["model=llama", "model.flavor=debug_moe", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
            "model.n_kv_heads=2", "model.ffn_hidden=64", "model.moe.experts=4", "model.moe.top_k=2",
-           "model.moe.balance=bias", "data.seq_len=16", "data.max_bytes=20000", "steps=5", "progress=false"]  # fmt: skip
+           "data.seq_len=16", "data.max_bytes=20000", "steps=5", "progress=false"]  # fmt: skip
 ONE_PROCESS = ["parallel=none", "data.batch_size=8"]
 EP2 = ["parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=2"]
 
@@ -233,6 +234,44 @@ def moe_run(tmp_path, name: str, *overrides: str) -> list[float]:
 
 def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want, strict=True))
+
+
+COUNT = ["+callbacks.count._target_=tests.probes.CountCollectives", "metrics.sample_every=0"]
+
+
+def collectives(run) -> list[dict[str, int]]:
+    return json.loads((run / "collectives-rank0.json").read_text())
+
+
+def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_and_pp(tmp_path):
+    """The default config (balance=aux_loss, balance_scope=global): 5 steps in fp32 under ddp x2,
+    fsdp x2 and pp x2 (4 micro-batches) equal one process within 1e-5, losses and gradient norms
+    (ep x2: test_expert_parallel_trains_as_one_process); balance_scope=micro, each rank's own
+    batch's balance, does not. A step's collectives, counted from its start to its figures'
+    all-reduce, are a dense step's: the routing's counts ride the step's one all-reduce."""
+    want = moe_run(tmp_path, "one", *ONE_PROCESS)
+    ddp = ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"]
+    layouts = {"ddp": [*ddp, *COUNT], "fsdp": ["parallel=fsdp", "launch.nproc_per_node=2", "data.batch_size=4"],
+               "pp": ["parallel=pp", "launch.nproc_per_node=2", "data.batch_size=8"]}  # fmt: skip
+    for name, overrides in layouts.items():
+        got = moe_run(tmp_path, name, *overrides)
+        assert close(got, want), (name, got, want)
+    micro = moe_run(tmp_path, "micro", *ddp, "model.moe.balance_scope=micro")
+    assert not close(micro, want), "the micro-batch balance should not be one process's"
+    dense = train_cli([*MOE_RUN, "model.moe.experts=0", *ddp, *COUNT], tmp_path / "dense")
+    assert dense.returncode == 0, dense.stderr[-3000:]
+    assert collectives(tmp_path / "ddp") == collectives(tmp_path / "dense") and len(collectives(tmp_path / "ddp")) == 5
+
+
+def test_an_moe_step_syncs_the_host_no_more_than_a_dense_step(monkeypatch, tmp_path):
+    """The framework reads no routed figure on the host between the ledger's syncs (one per logged
+    step): 8 more steps at log_every=4 add 2 syncs, with experts as without."""
+    base = [*MOE_RUN[:-2], "metrics.log_every=4", "metrics.sample_every=0", "data.batch_size=2"]
+    for experts in (4, 0):
+        model = [*base, f"model.moe.experts={experts}"]
+        short = count_syncs(monkeypatch, [*model, "steps=8"], tmp_path / f"short{experts}")
+        long = count_syncs(monkeypatch, [*model, "steps=16"], tmp_path / f"long{experts}")
+        assert long - short == 2, (experts, short, long)
 
 
 @pytest.mark.slow
@@ -337,7 +376,7 @@ def mixtral_ep(tmp_path_factory):
     and in one process again, resumed from the ep run's step-3 checkpoint."""
     root = tmp_path_factory.mktemp("mixtral_ep")
     hf = mixtral(root / "hf")
-    base = ["model=llama", f"model.pretrained={root / 'hf'}", "model.moe.balance=bias", "data.seq_len=16",
+    base = ["model=llama", f"model.pretrained={root / 'hf'}", "data.seq_len=16",
             "data.max_bytes=20000", "steps=6", "progress=false", "metrics.sample_every=0"]  # fmt: skip
     runs = {
         "one": [*ONE_PROCESS],

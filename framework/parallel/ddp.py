@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from framework.contract import step_buffers
 from framework.dist import DistInfo
 
 
@@ -23,6 +24,9 @@ def apply_ddp(model: nn.Module, cfg: DictConfig, info: DistInfo) -> DDP:
     # device_ids=None, CUDA too (a single-device module's documented choice): DDP then leaves the
     # inputs where the data pipeline put them; with ids it would copy host-side inputs (an LSTM's
     # lengths) back to the GPU, and the model's read of them would be a host sync per micro-batch.
+    # buffers every rank keeps identical itself (the step protocol's, updated from the step's reduced
+    # totals: framework/contract.py): not DDP's to broadcast before each forward, a collective a step
+    DDP._set_params_and_buffers_to_ignore_for_model(model, step_buffers(model))
     ddp = DDP(
         model,
         device_ids=None,

@@ -1,0 +1,33 @@
+"""Callbacks the tests configure by `_target_` to look inside a run (not part of the framework)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from framework.measure.comm import CommCounter
+
+
+class CountCollectives:
+    """Every collective of each step, from its start to the end of its figures' all-reduce (the
+    step's last), counted by the framework's own counter; each rank writes
+    `collectives-rank<r>.json` (a list of {op: calls}, a step each) at the end."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+        self.counter: CommCounter | None = None
+
+    def on_build(self, run) -> None:
+        self.path = os.path.join(run.run_dir, f"collectives-rank{run.rank}.json")
+
+    def on_step_start(self, step: int) -> None:
+        self.counter = CommCounter()
+        self.counter.__enter__()
+
+    def on_step_reduced(self, step: int, totals) -> None:
+        self.counter.__exit__(None, None, None)
+        self.steps.append({op: v["calls"] for op, v in self.counter.totals()["by_op"].items()})
+
+    def on_end(self, summary) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.steps, f)
