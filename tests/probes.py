@@ -31,3 +31,33 @@ class CountCollectives:
     def on_end(self, summary) -> None:
         with open(self.path, "w") as f:
             json.dump(self.steps, f)
+
+
+class Requests:
+    """Asks the loop for each thing Control offers, once: a checkpoint after step 1 (asked before
+    the all-reduce), step 2's update skipped, and after step 4 a rollback to the newest checkpoint;
+    each rank writes the losses it saw settle, in order, to `losses-rank<r>.json`."""
+
+    def __init__(self, skip_samples: int = 0) -> None:
+        self.skip_samples, self.rolled, self.seen = skip_samples, False, []
+
+    def on_build(self, run) -> None:
+        self.control, self.path = run.control, os.path.join(run.run_dir, f"losses-rank{run.rank}.json")
+
+    def on_step_end(self, step: int) -> None:
+        if step == 0:
+            self.control.save()
+
+    def on_before_optimizer_step(self, step: int) -> None:
+        if step == 1:
+            self.control.skip_update()
+
+    def on_settled(self, step: int, figures) -> None:
+        self.seen.append([step + 1, figures["loss"]])
+        if step == 3 and not self.rolled:
+            self.rolled = True
+            self.control.rollback(skip_samples=self.skip_samples)
+
+    def on_end(self, summary) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.seen, f)

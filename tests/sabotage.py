@@ -178,6 +178,19 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("LoRA layers given the plain tensor-parallel styles", "framework/parallel/tensor.py",
      "        if isinstance(model.get_submodule(path), LoRALinear):", "        if False:",
      "tests/test_finetune.py::test_lora_under_ddp_pp_and_tp_equals_one_process[tp]"),
+    # callbacks, the figure registry and the model's step protocol (issue 51)
+    ("a routed layer's f never follows the step's loads", "models/moe.py",
+     "        self.balance_share.copy_(torch.where(", "        (torch.where(",
+     "tests/test_moe.py::test_load_imbalance_and_bias_balancing_follow_a_hand_count"),
+    ("the step protocol's counts combined by max over ranks, not summed", "framework/callbacks/model.py",
+     '"width": shape["rows"] * width, "log": False,', '"width": shape["rows"] * width, "log": False, "reduce": "max",',
+     "tests/test_moe.py::test_the_default_balance_trains_as_one_process_under_ddp_fsdp_and_pp"),
+    ("a callback's state left out of the checkpoint", "framework/run/trainer.py",
+     '"callbacks": self.callbacks.state_dict()', '"callbacks": {}',
+     "tests/test_callbacks.py::test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resumes[ddp]"),
+    ("a rollback that reads on from where the data was, not from its checkpoint's place", "framework/run/trainer.py",
+     "        epoch, samples = back.data_position", "        epoch, samples = self.parts.data.epoch, self.parts.data.samples",
+     "tests/test_callbacks.py::test_a_callback_saves_skips_an_update_and_rolls_back"),
 ]  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache",

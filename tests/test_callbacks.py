@@ -6,6 +6,7 @@ worker starts; the figure registry packs sum/max/min/mean into one all-reduce.""
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 
@@ -167,3 +168,20 @@ def test_the_docs_hooks_are_the_contracts():
     table = (ROOT / "docs" / "callbacks.md").read_text()
     assert all(f"`{hook}(" in table for hook in HOOKS), [h for h in HOOKS if f"`{h}(" not in table]
     assert textwrap.dedent(docs_example()).count("def ") >= 5
+
+
+def test_a_callback_saves_skips_an_update_and_rolls_back(tmp_path):
+    """tests.probes.Requests under ddp x2: the checkpoint it asked for after step 1; step 2's update
+    not applied (skipped: true, counted); after step 4 the run goes back to that checkpoint and
+    replays steps 2-4 bit for bit (the same weights, data and random state), then step 5;
+    metrics.jsonl holds each step once."""
+    run = tmp_path / "run"
+    proc = train_cli([*SMOKE, *LAYOUTS["ddp"], "steps=5", "+callbacks.ask._target_=tests.probes.Requests"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "checkpoints" / "step-000001").is_dir() and "rolled back to step 1" in proc.stdout
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5] and [m["skipped"] for m in metrics][:3] == [False, True, False]
+    assert read_summary(run)["nonfinite_skipped"] == 1
+    seen = [tuple(s) for s in json.loads((run / "losses-rank0.json").read_text())]
+    assert [s for s, _ in seen] == [1, 2, 3, 4, 2, 3, 4, 5]
+    assert seen[1:4] == seen[4:7], seen  # the replay: the same losses, bit for bit

@@ -102,12 +102,9 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
                          rss_baseline_bytes=baseline, started=given.started, plan_auto=given.plan_auto)  # fmt: skip
         trainer.stats = stats
         summary = trainer.loop(choices)
-        segment = Segment.of(resumed.step, stats.losses[len(files.prior_losses) :])
     except BaseException as err:
         callbacks.call("on_exception", err)
         raise
-    if info.is_main:
-        report(summary, segment, files.run_dir)
     return summary
 
 
@@ -177,6 +174,9 @@ class Trainer:
         if cfg.checkpoint.export:
             export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
         summary = Summary("ok", choices, figures=summarize(cfg, info, parts, stats, self.measure, self.figures))
+        if info.is_main:  # the closing lines (the callbacks' own after them: W&B's folder)
+            report(summary.figures, Segment.of(self.resumed.step, stats.losses[len(self.files.prior_losses) :]),
+                   self.files.run_dir)  # fmt: skip
         record = summary.to_dict()
         self.callbacks.call("on_end", record)  # their own blocks join it
         self.files.write_summary(Summary.from_dict(record))  # rank 0 only
@@ -290,6 +290,7 @@ class Trainer:
         self.callbacks.load_state_dict(back.callbacks)
         self.files.truncate_metrics(back.step)
         del self.stats.losses[back.step :]
+        self.stats.skipped_steps = back.skipped_steps
         epoch, samples = back.data_position
         if self.info.is_main:
             print(f"rolled back to step {back.step} ({path}), skipping {skip_samples} samples", flush=True)
