@@ -49,7 +49,9 @@ class Figure:
         if not self.name or not isinstance(self.name, str):
             raise FigureError(f"figure name {self.name!r}: a non-empty string")
         if self.reduce is not None and self.reduce not in REDUCES:
-            raise FigureError(f"figure {self.name!r}: reduce={self.reduce!r}; allowed: {', '.join(REDUCES)} (or None: derived)")
+            raise FigureError(
+                f"figure {self.name!r}: reduce={self.reduce!r}; allowed: {', '.join(REDUCES)} (or None: derived)"
+            )
         if unknown := [s for s in self.summary if s not in STATS]:
             raise FigureError(f"figure {self.name!r}: summary {unknown[0]!r}; allowed: {', '.join(STATS)}")
         if not isinstance(self.width, int) or self.width < 1:

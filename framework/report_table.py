@@ -52,7 +52,11 @@ COLUMNS = [
     ("comm wire MB/step", _comm_wire, "min"),
     ("imbalance", lambda s: (s.get("load_balance") or {}).get("imbalance"), "min"),
     # the mean rank's all-to-all traffic (a column only where a run has one)
-    ("all-to-all MB/step", lambda s: _mb(((s.get("comm_by_op") or {}).get("all_to_all") or {}).get("mean_bytes")), "min"),
+    (
+        "all-to-all MB/step",
+        lambda s: _mb(((s.get("comm_by_op") or {}).get("all_to_all") or {}).get("mean_bytes")),
+        "min",
+    ),
     ("final loss", lambda s: s.get("final_loss"), "min"),
     ("plan error", _plan_error, None),
 ]

@@ -169,7 +169,11 @@ class MoE(nn.Module):
             load, probs = blocks["tokens"][k], blocks["probs"][k]
             total, tokens = sum(load), sum(load) / self.args.top_k
             imbalance.append(max(load) / (total / len(load)))
-            aux.append(self.args.aux_loss_coef * len(load) * sum(c / total * p / tokens for c, p in zip(load, probs, strict=True)))
+            aux.append(
+                self.args.aux_loss_coef
+                * len(load)
+                * sum(c / total * p / tokens for c, p in zip(load, probs, strict=True))
+            )
         n = max(len(used), 1)
         return {"moe_load_imbalance": sum(imbalance) / n, "moe_aux_loss": sum(aux) / n,
                 "moe_dropped_tokens": round(sum(r[0] for r in blocks["dropped"])),

@@ -34,7 +34,9 @@ INT_KNOBS = {"version": (2, 1)}  # validate.py's allowed FSDP versions (the defa
 MODEL_KNOBS = ("tie_embeddings",)
 # rows of a model beside its knobs': a Llama with routed experts, dropless, bias balancing (its loads
 # summed over every rank, so every strategy routes as one process does)
-MODEL_VARIANTS = {"llama": [("llama(moe)", ("model.moe.experts=4", "model.moe.top_k=2"))]}  # the defaults: aux_loss, global
+MODEL_VARIANTS = {
+    "llama": [("llama(moe)", ("model.moe.experts=4", "model.moe.top_k=2"))]
+}  # the defaults: aux_loss, global
 FEATURE_GROUPS = ("precision", "memory", "peft")
 REFERENCED_GROUPS = ("precision", "peft")  # the one-process reference runs the same choice
 # {model choice: overrides for its smallest shape}; {hf} and {user} are the test's folders

@@ -53,7 +53,9 @@ def test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resume
     it counts on from its checkpoint (3, 4, 5), not from 0."""
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     wandb = layout == "ddp"  # W&B's service costs a run seconds: one layout reads its files
-    proc = train_cli([*SMOKE, *LAYOUTS[layout], *stop_at(3), "checkpoint.every=2"], first, env=user_package, wandb=wandb)
+    proc = train_cli(
+        [*SMOKE, *LAYOUTS[layout], *stop_at(3), "checkpoint.every=2"], first, env=user_package, wandb=wandb
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, summary = read_metrics(first), read_summary(first)
     assert [m["step"] for m in metrics] == [1, 2, 3] and [m["user/seen"] for m in metrics] == [1, 2, 3]
@@ -133,35 +135,6 @@ def test_one_all_reduce_carries_sum_max_min_and_mean():
     assert reg.summarize(steps)["figures"] == {"s": 2.0, "s_last": 3.0, "s_max": 3.0, "v": [1.5, 1.5, 1.5]}
 
 
-def test_the_run_files_name_no_feature():
-    """The loop's files name no capability: those are callbacks and the contract's step protocol."""
-    words = re.compile(r"\b(moe|expert|experts|routed|routing|lora|peft|sources|mixture|eval|evaluat\w*|val|"
-                       r"patience|monitor|profiler|tqdm|progress|wandb|tensorboard)\b", re.I)  # fmt: skip
-    files = [ROOT / "framework" / "run" / f"{n}.py" for n in ("trainer", "step", "ledger", "summary", "build")]
-    files.append(ROOT / "framework" / "report_table.py")
-    found = {f.name: sorted({m.group(0).lower() for m in words.finditer(f.read_text())}) for f in files}
-    assert not any(found.values()), found
-
-
-def test_models_have_no_import_circle():
-    """models/ import one another downwards only (llama and moe both take the SwiGLU from swiglu)."""
-    import ast
-
-    graph = {}
-    for path in (ROOT / "models").glob("*.py"):
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("models."):
-                deps.add(node.module.split(".")[1])
-        graph[path.stem] = deps
-
-    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
-        return any(d == b or (d not in seen and reaches(d, b, seen | {d})) for d in graph.get(a, ()))
-
-    circles = sorted(m for m in graph if reaches(m, m))
-    assert not circles, circles
-
-
 def test_the_docs_hooks_are_the_contracts():
     from framework.hooks import HOOKS
 
@@ -180,7 +153,11 @@ def test_a_callback_saves_skips_an_update_and_rolls_back(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "checkpoints" / "step-000001").is_dir() and "rolled back to step 1" in proc.stdout
     metrics = read_metrics(run)
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5] and [m["skipped"] for m in metrics][:3] == [False, True, False]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5] and [m["skipped"] for m in metrics][:3] == [
+        False,
+        True,
+        False,
+    ]
     assert read_summary(run)["nonfinite_skipped"] == 1
     seen = [tuple(s) for s in json.loads((run / "losses-rank0.json").read_text())]
     assert [s for s, _ in seen] == [1, 2, 3, 4, 2, 3, 4, 5]

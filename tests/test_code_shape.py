@@ -6,6 +6,7 @@ down the layers of docs' design (a deferred import, for start-up time, may point
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -250,3 +251,33 @@ def test_the_size_check_counts_what_it_says(tmp_path):
         path.unlink()
     assert set(faults) == {"framework/_shape_probe.py:many", "framework/_shape_probe.py:long"}
     assert "framework/_shape_probe.py:A.method" not in faults
+
+
+# ----------------------------------------------------------------------------- the rooms
+
+
+def test_the_run_files_name_no_feature():
+    """The loop's files name no capability: those are callbacks and the contract's step protocol."""
+    words = re.compile(r"\b(moe|expert|experts|routed|routing|lora|peft|sources|mixture|eval|evaluat\w*|val|"
+                       r"patience|monitor|profiler|tqdm|progress|wandb|tensorboard)\b", re.I)  # fmt: skip
+    files = [ROOT / "framework" / "run" / f"{n}.py" for n in ("trainer", "step", "ledger", "summary", "build")]
+    files.append(ROOT / "framework" / "report_table.py")
+    found = {f.name: sorted({m.group(0).lower() for m in words.finditer(f.read_text())}) for f in files}
+    assert not any(found.values()), found
+
+
+def test_models_have_no_import_circle():
+    """models/ import one another downwards only (llama and moe both take the SwiGLU from swiglu)."""
+    graph = {}
+    for path in (ROOT / "models").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("models."):
+                deps.add(node.module.split(".")[1])
+        graph[path.stem] = deps
+
+    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
+        return any(d == b or (d not in seen and reaches(d, b, seen | {d})) for d in graph.get(a, ()))
+
+    circles = sorted(m for m in graph if reaches(m, m))
+    assert not circles, circles

@@ -181,9 +181,7 @@ def _token_budget_step(rank: int, world: int):
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
     setup = build(cfg, info)
     step_batches = [next(setup.data.batches())]
-    timer = Measurements(
-        meter=None, probe=None, forward_timer=ForwardTimer(info.device), profiler=None, peak_flops=None
-    )
+    timer = Measurements(meter=None, probe=None, forward_timer=ForwardTimer(info.device), peak_flops=None)
     forward_backward(cfg, info, setup, StepInput(step_batches), timer)
     grads = {n: p.grad.clone() for n, p in setup.par.module.module.named_parameters()}
 

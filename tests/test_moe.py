@@ -93,10 +93,12 @@ def test_load_imbalance_and_bias_balancing_follow_a_hand_count():
     layers = routed_layers(model, "layers")
     counts, probs = [], []
     for _, m in layers:  # the routing by hand, from each block's own input
+
         def by_hand(mod, inp, out):
             chosen, _, scores = mod.route(inp[0].reshape(-1, 16))
             counts.append(torch.bincount(chosen.flatten(), minlength=4).float())
             probs.append((scores / scores.sum(-1, keepdim=True)).mean(0).detach())
+
         m.register_forward_hook(by_hand)
     steps, run = one_rank_run(model)
     model(tokens)
@@ -411,7 +413,11 @@ def test_expert_parallel_trains_as_one_process(mixtral_ep):
     assert error["param_bytes"] == error["grad_bytes"] == error["optim_bytes"] == 0.0, error
     # 2 layers x (8 B x 4 experts + 4 x 4 x 16 tokens x top-2 x 32 wide x 4 B), as the ranks sent it
     all_to_all = summary["comm_by_op"]["all_to_all"]  # over the ranks: the mean rank's, the busiest's over it
-    assert all_to_all["mean_bytes"] == 2 * (8 * 4 + 4 * 4 * 16 * 2 * 32 * 4) == summary["plan"]["predicted"]["all_to_all_bytes"]
+    assert (
+        all_to_all["mean_bytes"]
+        == 2 * (8 * 4 + 4 * 4 * 16 * 2 * 32 * 4)
+        == summary["plan"]["predicted"]["all_to_all_bytes"]
+    )
     assert error["all_to_all_bytes"] == 0.0 and all_to_all["imbalance"] >= 1.0
 
 

@@ -162,7 +162,14 @@ class Evaluation:
     all-reduce), so every rank decides the same: they stop after the same step."""
 
     figures = (
-        {"name": "val_loss", "reduce": None, "summary": ("last",), "group": "eval", "key": "loss", "report": "val loss"},
+        {
+            "name": "val_loss",
+            "reduce": None,
+            "summary": ("last",),
+            "group": "eval",
+            "key": "loss",
+            "report": "val loss",
+        },
         {"name": "val_perplexity", "reduce": None, "summary": ()},
         {"name": "val_accuracy", "reduce": None, "summary": ()},
         {"name": "eval_s", "reduce": None, "summary": ()},

@@ -44,4 +44,6 @@ class Loggers:
         self.tracker.summary(summary)
         self.tracker.finish(ok=True)
         if self.offline_dir:  # rank 0's: where W&B wrote the run, to upload later
-            print(f"W&B offline run: {self.offline_dir}  (upload later with: wandb sync {self.offline_dir})", flush=True)
+            print(
+                f"W&B offline run: {self.offline_dir}  (upload later with: wandb sync {self.offline_dir})", flush=True
+            )

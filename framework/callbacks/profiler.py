@@ -13,6 +13,7 @@ from framework.measure.profiling import build_profiler
 class Profiler:
     def __init__(self) -> None:
         self.profiler: Any = None
+        self.running = False
 
     def on_build(self, run: Run) -> None:
         cfg, info = run.cfg, run.info
@@ -20,6 +21,7 @@ class Profiler:
 
     def on_start(self, step: int) -> None:
         self.profiler.__enter__()
+        self.running = True
 
     def on_step_end(self, step: int) -> None:
         self.profiler.step()
@@ -31,6 +33,6 @@ class Profiler:
         self.stop()
 
     def stop(self) -> None:
-        if self.profiler is not None:
+        if self.running:  # a run that failed before training started never entered it
             self.profiler.__exit__(None, None, None)
-            self.profiler = None
+            self.running = False

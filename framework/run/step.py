@@ -236,4 +236,3 @@ def reduce_step_figures(
         applied = core.new_full((1,), float(applied))
     norm = grad_norm.detach().float().reshape(1).to(core.device)
     return torch.cat([core, norm, applied, scale.float().reshape(1), figures]), figures
-
