@@ -184,7 +184,7 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      "tests/test_moe.py::test_load_imbalance_and_bias_balancing_follow_a_hand_count"),
     ("the step protocol's counts combined by max over ranks, not summed", "framework/callbacks/model.py",
      '"width": shape["rows"] * width, "log": False,', '"width": shape["rows"] * width, "log": False, "reduce": "max",',
-     "tests/test_moe.py::test_the_default_balance_trains_as_one_process_under_ddp_fsdp_and_pp"),
+     "tests/test_moe.py::test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp"),
     ("a callback's state left out of the checkpoint", "framework/run/trainer.py",
      '"callbacks": self.callbacks.state_dict()', '"callbacks": {}',
      "tests/test_callbacks.py::test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resumes[ddp]"),

@@ -245,24 +245,28 @@ def collectives(run) -> list[dict[str, int]]:
     return json.loads((run / "collectives-rank0.json").read_text())
 
 
-def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_and_pp(tmp_path):
+def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp(tmp_path):
     """The default config (balance=aux_loss, balance_scope=global): 5 steps in fp32 under ddp x2,
-    fsdp x2 and pp x2 (4 micro-batches) equal one process within 1e-5, losses and gradient norms
-    (ep x2: test_expert_parallel_trains_as_one_process); balance_scope=micro, each rank's own
-    batch's balance, does not. A step's collectives, counted from its start to its figures'
-    all-reduce, are a dense step's: the routing's counts ride the step's one all-reduce."""
+    fsdp x2, ep x2 (fsdp) and pp x2 (4 micro-batches) equal one process within 1e-5, losses and
+    gradient norms (balance_scope=micro, each rank's own batch's balance, does not: the unit test
+    above). A step's collectives, counted from its start to its figures' all-reduce, are a dense
+    step's under ddp and fsdp, plus expert parallel's all-to-alls (5 a routed layer): the routing's
+    counts ride the step's one all-reduce, and DDP leaves the routers' buffers alone."""
     want = moe_run(tmp_path, "one", *ONE_PROCESS)
     ddp = ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"]
-    layouts = {"ddp": [*ddp, *COUNT], "fsdp": ["parallel=fsdp", "launch.nproc_per_node=2", "data.batch_size=4"],
+    fsdp = ["parallel=fsdp", "launch.nproc_per_node=2", "data.batch_size=4"]
+    layouts = {"ddp": [*ddp, *COUNT], "fsdp": [*fsdp, *COUNT], "ep": [*fsdp, "parallel.ep=2", *COUNT],
                "pp": ["parallel=pp", "launch.nproc_per_node=2", "data.batch_size=8"]}  # fmt: skip
     for name, overrides in layouts.items():
         got = moe_run(tmp_path, name, *overrides)
         assert close(got, want), (name, got, want)
-    micro = moe_run(tmp_path, "micro", *ddp, "model.moe.balance_scope=micro")
-    assert not close(micro, want), "the micro-batch balance should not be one process's"
-    dense = train_cli([*MOE_RUN, "model.moe.experts=0", *ddp, *COUNT], tmp_path / "dense")
-    assert dense.returncode == 0, dense.stderr[-3000:]
-    assert collectives(tmp_path / "ddp") == collectives(tmp_path / "dense") and len(collectives(tmp_path / "ddp")) == 5
+    for name, overrides in (("dense_ddp", ddp), ("dense_fsdp", fsdp)):
+        proc = train_cli([*MOE_RUN, "model.moe.experts=0", *overrides, *COUNT], tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert collectives(tmp_path / "ddp") == collectives(tmp_path / "dense_ddp")
+    assert collectives(tmp_path / "fsdp") == collectives(tmp_path / "dense_fsdp")
+    dense_plus = [step | {"all_to_all": 2 * 5} for step in collectives(tmp_path / "dense_fsdp")]
+    assert collectives(tmp_path / "ep") == dense_plus and len(dense_plus) == 5
 
 
 def test_an_moe_step_syncs_the_host_no_more_than_a_dense_step(monkeypatch, tmp_path):
