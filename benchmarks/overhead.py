@@ -66,6 +66,38 @@ def run_framework(steps: int, precision: str, out: Path, hf_config: str | None =
     )
 
 
+def hook_cost(steps: int = 2000) -> tuple[float, float]:
+    """The callback machinery's own time a step, in this process, without a user callback and with
+    the no-op one (every hook called, its figure packed, read and logged): microseconds, the loop's
+    calls as the trainer makes them, the step's work left out."""
+    import time
+
+    import torch
+    from noop_callback import EveryHook
+
+    from framework.hooks import Callbacks
+    from framework.run.trainer import LOOP_FIGURES
+
+    def per_step(named: list) -> float:
+        hooks = Callbacks(named, WORLD)
+        for figure in LOOP_FIGURES:
+            hooks.figures.declare(figure, "loop")
+        own, device = {f.name: 0.0 for f in LOOP_FIGURES}, torch.device("cpu")
+        t0 = time.perf_counter()
+        for step in range(steps):
+            for hook in ("on_step_start", "on_before_optimizer_step"):
+                hooks.call(hook, step)
+            hooks.call("on_before_backward", step, 0)
+            packed = hooks.figures.pack(own | hooks.gather("on_step_end", step), 0, device)
+            hooks.call("on_step_reduced", step, hooks.figures.totals(packed))
+            figures = hooks.figures.read(packed.tolist())
+            hooks.gather("on_settled", step, figures)
+            hooks.call("on_log", step, figures)
+        return (time.perf_counter() - t0) / steps * 1e6
+
+    return per_step([]), per_step([("noop", EveryHook())])
+
+
 def installed_peers() -> list[str]:
     import importlib.util
 
@@ -161,6 +193,12 @@ def main() -> None:
     medians = [[p, statistics.median(r), statistics.median(hooks[p])] for p, r in ratios.items()]
     print(table(["precision", "median framework / raw", "median no-op callback / framework"], medians))
     print(f"no-op callback/framework throughput ratio: {statistics.median(r for rs in hooks.values() for r in rs):.3f}")
+    bare, noop = hook_cost()
+    step_us = 1e6 * WORLD * MODEL["seq_len"] * MODEL["batch_size"] / statistics.median(r[2] for r in rows)
+    print(
+        f"callback machinery, in-process, a step: {bare:.0f} us without a user callback, {noop:.0f} us with the "
+        f"no-op one (+{noop - bare:.0f} us, {(noop - bare) / step_us:.2%} of the median step above, {step_us:,.0f} us)"
+    )
     print(f"framework/raw throughput ratio: {statistics.median(r for rs in ratios.values() for r in rs):.3f}")
 
 
