@@ -25,8 +25,15 @@ from typing import Any
 
 import torch
 
+from framework.dist import host_values
+
 REDUCES = ("sum", "max", "min", "mean")
 STATS = ("mean", "sum", "first", "last", "max", "min")
+# the loop's own fields of a step (metrics.jsonl, on_settled's figures) and the prefixes of the
+# framework's own figures: a user's figure takes another name (it would overwrite one of them)
+RESERVED = ("step", "loss", "lr", "grad_norm", "step_time_s", "samples_per_s", "tokens_per_s", "mfu", "epoch",
+            "loss_scale", "skipped", "comm_calls", "comm_bytes", "tokens", "samples", "applied")  # fmt: skip
+RESERVED_PREFIXES = ("control/", "val_", "eval_", "moe_", "sources")
 
 
 class FigureError(ValueError):
@@ -78,9 +85,15 @@ class Registry:
     figures: dict[str, Figure] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)
 
-    def declare(self, spec: Figure | Mapping[str, Any], owner: str) -> Figure:
+    def declare(self, spec: Figure | Mapping[str, Any], owner: str, own: bool = False) -> Figure:
+        """Register a figure of `owner` (`own`: the framework's, which may take the reserved names)."""
         figure = Figure.of(spec)
         figure.check()
+        if not own and (figure.name in RESERVED or figure.name.startswith(RESERVED_PREFIXES)):
+            raise FigureError(
+                f"figure {figure.name!r}: a name of the framework's own ({', '.join(RESERVED)}, or starting "
+                f"{', '.join(RESERVED_PREFIXES)}); name yours otherwise, e.g. 'user/...'"
+            )
         if figure.name in self.figures:
             raise FigureError(
                 f"figure {figure.name!r} declared twice: by {self.owners[figure.name]} and by {owner}; "
@@ -99,18 +112,30 @@ class Registry:
 
     def pack(self, values: Mapping[str, Any], rank: int, device: torch.device) -> torch.Tensor:
         """This rank's reduced figures as one vector for the step's all-reduce (sum). A figure
-        with no value this step adds nothing (zeros; for max/min: its row holds -inf/+inf)."""
-        parts = []
+        with no value this step adds nothing (zeros; for max/min: its row holds -inf/+inf).
+        Values given on the host (numbers, CPU tensors) go over in one pinned, non-blocking copy:
+        a plain copy to the GPU would wait for it (a host sync every step)."""
+        host: list[float] = []
+        pieces: list[tuple[int, int] | torch.Tensor] = []  # (start, n) in `host`, or a device tensor
         for f in self.reduced:
             value = values.get(f.name)
-            if f.reduce in ("sum", "mean"):
-                parts.append(_vector(value, f, device, 0.0))
+            empty = {"max": -math.inf, "min": math.inf}.get(f.reduce, 0.0)
+            if isinstance(value, torch.Tensor) and (value.device.type != "cpu" or device.type == "cpu"):
+                chunk = _checked(value.detach().float().reshape(-1), f)
+                if f.reduce in ("max", "min"):  # a row of its own, the others zero
+                    rows = torch.zeros(self.world, f.width, device=chunk.device)
+                    rows[rank] = chunk
+                    chunk = rows
+                pieces.append(chunk.reshape(-1))
                 continue
-            rows = torch.zeros(self.world, f.width, device=device)
-            empty = -math.inf if f.reduce == "max" else math.inf
-            rows[rank] = _vector(value, f, device, empty)
-            parts.append(rows.flatten())
-        return torch.cat(parts) if parts else torch.zeros(0, device=device)
+            row = _floats(value, f, empty)
+            if f.reduce in ("max", "min"):
+                row = [0.0] * (rank * f.width) + row + [0.0] * ((self.world - rank - 1) * f.width)
+            pieces.append((len(host), len(row)))
+            host += row
+        sent = host_values(host, device) if host else None
+        out = [sent[p[0] : p[0] + p[1]] if isinstance(p, tuple) else p.to(device) for p in pieces]
+        return torch.cat(out) if out else torch.zeros(0, device=device)
 
     def totals(self, reduced: torch.Tensor) -> dict[str, torch.Tensor]:
         """The reduced figures from the summed vector, still on the device (for post-step updates)."""
@@ -184,10 +209,18 @@ def combine(series: list[Any], stat: str) -> Any:
     return total if stat == "sum" else total / len(series)
 
 
-def _vector(value: Any, f: Figure, device: torch.device, empty: float) -> torch.Tensor:
+def _floats(value: Any, f: Figure, empty: float) -> list[float]:
+    """A host value as the figure's floats (None: `empty` in every place)."""
     if value is None:
-        return torch.full((f.width,), empty, device=device)
-    t = torch.as_tensor(value).detach().to(device=device, dtype=torch.float32).reshape(-1)
+        return [empty] * f.width
+    floats = value.detach().reshape(-1).tolist() if isinstance(value, torch.Tensor) else value
+    floats = [float(v) for v in floats] if isinstance(floats, list | tuple) else [float(floats)]
+    if len(floats) != f.width:
+        raise FigureError(f"figure {f.name!r}: {len(floats)} values this step; it was declared width={f.width}")
+    return floats
+
+
+def _checked(t: torch.Tensor, f: Figure) -> torch.Tensor:
     if t.numel() != f.width:
         raise FigureError(f"figure {f.name!r}: {t.numel()} values this step; it was declared width={f.width}")
     return t

@@ -95,8 +95,9 @@ class Control:
         self.rollback_to = (path, skip_samples)
 
     def log_step(self) -> None:
-        """Write this step's metrics.jsonl line even when metrics.log_every would not."""
-        self.log_requested = True
+        """Write this step's metrics.jsonl line even when metrics.log_every would not (asked before
+        the step settles, it settles it: ask it alike on every rank)."""
+        self.log_requested = self.sync_requested = True
 
     def sync(self) -> None:
         """Before on_settled: settle this step's figures at its end (its on_settled follows at
@@ -139,12 +140,12 @@ class Callbacks:
     """The run's callbacks by name, in call order, and the figures they declare (`figures`); each
     hook calls only the callbacks that define it."""
 
-    def __init__(self, named: list[tuple[str, Any]], world: int = 1):
+    def __init__(self, named: list[tuple[str, Any]], world: int = 1, own: tuple[str, ...] = ()):
         self.named = named
         self.figures = Registry(world)
         for name, callback in named:
             for spec in declared_figures(callback):
-                self.figures.declare(spec, name)
+                self.figures.declare(spec, name, own=name in own)
         self.hooks = {h: [(n, getattr(cb, h)) for n, cb in named if h in defined_hooks(type(cb))] for h in HOOKS}
 
     def __getitem__(self, name: str) -> Any:

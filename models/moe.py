@@ -61,6 +61,12 @@ class MoEArgs:
     capacity_factor: float | None = None  # None: dropless
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing recomputing a
+    block, whose routing was counted when it first ran (torch keeps no public flag for it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class AuxLoss(torch.autograd.Function):
     """Identity on the activations; in backward, the auxiliary loss's gradient (x `scale`: the
     framework's share of one micro-batch in the step, and amp's loss scale) joins theirs."""
@@ -223,7 +229,7 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         probs = scores / scores.sum(-1, keepdim=True)
         assigned = self.assigned(chosen.flatten())
-        if self.training and not x.is_meta:
+        if self.training and not x.is_meta and not recomputing():
             self.count(assigned, probs, keep)
         if self.args.balance == "aux_loss" and self.training and torch.is_grad_enabled():
             out = AuxLoss.apply(out, self.aux_loss(assigned, probs), self.aux_scale.to(x.device))

@@ -81,8 +81,11 @@ def test_the_docs_example_is_a_callback_the_config_check_accepts(user_package, m
         (["+callbacks.mine._target_=collections.OrderedDict"], "callbacks.mine._target_", "defines no hook"),
         (["+callbacks.mine._target_=tests.test_callbacks.Twice"], "callbacks.mine.figures", "declared twice"),
         (["+callbacks.mine._target_=tests.test_callbacks.Spread"], "callbacks.mine.figures", "reduce='spread'"),
-        (["+callbacks.mine._target_=tests.test_callbacks.Spread", "+callbacks.mine.wrong=1"], "callbacks.mine",
-         "unexpected keyword"),
+        (["+callbacks.mine._target_=tests.test_callbacks.Spread", "+callbacks.mine.wrong=1"], "callbacks.mine.wrong",
+         "takes no arguments"),
+        (["+callbacks.mine._target_=tests.test_callbacks.Needs"], "callbacks.mine.n", "not set"),
+        (["+callbacks.mine._target_=tests.test_callbacks.Clash"], "callbacks.mine.figures", "framework's own"),
+        (["+callbacks.mine._target_=tests.test_callbacks.Missing"], "callbacks.mine._target_", "has no class"),
         (["+callbacks.eval._target_=tests.test_callbacks.Twice"], "callbacks.eval", "framework's own"),
     ],
 )  # fmt: skip
@@ -113,6 +116,21 @@ class Spread:
 
     def on_step_end(self, step):
         return {"user/b": 1.0}
+
+
+class Needs:
+    def __init__(self, n: int):
+        self.n = n
+
+    def on_start(self, step):
+        pass
+
+
+class Clash:  # a figure named as the evaluation's
+    figures = ({"name": "val_loss", "reduce": "max"},)
+
+    def on_step_end(self, step):
+        return {"val_loss": 1.0}
 
 
 def test_one_all_reduce_carries_sum_max_min_and_mean():

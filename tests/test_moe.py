@@ -174,7 +174,8 @@ def test_flops_count_active_experts_not_all():
 
 def test_a_llama_with_experts_trains_and_logs_its_routing(tmp_path):
     """ddp x2, balance=bias: metrics.jsonl carries the load imbalance, auxiliary loss and dropped
-    tokens each step, and the tokens each expert got sum to every token x top_k."""
+    tokens each step, and the tokens each expert got sum to every token x top_k; with activation
+    checkpointing, whose backward runs each block's forward again, the same counts (counted once)."""
     args = ["model=llama", "model.flavor=debug_moe", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
             "model.n_kv_heads=2", "model.ffn_hidden=64", "model.moe.balance=bias", "data.seq_len=32",
             "data.max_bytes=50000", "data.batch_size=4", "steps=4", "parallel=ddp", "launch.nproc_per_node=2",
@@ -187,6 +188,10 @@ def test_a_llama_with_experts_trains_and_logs_its_routing(tmp_path):
         assert sum(m["moe_tokens_per_expert"]) == 2 * (8 * 32) * 2  # blocks x tokens of the step x top_k
     assert summary["moe"]["dropped_tokens"] == 0
     assert math.isclose(summary["moe"]["load_imbalance_first"], metrics[0]["moe_load_imbalance"])
+    proc = train_cli([*args, "memory=checkpoint"], tmp_path / "recomputed")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recomputed = read_summary(tmp_path / "recomputed")["moe"]
+    assert recomputed["tokens_per_expert"] == summary["moe"]["tokens_per_expert"], recomputed
 
 
 def test_routed_experts_are_refused_where_they_cannot_run():

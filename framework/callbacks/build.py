@@ -18,6 +18,7 @@ from framework.callbacks.model import ModelSteps
 from framework.callbacks.nonfinite import NonFiniteCheck
 from framework.callbacks.profiler import Profiler
 from framework.callbacks.progress import ProgressBar
+from framework.config.callback_checks import OWN_NAMES
 from framework.dist import DistInfo
 from framework.hooks import Callbacks
 from framework.tracking import build_tracker
@@ -39,7 +40,7 @@ def own_callbacks(cfg: DictConfig, is_main: bool) -> list[tuple[str, Any]]:
     return named
 
 
-OWN = ("model", "mixture", "nonfinite", "eval", "profiler", "progress", "loggers")
+OWN = OWN_NAMES  # a user's entry takes another name (framework.config.callback_checks)
 
 
 def user_callbacks(cfg: DictConfig) -> list[tuple[str, Any]]:
@@ -49,7 +50,12 @@ def user_callbacks(cfg: DictConfig) -> list[tuple[str, Any]]:
 
 
 def build_callbacks(cfg: DictConfig, info: DistInfo, run_dir: str, choices: dict[str, str]) -> Callbacks:
-    """Every callback of this rank's run, and the figures they declare up front."""
+    """Every callback of this rank's run, and the figures they declare up front. The trackers
+    start last, and are finished (as failed) should the rest fail to build."""
+    named = [*own_callbacks(cfg, info.is_main), *user_callbacks(cfg)]
     tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), run_dir, choices, info.is_main)
-    named = [*own_callbacks(cfg, info.is_main), *user_callbacks(cfg), ("loggers", Loggers(tracker))]
-    return Callbacks(named, info.world_size)
+    try:
+        return Callbacks([*named, ("loggers", Loggers(tracker))], info.world_size, own=OWN)
+    except BaseException:
+        tracker.finish(ok=False)
+        raise

@@ -25,8 +25,10 @@ class MixtureSources:
         self.run, dataset = run, run.parts.data.dataset
         self.labels, self.weights = list(dataset.labels), list(dataset.weights)
         self.totals = [0.0] * 2 * len(self.labels)
-        run.figures.declare({"name": COUNTS, "width": 2 * len(self.labels), "log": False, "summary": ()}, "mixture")
-        run.figures.declare({"name": "sources", "reduce": None, "summary": ()}, "mixture")
+        run.figures.declare(
+            {"name": COUNTS, "width": 2 * len(self.labels), "log": False, "summary": ()}, "mixture", own=True
+        )
+        run.figures.declare({"name": "sources", "reduce": None, "summary": ()}, "mixture", own=True)
 
     def on_step_end(self, step: int) -> dict[str, torch.Tensor]:
         """Samples of each source, then tokens of each, in this rank's batches of the step (one

@@ -40,9 +40,9 @@ class ModelSteps:
         for kind, shape in sorted(self.shapes.items()):
             for counter, width in shape["widths"].items():
                 run.figures.declare({"name": f"{kind}/{counter}", "width": shape["rows"] * width, "log": False,
-                                     "summary": ()}, "model")  # fmt: skip
+                                     "summary": ()}, "model", own=True)  # fmt: skip
         for spec in {f["name"]: f for m in found.values() for f in getattr(m[0][1], "figures", ())}.values():
-            run.figures.declare(spec, "model")
+            run.figures.declare(spec, "model", own=True)
         mesh = parts.par.mesh
         self.counted = float(mesh is None or mesh.tp_rank == 0)
 

@@ -4,10 +4,10 @@ figures (framework/figures.py) once, with a known reduce."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Mapping
 
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config.errors import ConfigError
@@ -43,19 +43,31 @@ def check_callbacks(cfg: DictConfig) -> None:
 
 
 def _class(target: str, key: str) -> type:
+    """The class `target` names ("pkg.module.Class"), imported as Python would: its module, then
+    the name in it (each failure said as what is missing)."""
+    module_name, _, name = target.rpartition(".")
     try:
-        cls = get_class(target)
-    except Exception as err:  # noqa: BLE001 - any import failure is the same bad input
-        cause = err.__cause__ or err
-        raise ConfigError(key, f"{target!r} does not import: {type(cause).__name__}: "
-                          f"{(str(cause).splitlines() or [''])[0]}") from None  # fmt: skip
+        module = importlib.import_module(module_name) if module_name else None
+    except Exception as err:  # noqa: BLE001 - any failure to import is the same bad input
+        raise ConfigError(key, f"{target!r} does not import: module {module_name!r}: {type(err).__name__}: "
+                          f"{(str(err).splitlines() or [''])[0]}") from None  # fmt: skip
+    cls = getattr(module, name, None) if module is not None else None
+    if not isinstance(cls, type):
+        where = f"module {module_name!r} has no class {name!r}" if module is not None else "not a dotted path"
+        raise ConfigError(key, f"{target!r} does not import: {where} (a callback is pkg.module.Class)")
     return cls
 
 
 def _check_arguments(cls: type, entry: Mapping, key: str) -> None:
-    """The entry's other keys are the class's constructor arguments."""
+    """The entry's other keys are the class's constructor arguments: each one it takes, each one it
+    needs given."""
     kwargs = {k: v for k, v in OmegaConf.to_container(OmegaConf.create(dict(entry))).items() if not k.startswith("_")}
-    try:
-        inspect.signature(cls).bind(**kwargs)
-    except TypeError as err:
-        raise ConfigError(key, f"{cls.__name__}{inspect.signature(cls)}: {err}") from None
+    params = inspect.signature(cls).parameters
+    takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        for arg in kwargs:
+            if arg not in takes:
+                raise ConfigError(f"{key}.{arg}", f"{cls.__name__} takes {', '.join(takes) or 'no arguments'}")
+    for arg in takes:
+        if params[arg].default is inspect.Parameter.empty and arg not in kwargs:
+            raise ConfigError(f"{key}.{arg}", f"not set; {cls.__name__} needs it: +{key}.{arg}=...")

@@ -109,7 +109,7 @@ def record_steps(stats: RunStats, entries: list[Entry], counts_data: bool, forwa
             stats.startup_s = time.time() - (stats.started if stats.started is not None else time.time())
         stats.throughput.add(figures.seconds, figures.samples, figures.tokens, figures.sampled)
         stats.losses.append(figures.loss)
-        stats.figures.append(figures.extra)
+        stats.figures.append({**figures.extra, "step": entry.step + 1})  # `step`: no figure's name (reserved)
         stats.skipped_steps += not figures.applied
         if counts_data:
             stats.work.append(entry.work)

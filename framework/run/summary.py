@@ -44,6 +44,13 @@ class RunStats:
     plan_auto: dict[str, Any] | None = None  # parallel=auto: the planner's record of its choice, for plan.auto
     figures: list[dict[str, Any]] = field(default_factory=list)  # the registry's figures of each step
 
+    def rewind(self, step: int, kept_losses: list[float], skipped_steps: int) -> None:
+        """Back to after step `step` (a callback's rollback): the losses metrics.jsonl keeps, the
+        figures of the steps up to it, the updates skipped by then."""
+        self.losses = list(kept_losses)
+        self.figures = [f for f in self.figures if f["step"] <= step]
+        self.skipped_steps = skipped_steps
+
 
 class Given(NamedTuple):
     """What a rank is told for its summary beside its config (launch's Job): when the job started
@@ -235,6 +242,9 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str) -> None:
         f"run dir: {run_dir}",
         flush=True,
     )
+    if summary.get("stopped"):  # a callback ended the run before steps= (summary.json `stopped`)
+        print(f"stopped after step {summary['stopped']['after_step']} of {summary['steps']}: "
+              f"{summary['stopped']['by']}", flush=True)  # fmt: skip
     budget = (summary.get("plan") or {}).get("budget")
     if budget and budget["over"]:
         peak, limit = budget["peak_bytes"], budget["budget_bytes"]

@@ -93,6 +93,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
     reset_peaks(info.device)  # this run's own peaks (RSS, CUDA allocator), should the process have trained before
     baseline = current_rss_bytes()  # imports and the process group, before the model and W&B
     # The callbacks first: the loggers' W&B service starts in the background while the model is built
+    # (build_callbacks finishes it itself should a callback fail to build)
     callbacks = build_callbacks(cfg, info, files.run_dir, choices)
     try:
         parts = build(cfg, info)
@@ -128,6 +129,8 @@ class Trainer:
     saver: Checkpointer = field(init=False)
     control: Control = field(init=False, default_factory=Control)
     figures: Any = field(init=False)  # the run's figure registry (framework/figures.py)
+    prior: int = field(init=False, default=0)  # metrics.jsonl lines of earlier attempts (a resumed run's)
+    stopped: dict | None = field(init=False, default=None)  # a callback ended the run early: after which step, why
 
     def __post_init__(self):
         cfg, info, root = self.cfg, self.info, checkpoint_root(self.cfg, self.files.run_dir)
@@ -137,7 +140,7 @@ class Trainer:
             checkpoint.write_config(root, OmegaConf.to_container(cfg, resolve=True))
         self.figures = self.callbacks.figures
         for figure in LOOP_FIGURES:
-            self.figures.declare(figure, "loop")
+            self.figures.declare(figure, "loop", own=True)
         run = Run(cfg, info, self.parts, self.figures, self.control, self.files.run_dir, root,
                   log=self.log_record, save=self.save_to, call=self.callbacks.call)  # fmt: skip
         self.callbacks.call("on_build", run)
@@ -146,6 +149,7 @@ class Trainer:
         """Where this run goes on from (framework.run.build.resume), its callbacks' state with it."""
         self.resumed = resume(self.cfg, self.info, self.parts, self.files.run_dir)
         self.files.truncate_metrics(self.resumed.step)  # a restarted run rewrites the steps after its checkpoint
+        self.prior = len(self.files.prior_losses)  # the lines of earlier attempts it keeps
         self.callbacks.load_state_dict(self.resumed.callbacks)
         return self.resumed
 
@@ -161,9 +165,10 @@ class Trainer:
                 stop = self.run_step(step, batches, ledger)
                 step += 1
                 if self.control.rollback_to is not None:
-                    step, batches = self.rollback(*self.control.rollback_to)
+                    step, batches = self.rollback(*self.control.rollback_to, ledger)
                 self.control.clear()
                 if stop:
+                    self.stopped = {"after_step": step, "by": self.control.stop_reason or "a callback on another rank"}
                     break  # every rank decides alike, after the same step
             if self.saver.pending is not None:  # the last async save: training has ended, but the run waits for it
                 t0 = time.perf_counter()
@@ -173,10 +178,10 @@ class Trainer:
                                "failed_saves": self.saver.failed}  # fmt: skip
         if cfg.checkpoint.export:
             export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
-        summary = Summary("ok", choices, figures=summarize(cfg, info, parts, stats, self.measure, self.figures))
+        figures = summarize(cfg, info, parts, stats, self.measure, self.figures) | {"stopped": self.stopped}
+        summary = Summary("ok", choices, figures=figures)
         if info.is_main:  # the closing lines (the callbacks' own after them: W&B's folder)
-            report(summary.figures, Segment.of(self.resumed.step, stats.losses[len(self.files.prior_losses) :]),
-                   self.files.run_dir)  # fmt: skip
+            report(summary.figures, Segment.of(self.resumed.step, stats.losses[self.prior :]), self.files.run_dir)
         record = summary.to_dict()
         self.callbacks.call("on_end", record)  # their own blocks join it
         self.files.write_summary(Summary.from_dict(record))  # rank 0 only
@@ -228,9 +233,10 @@ class Trainer:
         parts.scheduler.step()
         if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
             release_cached_memory(info.device)
+        theirs = hooks.gather("on_step_end", step)  # their requests so far ride the all-reduce with them
         own = {SIGNAL: float(self.guard.requested), STOP: float(self.control.stop_reason is not None),
                SAVE: float(self.control.save_requested)}  # fmt: skip
-        extra = self.figures.pack(own | hooks.gather("on_step_end", step), info.rank, info.device)
+        extra = self.figures.pack(theirs | own, info.rank, info.device)
         values, totals = reduce_step_figures(info, parts, work.batches, step_loss, update, extra)
         hooks.call("on_step_reduced", step, self.figures.totals(totals))
         return values
@@ -279,18 +285,20 @@ class Trainer:
             self.files.log_step({"step": step, **record})
         self.callbacks.call("on_log", step, record)
 
-    def rollback(self, path: str | None, skip_samples: int) -> tuple[int, Any]:
+    def rollback(self, path: str | None, skip_samples: int, ledger: Ledger) -> tuple[int, Any]:
         """Go back to checkpoint `path` (None: the newest complete one) and on from there, the data
-        `skip_samples` samples past where it left off; metrics.jsonl drops the steps after it."""
+        `skip_samples` samples past where it left off. The steps after it are abandoned: their
+        figures waiting in the ledger are dropped, metrics.jsonl and the run's losses and figures
+        lose them (the time they took stays in throughput: it was spent)."""
         self.saver.wait()
         path = path or checkpoint.latest(self.saver.root)
         if path is None:
             raise CheckpointError("a callback asked to roll back, but the run has no complete checkpoint")
         back = resume_from(path, self.parts, self.info)
         self.callbacks.load_state_dict(back.callbacks)
+        ledger.entries.clear()
         self.files.truncate_metrics(back.step)
-        del self.stats.losses[back.step :]
-        self.stats.skipped_steps = back.skipped_steps
+        self.stats.rewind(back.step, self.files.prior_losses, back.skipped_steps)
         epoch, samples = back.data_position
         if self.info.is_main:
             print(f"rolled back to step {back.step} ({path}), skipping {skip_samples} samples", flush=True)
