@@ -61,3 +61,18 @@ class Requests:
     def on_end(self, summary) -> None:
         with open(self.path, "w") as f:
             json.dump(self.seen, f)
+
+
+class StopOnOneRank:
+    """Rank `rank` alone asks to stop in on_step_end of step `at` (0-based): the request rides the
+    step's all-reduce, so every rank stops at the step's settle."""
+
+    def __init__(self, at: int, rank: int = 1) -> None:
+        self.at, self.rank = at, rank
+
+    def on_build(self, run) -> None:
+        self.control, self.mine = run.control, run.rank == self.rank
+
+    def on_step_end(self, step: int) -> None:
+        if self.mine and step == self.at:
+            self.control.stop(f"rank {self.rank} at step {step + 1}")

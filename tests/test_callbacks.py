@@ -180,3 +180,16 @@ def test_a_callback_saves_skips_an_update_and_rolls_back(tmp_path):
     seen = [tuple(s) for s in json.loads((run / "losses-rank0.json").read_text())]
     assert [s for s, _ in seen] == [1, 2, 3, 4, 2, 3, 4, 5]
     assert seen[1:4] == seen[4:7], seen  # the replay: the same losses, bit for bit
+
+
+def test_a_stop_asked_on_one_rank_before_the_all_reduce_stops_every_rank_at_the_settle(tmp_path):
+    """Rank 1 alone asks to stop in on_step_end of step 2, a step that does not settle
+    (metrics.log_every=4): the request rides that step's all-reduce, and every rank stops after
+    step 4, the next settle (no rank goes on to wait for the others)."""
+    run = tmp_path / "run"
+    args = [*SMOKE, *LAYOUTS["ddp"], "steps=8", "metrics.log_every=4", "metrics.sample_every=0",
+            "+callbacks.ask._target_=tests.probes.StopOnOneRank", "+callbacks.ask.at=1"]  # fmt: skip
+    proc = train_cli(args, run, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run)] == [4] and "stopped after step 4 of 8" in proc.stdout
+    assert read_summary(run)["stopped"]["after_step"] == 4
