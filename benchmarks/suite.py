@@ -30,6 +30,12 @@ SHARED_MATRIX = (
     "size, tests/matrix_run.py), the shared run every other cell's test reads"
 )
 LONG: dict[str, str] = {
+    "tests/test_moe.py::test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp": "one process's "
+    "reference and the four layouts the default balance must equal it in (ddp, fsdp, ep, pp), with the dense "
+    "model's ddp and fsdp runs the collectives are counted against: seven launches of a 2-block MoE Llama, the "
+    "smallest that routes",
+    "tests/test_callbacks.py::test_a_users_callback_sees_every_step": "docs/callbacks.md's StopAt from a package "
+    "outside the repository: a run and its resume from the run's checkpoint, under each layout the issue names",
     "tests/test_matrix.py::test_covering_subset": SHARED_MATRIX,
     "tests/test_matrix_wide.py::test_covering_subset": SHARED_MATRIX,
     "tests/test_data_scale.py::test_the_curriculum_takes_effect_at_its_steps": "the first test of the file's "
