@@ -73,8 +73,7 @@ class Figure:
             figure = cls(**{k: tuple(v) if k == "summary" else v for k, v in dict(spec).items()})
         except TypeError as err:
             raise FigureError(f"figure {dict(spec).get('name')!r}: {err}") from None
-        figure.check()
-        return figure
+        return figure  # checked where it is declared (Registry.declare)
 
 
 @dataclass
@@ -84,6 +83,7 @@ class Registry:
     world: int = 1
     figures: dict[str, Figure] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)
+    _reduced: list[Figure] = field(default_factory=list, repr=False)
 
     def declare(self, spec: Figure | Mapping[str, Any], owner: str, own: bool = False) -> Figure:
         """Register a figure of `owner` (`own`: the framework's, which may take the reserved names)."""
@@ -101,11 +101,14 @@ class Registry:
             )
         self.figures[figure.name] = figure
         self.owners[figure.name] = owner
+        if figure.reduce is not None:
+            self._reduced.append(figure)
         return figure
 
     @property
     def reduced(self) -> list[Figure]:
-        return [f for f in self.figures.values() if f.reduce is not None]
+        """The figures the all-reduce carries, in declaration order (kept: read on every step)."""
+        return self._reduced
 
     def slots(self, figure: Figure) -> int:
         return figure.width * (self.world if figure.reduce in ("max", "min") else 1)

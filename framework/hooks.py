@@ -148,9 +148,6 @@ class Callbacks:
                 self.figures.declare(spec, name, own=name in own)
         self.hooks = {h: [(n, getattr(cb, h)) for n, cb in named if h in defined_hooks(type(cb))] for h in HOOKS}
 
-    def __getitem__(self, name: str) -> Any:
-        return dict(self.named)[name]
-
     def call(self, hook: str, *args: Any) -> None:
         for _, method in self.hooks[hook]:
             method(*args)

@@ -40,9 +40,6 @@ def own_callbacks(cfg: DictConfig, is_main: bool) -> list[tuple[str, Any]]:
     return named
 
 
-OWN = OWN_NAMES  # a user's entry takes another name (framework.config.callback_checks)
-
-
 def user_callbacks(cfg: DictConfig) -> list[tuple[str, Any]]:
     """The `callbacks` entries, instantiated (framework.config.callback_checks checked them)."""
     entries = cfg.get("callbacks") or {}
@@ -55,7 +52,7 @@ def build_callbacks(cfg: DictConfig, info: DistInfo, run_dir: str, choices: dict
     named = [*own_callbacks(cfg, info.is_main), *user_callbacks(cfg)]
     tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg), run_dir, choices, info.is_main)
     try:
-        return Callbacks([*named, ("loggers", Loggers(tracker))], info.world_size, own=OWN)
+        return Callbacks([*named, ("loggers", Loggers(tracker))], info.world_size, own=OWN_NAMES)
     except BaseException:
         tracker.finish(ok=False)
         raise
