@@ -224,3 +224,60 @@ def count_syncs(monkeypatch, overrides: list[str], out) -> int:
     finally:
         monkeypatch.undo()
     return calls[0]
+
+
+def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range (32768-60999 on Linux). A port picked by
+    binding 0 is an ephemeral one, which the kernel may hand to another process's gloo listener or
+    outgoing connection before our rank 0 binds it; parallel test workers make that likely."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
+def slurm_tasks(args: list[str], cwd: Path, job: str, ntasks: int = 2) -> list[subprocess.Popen]:
+    """`srun --ntasks=N python train.py ARGS` as SLURM starts it: one process per task with the
+    SLURM variables and no RANK. Output goes to files in `cwd` (a pipe nobody reads while another
+    task is waited on fills, and blocks that task in a collective): read it with `task_outputs`."""
+    slurm = {"SLURM_NTASKS": str(ntasks), "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "localhost",
+             "SLURM_TASKS_PER_NODE": str(ntasks), "WANDB_MODE": "offline"}  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    procs = []
+    for r in range(ntasks):
+        out = open(cwd / f"task{r}.log", "w")
+        env = {**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                                      stdout=out, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        out.close()
+    return procs
+
+
+def wait_tasks(procs: list[subprocess.Popen], cwd: Path, timeout: float) -> list[int]:
+    """Every task's exit code; on a timeout, every task is killed and the test fails with each
+    task's last output (the one that hung and the one it waited for)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(
+                f"tasks still running after {timeout:.0f} s:\n{task_outputs(cwd, len(procs))}"
+            ) from None
+    return [p.returncode for p in procs]
+
+
+def task_outputs(cwd: Path, ntasks: int) -> str:
+    return "\n".join(f"--- task {r}:\n{(cwd / f'task{r}.log').read_text()[-3000:]}" for r in range(ntasks))

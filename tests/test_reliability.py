@@ -132,21 +132,13 @@ def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
     (same job id, same run directory) resumes with `checkpoint.resume=auto` and continues as an
     uninterrupted run does."""
     import signal
-    import subprocess
-    import sys
 
-    from tests.helpers import ROOT
-    from tests.test_sweeps import _free_port
+    from tests.helpers import free_port, slurm_tasks, task_outputs, wait_tasks
 
-    def tasks(steps: int) -> list[subprocess.Popen]:
-        args = [str(ROOT / "train.py"), *SMOKE, f"steps={steps}", "optim.schedule=constant", "optim.warmup_steps=2",
-                f"launch.master_port={_free_port()}", "checkpoint.resume=auto"]  # fmt: skip
-        slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "localhost",
-                 "SLURM_TASKS_PER_NODE": "2"}  # fmt: skip
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-        return [subprocess.Popen([sys.executable, *args], cwd=tmp_path, env={**base, **slurm, "SLURM_PROCID": str(r),
-                                 "SLURM_LOCALID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for r in range(2)]  # fmt: skip
+    def tasks(steps: int):
+        args = [*SMOKE, f"steps={steps}", "optim.schedule=constant", "optim.warmup_steps=2",
+                f"launch.master_port={free_port()}", "checkpoint.resume=auto"]  # fmt: skip
+        return slurm_tasks(args, tmp_path, job="77")
 
     run = tmp_path / "outputs" / "jobs" / "slurm-77-0"
     procs = tasks(5000)
@@ -156,15 +148,14 @@ def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
         time.sleep(0.05)
     for p in procs:
         p.send_signal(signal.SIGTERM)
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [143, 143], [o[1][-2000:] for o in outs]
-    assert sum(line.startswith("preempted") for o in outs for line in o[1].splitlines()) == 1  # rank 0's line
+    assert wait_tasks(procs, tmp_path, timeout=120) == [143, 143], task_outputs(tmp_path, 2)
+    lines = [line for r in range(2) for line in (tmp_path / f"task{r}.log").read_text().splitlines()]
+    assert sum(line.startswith("preempted") for line in lines) == 1  # rank 0's line
     stopped = read_summary(run)["step"]
     assert_no_process_left(marked)
 
     procs = tasks(stopped + 4)  # the requeued job
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert wait_tasks(procs, tmp_path, timeout=300) == [0, 0], task_outputs(tmp_path, 2)
     local = tmp_path / "local"
     proc = train_cli([*SMOKE, f"steps={stopped + 4}", "optim.schedule=constant", "optim.warmup_steps=2"], local)
     assert proc.returncode == 0

@@ -100,22 +100,20 @@ def test_two_torchrun_agents_form_one_run_as_two_nodes(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers import ROOT, losses, read_summary, train_cli
-    from tests.test_sweeps import _free_port
+    from tests.helpers import ROOT, free_port, losses, read_summary, task_outputs, train_cli, wait_tasks
 
     args = ["experiment=smoke", "logger=none", "steps=4", "device=cpu"]
-    port = _free_port()
+    port = free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
              "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=twonodes"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "SLURM_"))}
     env["WANDB_MODE"] = "offline"
     nodes = [
         subprocess.Popen([*agent, f"--node_rank={n}", str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=open(tmp_path / f"task{n}.log", "w"), stderr=subprocess.STDOUT, text=True)
         for n in range(2)
     ]  # fmt: skip
-    outs = [p.communicate(timeout=300) for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    assert wait_tasks(nodes, tmp_path, timeout=300) == [0, 0], task_outputs(tmp_path, 2)
     runs = list((tmp_path / "outputs" / "jobs").iterdir())
     assert [r.name for r in runs] == ["torchrun-twonodes"]
     assert read_summary(runs[0])["world_size"] == 2

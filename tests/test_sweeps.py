@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +14,19 @@ import pytest
 from framework.dist import first_host
 from framework.launch import objective
 from framework.report import fastest, find_runs, markdown, write_report
-from tests.helpers import CONF, ROOT, is_png_with_content, losses, read_summary, train_cli, wandb_runs
+from tests.helpers import (
+    CONF,
+    ROOT,
+    free_port,
+    is_png_with_content,
+    losses,
+    read_summary,
+    slurm_tasks,
+    task_outputs,
+    train_cli,
+    wait_tasks,
+    wandb_runs,
+)
 
 SMOKE = ["experiment=smoke", "steps=3", "device=cpu"]  # device=cpu: CPU runs, on a GPU machine too
 
@@ -326,26 +336,12 @@ def test_first_host_of_a_slurm_node_list():
     assert first_host("a-b[1,3]") == "a-b1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_started_as_slurm_tasks_form_one_run(tmp_path):
     """As `srun --ntasks=2 python train.py` starts them: SLURM variables, no RANK. They form one
     2-rank run in one directory named after the job, with the losses of `python train.py`."""
-    args = [str(ROOT / "train.py"), *SMOKE, "logger=none", f"launch.master_port={_free_port()}"]
-    slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "localhost",
-             "SLURM_TASKS_PER_NODE": "2", "WANDB_MODE": "offline"}  # fmt: skip
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    procs = [
-        subprocess.Popen([sys.executable, *args], cwd=tmp_path, env={**base, **slurm, "SLURM_PROCID": str(r),
-                         "SLURM_LOCALID": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]  # fmt: skip
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    args = [*SMOKE, "logger=none", f"launch.master_port={free_port()}", "backend.timeout_s=120"]
+    procs = slurm_tasks(args, tmp_path, job="4242")
+    assert wait_tasks(procs, tmp_path, timeout=300) == [0, 0], task_outputs(tmp_path, 2)
     runs = list((tmp_path / "outputs" / "jobs").iterdir())
     assert [r.name for r in runs] == ["slurm-4242-0"]  # one run directory, named from the job
     assert read_summary(runs[0])["world_size"] == 2
