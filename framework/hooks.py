@@ -15,7 +15,9 @@ figures, which every rank holds alike, and every rank decides the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ HOOKS = (
     "on_step_start",  # (step) before the step's batches are read
     "on_before_backward",  # (step, micro) each micro-batch's backward (a pipeline: once, before its schedule)
     "on_before_optimizer_step",  # (step) gradients reduced and unscaled, before clipping and the update
+    "on_before_update",  # (step, figures) clipped: the step's global loss and gradient norm on the device
     "on_step_end",  # (step) -> {figure: value} after the update, on the device: the values ride the all-reduce
     "on_step_reduced",  # (step, totals) the step's reduced figures, still on the device (post-step updates)
     "on_settled",  # (step, figures) after the ledger's host sync, each settled step: -> {derived figure: value}
@@ -49,6 +52,7 @@ class Callback:
     def on_step_start(self, step: int) -> None: ...
     def on_before_backward(self, step: int, micro: int) -> None: ...
     def on_before_optimizer_step(self, step: int) -> None: ...
+    def on_before_update(self, step: int, figures: Mapping[str, Any]) -> None: ...
     def on_step_end(self, step: int) -> Mapping[str, Any] | None: ...
     def on_step_reduced(self, step: int, totals: Mapping[str, Any]) -> None: ...
     def on_settled(self, step: int, figures: Mapping[str, Any]) -> Mapping[str, Any] | None: ...
@@ -73,6 +77,7 @@ class Control:
     stop_reason: str | None = None
     save_requested: bool = False
     skip_requested: bool = False
+    skip_when: Any = None  # a device bool: skip this step's update where it holds (no host sync)
     log_requested: bool = False
     sync_requested: bool = False
     rollback_to: tuple[str | None, int] | None = None
@@ -85,9 +90,14 @@ class Control:
         """Save a checkpoint after this step."""
         self.save_requested = True
 
-    def skip_update(self) -> None:
-        """In on_before_optimizer_step: this step's update is not applied (counted as skipped)."""
-        self.skip_requested = True
+    def skip_update(self, when: Any = None) -> None:
+        """In on_before_optimizer_step or on_before_update: this step's update is not applied
+        (counted as skipped). `when`: a bool tensor on the device, decided there: the update is
+        skipped where it holds, and the host never reads it (no sync). Give every rank the same."""
+        if when is None:
+            self.skip_requested = True
+        else:
+            self.skip_when = when if self.skip_when is None else self.skip_when | when
 
     def rollback(self, path: str | None = None, skip_samples: int = 0) -> None:
         """After this step, go back to checkpoint `path` (None: the newest complete one) and move
@@ -106,8 +116,28 @@ class Control:
         self.sync_requested = True
 
     def clear(self) -> None:
-        self.stop_reason, self.save_requested, self.skip_requested = None, False, False
+        self.stop_reason, self.save_requested, self.skip_requested, self.skip_when = None, False, False, None
         self.log_requested, self.sync_requested, self.rollback_to = False, False, None
+
+
+class Timings:
+    """Seconds the run has spent so far, by what it was doing: the loop's own (`data`: waiting for
+    batches, `checkpoint_save`, `checkpoint_load`, `rollback`) and a callback's (`evaluation`).
+    Read as deltas between hooks (framework/callbacks/health/goodput.py)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, what: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(what, time.perf_counter() - t0)
+
+    def add(self, what: str, seconds: float) -> None:
+        self.seconds[what] = self.seconds.get(what, 0.0) + seconds
 
 
 @dataclass
@@ -122,6 +152,8 @@ class Run:
     control: Control
     run_dir: str
     checkpoint_root: str
+    started: float | None = None  # when the job started (time.time(); restarts keep the first's), None: unknown
+    timings: Timings = field(default_factory=Timings)
     log: Callable[[dict[str, Any], int, bool], None] = field(repr=False, default=lambda record, step, to_file: None)
     save: Callable[[Any, int], str | None] = field(repr=False, default=lambda checkpointer, done: None)
     call: Callable[..., None] = field(repr=False, default=lambda hook, *args: None)  # every callback's `hook`

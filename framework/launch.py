@@ -30,7 +30,7 @@ from framework.checkpoint.runlock import FolderInUse, RunLock
 from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
 from framework.config.run_folder import discard_refused
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
-from framework.machine import launch_local
+from framework.machine import launch_local, process_start_time
 from framework.parallel.dims import Strategy
 from framework.plan.baseline import ensure_measured
 from framework.run.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
@@ -59,18 +59,6 @@ def export_backend_env(env: dict[str, str]) -> None:
 
 class RunFailed(RuntimeError):
     """A worker failed; its error has been printed and the summary says "failed"."""
-
-
-def process_start_time() -> float:
-    """When this process started (Linux: /proc), else now."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after the name
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
-        return time.time()
 
 
 _jobs_started = 0

@@ -11,9 +11,22 @@ import os
 import platform
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+
+def process_start_time() -> float:
+    """When this process started (Linux: /proc), else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after the name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
 
 
 def cpu_name() -> str:

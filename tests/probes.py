@@ -76,3 +76,18 @@ class StopOnOneRank:
     def on_step_end(self, step: int) -> None:
         if self.mine and step == self.at:
             self.control.stop(f"rank {self.rank} at step {step + 1}")
+
+
+class SkipAt:
+    """Skips step `step`'s update (0-based) as the host decides it: the reference a device-side
+    skip is compared with."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_build(self, run) -> None:
+        self.control = run.control
+
+    def on_before_optimizer_step(self, step: int) -> None:
+        if step == self.step:
+            self.control.skip_update()

@@ -1,7 +1,8 @@
 """The run's callbacks, built in one place: the framework's own, chosen by the config they have
-always had (eval.*, nonfinite, progress, profile, logger, data.sources), then the user's
-`callbacks` entries (`+callbacks.mine._target_=pkg.Mine`, with their arguments beside it), each
-instantiated once, in the order given. The loggers come last, so that the summary they upload
+always had (eval.*, nonfinite, progress, profile, logger, data.sources) and goodput, then the
+`callbacks` entries: the health callbacks conf/config.yaml lists (spike, straggler, checksum: off
+until set) and the user's (`+callbacks.mine._target_=pkg.Mine`, with their arguments beside it),
+each instantiated once, in the order given. The loggers come last, so that the summary they upload
 holds what every other callback added to it."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.callbacks.evaluation import Evaluation
+from framework.callbacks.health.goodput import Goodput
 from framework.callbacks.loggers import Loggers
 from framework.callbacks.mixture import MixtureSources
 from framework.callbacks.model import ModelSteps
@@ -33,6 +35,7 @@ def own_callbacks(cfg: DictConfig, is_main: bool) -> list[tuple[str, Any]]:
     if cfg.nonfinite == "stop":
         named.append(("nonfinite", NonFiniteCheck()))
     named.append(("eval", Evaluation()))
+    named.append(("goodput", Goodput()))
     if cfg.profile:
         named.append(("profiler", Profiler()))
     if cfg.progress and is_main:
@@ -41,9 +44,12 @@ def own_callbacks(cfg: DictConfig, is_main: bool) -> list[tuple[str, Any]]:
 
 
 def user_callbacks(cfg: DictConfig) -> list[tuple[str, Any]]:
-    """The `callbacks` entries, instantiated (framework.config.callback_checks checked them)."""
+    """The `callbacks` entries, instantiated (framework.config.callback_checks checked them). One
+    whose instance says `active = False` (the health callbacks switched off, as conf/config.yaml
+    has them) is left out: a callback that is off costs no call."""
     entries = cfg.get("callbacks") or {}
-    return [(name, instantiate(entry)) for name, entry in entries.items() if entry is not None]
+    built = [(name, instantiate(entry)) for name, entry in entries.items() if entry is not None]
+    return [(name, callback) for name, callback in built if getattr(callback, "active", True)]
 
 
 def build_callbacks(cfg: DictConfig, info: DistInfo, run_dir: str, choices: dict[str, str]) -> Callbacks:

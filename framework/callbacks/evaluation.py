@@ -211,7 +211,8 @@ class Evaluation:
 
     def evaluate(self, done: int) -> dict[str, float]:
         """Evaluate after `done` optimizer steps; returns the metrics.jsonl fields."""
-        result = evaluate(self.run.parts, self.val, self.run.info, self.run.cfg.eval.steps)
+        with self.run.timings.timed("evaluation"):  # the run's account of its time (goodput)
+            result = evaluate(self.run.parts, self.val, self.run.info, self.run.cfg.eval.steps)
         self.seconds += result["seconds"]
         figures = {k: v for k, v in result.items() if k in ("loss", "perplexity", "accuracy")}
         self.history.append({"step": done, **figures, "terms": result["terms"]})

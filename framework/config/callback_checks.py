@@ -15,7 +15,7 @@ from framework.figures import FigureError, Registry
 from framework.hooks import HOOKS, declared_figures, defined_hooks
 
 # the framework's own callbacks' names (framework/callbacks/build.py): a user's entry takes another
-OWN_NAMES = ("model", "mixture", "nonfinite", "eval", "profiler", "progress", "loggers")
+OWN_NAMES = ("model", "mixture", "nonfinite", "eval", "goodput", "profiler", "progress", "loggers")
 
 
 def check_callbacks(cfg: DictConfig) -> None:
@@ -35,6 +35,8 @@ def check_callbacks(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}._target_", f"{entry['_target_']} defines no hook; a callback defines at least "
                               f"one of {', '.join(HOOKS)} (docs/callbacks.md)")  # fmt: skip
         _check_arguments(cls, entry, key)
+        if hasattr(cls, "check_config"):  # the callback's own check of its arguments against the run's config
+            cls.check_config(cfg, key, OmegaConf.to_container(OmegaConf.create(dict(entry)), resolve=True))
         for spec in declared_figures(cls):
             try:
                 figures.declare(spec, key)

@@ -12,8 +12,9 @@
   exits too, instead of waiting for its launcher to kill it.
 - **Fault injection for tests.** `HYDRADIST_FAULT="RANK:STEP[:KIND]"`, on the first attempt only:
   kind `exit` (default; dies abruptly), `hang` (stops participating), `nan` (its loss becomes
-  NaN), `sigterm`/`sigint` (sends the signal to the process that launched it, as a scheduler or
-  Ctrl-C would; with no launcher, to itself).
+  NaN), `spike` (its loss 100x), `slow` (50 ms more each step from STEP on), `bitflip` (one bit
+  of one of its parameters), `sigterm`/`sigint` (sends the signal to the process that launched
+  it, as a scheduler or Ctrl-C would; with no launcher, to itself).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -281,16 +283,23 @@ def read_dumps(folder: str) -> str | None:
 # ----------------------------------------------------------------------------- fault injection
 
 
-def inject_fault(step: int, info: DistInfo) -> bool:
-    """Apply HYDRADIST_FAULT (see the module doc) before `step`; True when this rank's loss of
-    this step is to be poisoned with NaN."""
+def inject_fault(step: int, info: DistInfo, module: Any = None, fired: set[str] | None = None) -> str | None:
+    """Apply HYDRADIST_FAULT (see the module doc) before `step`. Returns the fault the step itself
+    carries on this rank (`faulty`): nan or spike (that step's loss), slow (every step from STEP
+    on); a bitflip flips one bit of this rank's first parameter here. A fault is transient: it
+    fires once in the run (`fired`), so a rolled-back run that comes to STEP again runs it clean."""
+    fired = set() if fired is None else fired
     fault = os.environ.get("HYDRADIST_FAULT")
     if not fault or restart_count() > 0:
-        return False
+        return None
     rank, at, *kind = fault.split(":")
-    if info.rank != int(rank) or step != int(at):
-        return False
     kind = kind[0] if kind else "exit"
+    if kind not in FAULTS:
+        raise ValueError(f"HYDRADIST_FAULT: unknown kind {kind!r} ({' | '.join(FAULTS)})")
+    if info.rank != int(rank) or step < int(at) or (step != int(at) and kind != "slow") or fault in fired:
+        return None
+    if kind != "slow":
+        fired.add(fault)
     if kind == "exit":
         os._exit(17)
     if kind == "hang":
@@ -299,7 +308,32 @@ def inject_fault(step: int, info: DistInfo) -> bool:
     if kind in ("sigterm", "sigint"):  # as a scheduler (or Ctrl-C) does: to the launching process, or this one
         sig = signal.SIGTERM if kind == "sigterm" else signal.SIGINT
         os.kill(launcher_pid() or os.getpid(), sig)
-        return False
-    if kind == "nan":
-        return True
-    raise ValueError(f"HYDRADIST_FAULT: unknown kind {kind!r} (exit | hang | nan | sigterm | sigint)")
+        return None
+    if kind == "bitflip":
+        flip_bit(next(module.parameters()))
+        return None
+    return kind  # nan | spike | slow
+
+
+def faulty(loss: torch.Tensor, fault: str) -> torch.Tensor:
+    """A fault in this rank's forward (its first micro-batch): a NaN loss, a loss spike (100x), or
+    a slow device (50 ms more, between the forward and the backward)."""
+    if fault == "slow":
+        time.sleep(0.05)
+        return loss
+    return loss * (float("nan") if fault == "nan" else 100.0)
+
+
+FAULTS = ("exit", "hang", "sigterm", "sigint", "nan", "spike", "slow", "bitflip")
+
+
+@torch.no_grad()
+def flip_bit(param: torch.Tensor) -> None:
+    """Flip one bit (the lowest of the exponent) of the first element of this rank's local part of
+    `param`: a silent corruption that changes the value by a factor of 2 (or 1/2)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    flat = local.data.view(-1)
+    bits = {torch.float32: (torch.int32, 23), torch.bfloat16: (torch.int16, 7), torch.float16: (torch.int16, 10)}
+    dtype, exponent = bits[flat.dtype]
+    word = flat[:1].view(dtype)
+    word.bitwise_xor_(1 << exponent)

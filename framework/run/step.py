@@ -17,9 +17,11 @@ from framework.dist import DistInfo, all_reduce_sum, host_values
 from framework.figures import Registry
 from framework.loss import cross_entropy, loss_elements
 from framework.measure.metrics import Flops
+from framework.optim import step_unless
 from framework.parallel import Parallelized
 from framework.precision import Precision, loss_scale
 from framework.run.measurements import Measurements
+from framework.run.resilience import faulty
 
 
 @dataclass
@@ -58,7 +60,7 @@ class StepInput:
 
     batches: list  # (epoch, batch) of each micro-batch
     sampled: bool = False  # measure memory and communication on this step
-    poison: bool = False  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan): a nan loss
+    fault: str | None = None  # fault injection: HYDRADIST_FAULT's kinds that act in the step (framework.run.resilience)
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,8 @@ def forward_backward(
         with par.grad_sync(micro == accum - 1), par.loss_context():
             with precision.autocast(), saved, measure.forward_timer:
                 loss = cross_entropy(logits_of(par.module(*inputs, **kwargs)), target, reduction="sum")
-                if work.poison:  # fault injection (HYDRADIST_FAULT=RANK:STEP:nan)
-                    loss = loss * float("nan")
+                if work.fault and micro == 0:  # fault injection (HYDRADIST_FAULT=RANK:STEP:KIND)
+                    loss = faulty(loss, work.fault)
             before_backward(micro)
             precision.scaler.scale(loss * scale).backward()
         # under loss parallel the loss is a replicated DTensor: take the plain value
@@ -174,29 +176,58 @@ def step_elements(cfg: DictConfig, info: DistInfo, parts: Parts, step_batches: l
     return all_reduce_sum(host_values([local], info.device), info)[0]
 
 
-def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool,
-                   skip: bool = False) -> tuple[torch.Tensor, bool | torch.Tensor]:  # fmt: skip
+def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool, skip: bool = False,
+                   gate: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> tuple[torch.Tensor, bool | torch.Tensor]:  # fmt: skip
     """Clip the true (unscaled) gradients by their global norm and step. Returns the norm and
     whether the update was applied: amp's scaler skips steps with inf/nan gradients (and lowers
     its scale); with `skip_nonfinite` so does every precision; `skip` (a callback asked every
-    rank alike) skips it outright. The norm is global, so every rank decides the same. Under amp,
-    "applied" is a device bool (the scale did not drop): `get_scale()` would be a host sync."""
+    rank alike) skips it outright; `gate(norm)` (callbacks' on_before_update) may return a device
+    bool: the update is skipped where it holds, decided on the device (framework.optim.step_unless).
+    The norm is global, so every rank decides the same. Under amp, "applied" is a device bool (the
+    scale did not drop): `get_scale()` would be a host sync."""
     scaler = parts.precision.scaler
     scaler.unscale_(parts.optimizer)
     norm = parts.par.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
+    when = gate(norm) if gate is not None and not skip else None
     if skip:
         if scaler.is_enabled():
             scaler.update()  # closes the step unscale_ opened (the scale moves as its inf check says)
         return norm, False
+    if skip_nonfinite and not scaler.is_enabled() and not torch.isfinite(norm):  # a sync, nonfinite=skip only
+        return norm, False
+    applied: bool | torch.Tensor = True
     if scaler.is_enabled():
         before = loss_scale(scaler, norm.device)
-        scaler.step(parts.optimizer)
-        scaler.update()
-        return norm, loss_scale(scaler, norm.device) >= before
-    if skip_nonfinite and not torch.isfinite(norm):  # a sync point, under nonfinite=skip only
-        return norm, False
-    parts.optimizer.step()
-    return norm, True
+        update = lambda: (scaler.step(parts.optimizer), scaler.update())  # noqa: E731
+    else:
+        update = parts.optimizer.step
+    if when is None:
+        update()
+    else:
+        step_unless(parts.optimizer, when, update, fused=not scaler.is_enabled())
+        applied = ~when
+    if scaler.is_enabled():
+        applied = applied & (loss_scale(scaler, norm.device) >= before)
+    return norm, applied
+
+
+def global_loss(info: DistInfo, parts: Parts, step_batches: list, step_loss: torch.Tensor) -> torch.Tensor:
+    """The step's global mean loss on the device, before the update (one small all-reduce; the
+    step's figures carry it again after the update): what on_before_update is shown."""
+    weight, terms = loss_weight(parts, step_batches)
+    totals = all_reduce_sum(torch.cat([(step_loss.detach().float() * weight).reshape(1),
+                                       host_values([terms], info.device)]), info)  # fmt: skip
+    return totals[0] / totals[1]
+
+
+def loss_weight(parts: Parts, step_batches: list) -> tuple[float, float]:
+    """(weight of this rank's loss, its loss terms) in the step's global mean: one rank per
+    data-parallel group (tp peers hold the same loss; cp ranks each a part of the batch they all
+    read, counted once); a pipeline's mean loss on the ranks that hold one (its last stage)."""
+    par = parts.par
+    if par.pipeline is not None:
+        return float(par.holds_loss), float(par.holds_loss)
+    return float(par.counts_loss), sum(loss_elements(b[1]) for _, b in step_batches) * float(par.counts_data)
 
 
 def reduce_step_figures(
@@ -219,12 +250,7 @@ def reduce_step_figures(
     counting = float(par.counts_data)  # tp, pp and cp peers read the same batch: count it once
     tokens = sum(data.tokens_in(b) or b[1].size(0) for _, b in step_batches) * counting
     samples = sum(b[1].size(0) for _, b in step_batches) * counting
-    if par.pipeline is None:
-        terms = sum(loss_elements(b[1]) for _, b in step_batches) * counting
-        # cp ranks each hold a part of the loss of the batch they all read (counted once)
-        weight, terms = float(par.counts_loss), terms
-    else:
-        weight = terms = float(par.holds_loss)
+    weight, terms = loss_weight(parts, step_batches)
     counts = host_values([terms, tokens, samples], info.device)
     totals = all_reduce_sum(torch.cat([(step_loss.float() * weight).reshape(1), counts, extra.to(counts)]), info)
     core, figures = totals[:4], totals[4:]

@@ -19,7 +19,7 @@ from framework.config import resolve_backend, resolve_device
 from framework.dist import DistInfo, destroy_distributed, init_distributed
 from framework.export import export_at_end
 from framework.figures import Figure
-from framework.hooks import Callbacks, Control, Run
+from framework.hooks import Callbacks, Control, Run, Timings
 from framework.measure.memory import (
     current_rss_bytes,
     host_allocator,
@@ -41,6 +41,7 @@ from framework.run.step import (
     Resumed,
     StepInput,
     forward_backward,
+    global_loss,
     optimizer_step,
     reduce_step_figures,
 )
@@ -97,7 +98,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
     callbacks = build_callbacks(cfg, info, files.run_dir, choices)
     try:
         parts = build(cfg, info)
-        trainer = Trainer(cfg, info, parts, files, callbacks, guard)
+        trainer = Trainer(cfg, info, parts, files, callbacks, guard, started=given.started)
         resumed = trainer.resume()
         stats = RunStats(losses=list(files.prior_losses), skipped_steps=resumed.skipped_steps,
                          rss_baseline_bytes=baseline, started=given.started, plan_auto=given.plan_auto)  # fmt: skip
@@ -131,6 +132,9 @@ class Trainer:
     figures: Any = field(init=False)  # the run's figure registry (framework/figures.py)
     prior: int = field(init=False, default=0)  # metrics.jsonl lines of earlier attempts (a resumed run's)
     stopped: dict | None = field(init=False, default=None)  # a callback ended the run early: after which step, why
+    started: float | None = None  # when the job started (time.time()), for the callbacks (Run.started)
+    timings: Timings = field(init=False, default_factory=Timings)  # seconds by activity (Run.timings)
+    faults: set = field(init=False, default_factory=set)  # HYDRADIST_FAULT's fired (once a run)
 
     def __post_init__(self):
         cfg, info, root = self.cfg, self.info, checkpoint_root(self.cfg, self.files.run_dir)
@@ -141,13 +145,14 @@ class Trainer:
         self.figures = self.callbacks.figures
         for figure in LOOP_FIGURES:
             self.figures.declare(figure, "loop", own=True)
-        run = Run(cfg, info, self.parts, self.figures, self.control, self.files.run_dir, root,
-                  log=self.log_record, save=self.save_to, call=self.callbacks.call)  # fmt: skip
+        run = Run(cfg, info, self.parts, self.figures, self.control, self.files.run_dir, root, self.started,
+                  self.timings, log=self.log_record, save=self.save_to, call=self.callbacks.call)  # fmt: skip
         self.callbacks.call("on_build", run)
 
     def resume(self) -> Resumed:
         """Where this run goes on from (framework.run.build.resume), its callbacks' state with it."""
         self.resumed = resume(self.cfg, self.info, self.parts, self.files.run_dir)
+        self.timings.add("checkpoint_load", self.resumed.load_s)
         self.files.truncate_metrics(self.resumed.step)  # a restarted run rewrites the steps after its checkpoint
         self.prior = len(self.files.prior_losses)  # the lines of earlier attempts it keeps
         self.callbacks.load_state_dict(self.resumed.callbacks)
@@ -174,6 +179,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 self.saver.wait()
                 stats.checkpoint_s.append(time.perf_counter() - t0)
+                self.timings.add("checkpoint_save", stats.checkpoint_s[-1])
         stats.checkpoint_io = {"verify_s": self.resumed.verify_s, "load_s": self.resumed.load_s,
                                "failed_saves": self.saver.failed}  # fmt: skip
         if cfg.checkpoint.export:
@@ -191,10 +197,12 @@ class Trainer:
         """Run step `step` (0-based); settle, log and save when due. True: stop (a callback asked)."""
         cfg, info, start = self.cfg, self.info, self.resumed.step
         self.callbacks.call("on_step_start", step)
-        poison = inject_fault(step, info)
+        fault = inject_fault(step, info, self.parts.par.module, self.faults)
         started = ledger.clock()  # the window's time is taken at its sync (framework.run.ledger)
         sampled = is_sampled(step, start, cfg.steps, cfg.metrics.sample_every)
-        work = StepInput([next(batches) for _ in range(cfg.accumulation_steps)], sampled, poison)
+        with self.timings.timed("data"):
+            step_batches = [next(batches) for _ in range(cfg.accumulation_steps)]
+        work = StepInput(step_batches, sampled, fault)
         try:
             values = self.train_step(step, work)
         except RuntimeError as err:
@@ -224,7 +232,10 @@ class Trainer:
             before_backward = lambda micro: hooks.call("on_before_backward", step, micro)  # noqa: E731
             step_loss = forward_backward(cfg, info, parts, work, self.measure, before_backward)
             hooks.call("on_before_optimizer_step", step)
-            update = optimizer_step(parts, cfg.optim.grad_clip, cfg.nonfinite == "skip", self.control.skip_requested)
+            gate = self.gate(step, work, step_loss) if hooks.hooks["on_before_update"] else None
+            update = optimizer_step(
+                parts, cfg.optim.grad_clip, cfg.nonfinite == "skip", self.control.skip_requested, gate
+            )
         if work.sampled:
             # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
             self.stats.state_bytes = model_state_bytes(parts.par.module, parts.optimizer, info.device)
@@ -240,6 +251,17 @@ class Trainer:
         values, totals = reduce_step_figures(info, parts, work.batches, step_loss, update, extra)
         hooks.call("on_step_reduced", step, self.figures.totals(totals))
         return values
+
+    def gate(self, step: int, work: StepInput, step_loss: Any) -> Any:
+        """What decides, on the device, whether this step's update is skipped: the callbacks'
+        on_before_update, shown the step's global loss and (clipped) gradient norm."""
+
+        def decide(norm: Any) -> Any:
+            loss = global_loss(self.info, self.parts, work.batches, step_loss)
+            self.callbacks.call("on_before_update", step, {"loss": loss, "grad_norm": norm})
+            return self.control.skip_when
+
+        return decide
 
     def end_of_step(self, settled: list[Entry], done: int) -> bool:
         """After step `done`, the last of the steps just settled: save when due or asked, and stop
@@ -263,6 +285,7 @@ class Trainer:
         t0 = time.perf_counter()
         path = saver.save(done, self.parts.par.module, self.parts.optimizer, self.state(done), generators(self.parts))
         self.stats.checkpoint_s.append(time.perf_counter() - t0)  # what training waited for (async: staging)
+        self.timings.add("checkpoint_save", self.stats.checkpoint_s[-1])
         self.stats.checkpoint_saves += 1
         self.callbacks.call("on_save", done, path)
         return path
@@ -290,6 +313,7 @@ class Trainer:
         `skip_samples` samples past where it left off. The steps after it are abandoned: their
         figures waiting in the ledger are dropped, metrics.jsonl and the run's losses and figures
         lose them (the time they took stays in throughput: it was spent)."""
+        t0 = time.perf_counter()
         self.saver.wait()
         path = path or checkpoint.latest(self.saver.root)
         if path is None:
@@ -302,4 +326,5 @@ class Trainer:
         epoch, samples = back.data_position
         if self.info.is_main:
             print(f"rolled back to step {back.step} ({path}), skipping {skip_samples} samples", flush=True)
+        self.timings.add("rollback", time.perf_counter() - t0)
         return back.step, self.parts.data.batches(epoch, samples + skip_samples, back.step)
