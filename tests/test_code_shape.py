@@ -259,7 +259,8 @@ def test_the_size_check_counts_what_it_says(tmp_path):
 def test_the_run_files_name_no_feature():
     """The loop's files name no capability: those are callbacks and the contract's step protocol."""
     words = re.compile(r"\b(moe|expert|experts|routed|routing|lora|peft|sources|mixture|eval|evaluat\w*|val|"
-                       r"patience|monitor|profiler|tqdm|progress|wandb|tensorboard)\b", re.I)  # fmt: skip
+                       r"patience|monitor|profiler|tqdm|progress|wandb|tensorboard|spikes?|stragglers?|checksums?|goodput|"
+                       r"bitflip)\b", re.I)  # fmt: skip
     files = [ROOT / "framework" / "run" / f"{n}.py" for n in ("trainer", "step", "ledger", "summary", "build")]
     files.append(ROOT / "framework" / "report_table.py")
     found = {f.name: sorted({m.group(0).lower() for m in words.finditer(f.read_text())}) for f in files}

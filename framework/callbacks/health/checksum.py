@@ -7,7 +7,8 @@ of each parameter's bytes, exact in integers (a flipped bit changes it; float su
 low bit away). One small all-gather over the replica group on that step. A rank whose checksum
 differs from the majority's is named; with two replicas there is no majority, and both are named.
 Then `on_mismatch`: `stop` (the run fails with the names) or `rollback` (every rank reloads the
-newest checkpoint, which restores identical weights, and goes on).
+newest checkpoint from no later than the last check that agreed, which restores identical
+weights, and goes on).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from framework.checkpoint.store import checkpoints, step_of
 from framework.config.errors import ConfigError
 from framework.hooks import Run
 
@@ -34,6 +36,7 @@ class Checksum:
         self.every, self.on_mismatch = every, on_mismatch
         self.active = every > 0  # 0: off (framework/callbacks/build.py builds none)
         self.checks = 0
+        self.agreed = 0  # the last step whose check agreed
         self.mismatches: list[dict[str, Any]] = []
 
     @classmethod
@@ -68,6 +71,7 @@ class Checksum:
         sums = gather_sums(checksum(self.run.parts.par.module), self.group, len(self.ranks))
         self.checks += 1
         if len(set(sums)) == 1:
+            self.agreed = step + 1
             return
         common, votes = Counter(sums).most_common(1)[0]
         bad = [r for r, s in zip(self.ranks, sums, strict=True) if s != common] if votes > len(sums) / 2 else self.ranks
@@ -78,8 +82,15 @@ class Checksum:
         line = f"silent data corruption after step {step + 1}: the weights of {who} differ among replicas {self.ranks}"
         if self.on_mismatch == "stop":
             raise SilentCorruption(f"{line} (callbacks.checksum.on_mismatch=stop)")
-        print(f"warning: {line}; rolling back to the newest checkpoint", flush=True)
-        self.run.control.rollback()
+        good = [p for p in checkpoints(self.run.checkpoint_root) if step_of(p) <= self.agreed]
+        if not good:
+            raise SilentCorruption(
+                f"{line}, and no checkpoint from before it (step {self.agreed} or earlier) to roll back to"
+            )
+        if self.run.info.is_main:
+            print(f"warning: {line}; rolling back to {good[-1]}, the newest checkpoint at or before the last check "
+                  f"that agreed (step {self.agreed})", flush=True)  # fmt: skip
+        self.run.control.rollback(good[-1])
 
     def state_dict(self) -> dict[str, Any]:
         return {"checks": self.checks, "mismatches": self.mismatches}

@@ -43,7 +43,8 @@ class SpikeGuard:
         self.active = action != "off"  # off: not built into the run (framework/callbacks/build.py)
         self.seen = 0  # values written into the window (host count: no device read)
         self.events: list[dict[str, Any]] = []
-        self.pending: dict[str, Any] | None = None  # a rolled-back spike's event, for the next settled step
+        self.pending: list[dict[str, Any]] = []  # events not yet in a metrics.jsonl line
+        self.rolled: list[dict[str, Any]] = []  # a rollback's event: its line is dropped with the steps after
 
     @classmethod
     def check_config(cls, cfg: DictConfig, key: str, args: dict[str, Any]) -> None:
@@ -74,7 +75,7 @@ class SpikeGuard:
         declare(Figure("spike/flag", reduce="max", summary=(), group="spike", key="count", report="spikes"), "spike")
         for name in self.watch:  # the score of each watched figure, each step (max over the run in summary.json)
             declare(Figure(f"spike/score_{name}", reduce="max", summary=("max",), group="spike"), "spike")
-        declare(Figure("spike/event", reduce=None, summary=()), "spike")
+        declare(Figure("spike/events", reduce=None, summary=()), "spike")  # in the next line written
 
     def on_before_update(self, step: int, figures: dict[str, torch.Tensor]) -> None:
         x = torch.stack([figures[name].detach().float().reshape(()) for name in self.watch]).to(self.values.device)
@@ -110,19 +111,22 @@ class SpikeGuard:
         return out
 
     def on_settled(self, step: int, figures: dict[str, Any]) -> dict[str, Any] | None:
-        if not figures.get("spike/flag"):
-            if self.pending is None:
-                return None
-            event, self.pending = self.pending, None  # a rolled-back spike: its own line was dropped
-            return {"spike/event": event}
-        event = self.event(step, figures)
-        self.events.append(event)
-        if self.action == "rollback":
-            event |= self.roll_back(step)
-            self.pending = event
-        if self.run.info.is_main:
-            print(f"warning: {describe(event)}", flush=True)
-        return {"spike/event": event}
+        """A flagged step: its event, said on the console and carried by every settled step until
+        a metrics.jsonl line is written (metrics.log_every may skip the spike's own)."""
+        if figures.get("spike/flag"):
+            event = self.event(step, figures)
+            if self.action == "rollback":
+                event |= self.roll_back(step)
+                self.rolled.append(event)
+            self.events.append(event)
+            self.pending.append(event)
+            if self.run.info.is_main:
+                print(f"warning: {describe(event)}", flush=True)
+        return {"spike/events": list(self.pending)} if self.pending else None
+
+    def on_log(self, step: int, record: dict[str, Any]) -> None:
+        if "spike/events" in record:
+            self.pending = []
 
     def event(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         threshold = self.ratio or self.zscore
@@ -151,6 +155,7 @@ class SpikeGuard:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.copy_(torch.tensor(state["values"], device=self.values.device))
         self.seen = state["seen"]
+        self.pending, self.rolled = self.pending + self.rolled, []  # the line that said it is gone
         known = {e["step"] for e in self.events}  # a rollback keeps the events it came back from
         self.events += [e for e in state["events"] if e["step"] not in known]
         self.events.sort(key=lambda e: e["step"])

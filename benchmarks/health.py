@@ -1,0 +1,128 @@
+"""What the health callbacks (framework/callbacks/health/, docs/health.md) catch and cost, on the
+default gpt job under ddp x2 (`train.py`'s defaults, CPU, gloo), each fault injected with
+HYDRADIST_FAULT:
+
+1. loss spikes: a 100x loss at step 20 of 60, with callbacks.spike.action=warn|skip|rollback,
+   against the same run without the spike: final losses side by side;
+2. stragglers: rank 1 +50 ms a step from step 6, callbacks.straggler.every=5: what each report says;
+3. silent corruption: a bit flipped in rank 1 of 3 before step 8, callbacks.checksum.every=5: when it
+   is caught and whom it names; and what a check costs: the checksum on every step against none,
+   in alternating pairs (A B B A), per step of goodput's productive time (which holds the checks;
+   the step windows of step_time_s do not), scaled to the default interval of 100 steps;
+4. goodput: a run with a restart (rank 1 dies before step 11), two saves and an evaluation: its parts.
+
+    python benchmarks/health.py            # about 3 minutes on 2 cores
+    python benchmarks/health.py --pairs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import recorded, table  # noqa: E402
+
+BASE = ["device=cpu", "logger=none", "progress=false", "parallel=ddp"]
+
+
+def train(args: list[str], out: Path, fault: str | None = None) -> tuple[dict, list[dict], str, float]:
+    """(summary, metrics lines, console, wall seconds) of one `python train.py` run."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRADIST_FAULT"} | {"WANDB_MODE": "offline"}
+    if fault:
+        env["HYDRADIST_FAULT"] = fault
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *BASE, *args, f"hydra.run.dir={out}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    wall = time.time() - t0
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if summary else []
+    return summary, lines, proc.stdout + proc.stderr, wall
+
+
+def spikes(tmp: Path) -> None:
+    args = ["steps=60", "checkpoint.every=10", "callbacks.spike.window=16", "callbacks.spike.watch=[loss]"]
+    clean, *_ = train([*args, "callbacks.spike.action=warn"], tmp / "clean")
+    rows = [["no spike", "-", clean["final_loss"], "-", "-"]]
+    for action in ("warn", "skip", "rollback"):
+        s, lines, _, _ = train([*args, f"callbacks.spike.action={action}"], tmp / action, "0:19:spike")
+        event = s["spike"]["events"][0]
+        what = f"to step {event['rolled_back_to']}, {event['skipped_samples']} samples skipped" if action == "rollback" \
+            else ("update skipped" if action == "skip" else "applied")  # fmt: skip
+        rows.append([f"spike at 20, {action}", f"step {event['step']}, score {event['figures']['loss']['score']:.0f}",
+                     s["final_loss"], f"{s['final_loss'] / clean['final_loss'] - 1:+.2%}", what])  # fmt: skip
+    print("## 1. Loss spikes (100x at step 20 of 60; window 16, robust z-score > 6)\n")
+    print(table(["run", "flagged", "final loss", "vs no spike", "action"], rows) + "\n")
+
+
+def stragglers(tmp: Path) -> None:
+    s, _, console, _ = train(["steps=30", "callbacks.straggler.every=5"], tmp / "slow", "1:5:slow")
+    rows = [[h["step"], h["slowest_rank"], h["excess_s"] * 1000, *(t * 1000 for t in h["compute_s"])]
+            for h in s["straggler"]["history"]]  # fmt: skip
+    print("## 2. Stragglers (rank 1: +50 ms a step from step 6; reports every 5 steps)\n")
+    print(table(["report after step", "slowest rank", "excess (ms)", "rank 0 compute (ms)", "rank 1 compute (ms)"],
+                rows) + "\n")  # fmt: skip
+    named = [line for line in console.splitlines() if line.startswith("straggler at step")]
+    print(f"First console line: `{named[0] if named else 'none'}`\n")
+
+
+def corruption(tmp: Path, pairs: int) -> None:
+    args = ["steps=20", "launch.nproc_per_node=3", "checkpoint.every=5", "callbacks.checksum.every=5",
+            "callbacks.checksum.on_mismatch=rollback"]  # fmt: skip
+    s, _, console, _ = train(args, tmp / "flip", "1:7:bitflip")
+    caught = [line for line in console.splitlines() if "silent data corruption" in line]
+    print("## 3. Silent corruption (one bit of rank 1 of 3 flipped before step 8; checks every 5 steps)\n")
+    print(f"Caught: `{caught[0] if caught else 'not caught'}`; summary.checksum.mismatches: "
+          f"{s['checksum']['mismatches']}\n")  # fmt: skip
+    per_step: dict[str, list[float]] = {"off": [], "every step": []}
+    for k in range(pairs):  # A B, B A: the machine's drift falls on both alike
+        order = [("off", []), ("every step", ["callbacks.checksum.every=1"])]
+        for name, extra in order if k % 2 == 0 else order[::-1]:
+            s, *_ = train(["steps=60", *extra], tmp / f"cost-{name.replace(' ', '_')}-{k}")
+            per_step[name].append(s["goodput"]["productive_s"] / 60)
+    off, on = statistics.median(per_step["off"]), statistics.median(per_step["every step"])
+    check = max(0.0, on - off)
+    rows = [[name, statistics.median(v) * 1000] for name, v in per_step.items()]
+    print(table(["checksum", "productive time per step (ms, median of pairs)"], rows) + "\n")
+    print(f"One check: {check * 1000:.2f} ms, {check / off:.1%} of a step. At the default interval of 100 steps "
+          f"it costs **{check / off / 100:.3%}** of step time (every 10: {check / off / 10:.2%}).\n")  # fmt: skip
+
+
+def goodput(tmp: Path) -> None:
+    args = ["steps=14", "checkpoint.every=7", "launch.max_restarts=1", "eval.every=7", "data.val_fraction=0.1",
+            "eval.steps=2"]  # fmt: skip
+    s, _, _, outside = train(args, tmp / "goodput", "1:10")
+    g = s["goodput"]
+    parts = {k[:-2]: v for k, v in g.items() if k.endswith("_s") and k != "wall_s"}
+    rows = [[k, v, v / g["wall_s"]] for k, v in parts.items()]
+    rows.append(["**sum of parts**", sum(parts.values()), sum(parts.values()) / g["wall_s"]])
+    print("## 4. Goodput (a restart: rank 1 dies before step 11, resumed from step 7; saves at 7 and 14; "
+          "evaluations at 7 and 14)\n")  # fmt: skip
+    print(table(["part", "seconds", "of wall"], rows) + "\n")
+    print(f"Wall time {g['wall_s']:.2f} s (the job's start to the end of training; timed from outside: "
+          f"{outside:.2f} s, the rest being the summary, W&B and exit). Goodput {g['goodput']:.1%}.\n")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out, recorded("health"):
+        tmp = Path(out)
+        spikes(tmp)
+        stragglers(tmp)
+        corruption(tmp, args.pairs)
+        goodput(tmp)
+
+
+if __name__ == "__main__":
+    main()
