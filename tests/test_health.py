@@ -14,7 +14,15 @@ from framework.callbacks.health.spike import SpikeGuard
 from framework.config import ConfigError, validate
 from framework.figures import Registry
 from framework.hooks import Control
-from tests.helpers import compose_config, count_syncs, losses, read_metrics, read_summary, train_cli
+from tests.helpers import (
+    compose_config,
+    count_syncs,
+    losses,
+    read_metrics,
+    read_summary,
+    train_cli,
+    train_in_process,
+)
 
 SMOKE = ["experiment=smoke", "progress=false"]
 SPIKE = ["callbacks.spike.window=16", "callbacks.spike.watch=[loss]"]
@@ -97,19 +105,19 @@ def test_rollback_goes_back_before_the_spike_skips_its_data_and_ends_near_a_clea
     assert [m["step"] for m in metrics] == list(range(1, 61))  # each step once: the abandoned ones dropped
     assert [e["step"] for m in metrics for e in m.get("spike/events", [])] == [20]  # on the line after it
     assert max(losses(run)) < 2 * losses(run)[0]  # the spike's own step is gone with its weights
-    assert losses(run)[-1] == pytest.approx(losses(tmp_path / "clean")[-1], rel=0.02)
+    tail = lambda folder: sum(losses(folder)[-10:]) / 10  # noqa: E731  (the final loss: a step's alone is one batch's)
+    assert tail(run) == pytest.approx(tail(tmp_path / "clean"), rel=0.02)
+    columns = [tuple(c) for c in read_summary(run)["figure_columns"]]
+    assert ("spikes", "spike", "count", "min") in columns and ("goodput", "goodput", "goodput", "max") in columns
 
 
-def test_skip_leaves_the_weights_as_a_run_that_never_applied_that_step(tmp_path):
+def test_skip_leaves_the_weights_as_a_run_that_never_applied_that_step(tmp_path, monkeypatch):
     """action=skip decides on the device; the run's weights after it are bitwise those of a run
     whose host skipped step 20's update outright (tests.probes.SkipAt): every later loss equal."""
-    fault = {"HYDRADIST_FAULT": "0:19:spike"}
-    args = [*SMOKE, "parallel=none", "steps=30", *SPIKE]
-    skip = train_cli([*args, "callbacks.spike.action=skip"], tmp_path / "skip", env=fault)
-    assert skip.returncode == 0, skip.stderr[-2000:]
-    host = train_cli([*args, "+callbacks.at._target_=tests.probes.SkipAt", "+callbacks.at.step=19"],
-                     tmp_path / "host", env=fault)  # fmt: skip
-    assert host.returncode == 0, host.stderr[-2000:]
+    monkeypatch.setenv("HYDRADIST_FAULT", "0:19:spike")
+    args = [*SMOKE, "steps=30", *SPIKE]
+    train_in_process([*args, "callbacks.spike.action=skip"], tmp_path / "skip")
+    train_in_process([*args, "+callbacks.at._target_=tests.probes.SkipAt", "+callbacks.at.step=19"], tmp_path / "host")
     got, want = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "host")
     assert [m["skipped"] for m in got] == [m["skipped"] for m in want] == [k == 19 for k in range(30)]
     assert [m["loss"] for m in got] == [m["loss"] for m in want]  # bit for bit

@@ -2,9 +2,9 @@
 
 Ranks that hold the same weights (DDP's replicas; the replicate axis of HSDP, each shard against
 the same shard on the other replica groups; under tensor or pipeline parallelism, the replicas of
-each slice) compare a checksum of their parameters every `every` steps, after the update: the sum
-of each parameter's bytes, exact in integers (a flipped bit changes it; float sums could round a
-low bit away). One small all-gather over the replica group on that step. A rank whose checksum
+each slice) compare a checksum of their parameters every `every` steps, after the update: their
+sum read as integers of their width, exact in int64 (a flipped bit changes it; a float sum could
+round a low bit away). One small all-gather over the replica group on that step. A rank whose checksum
 differs from the majority's is named; with two replicas there is no majority, and both are named.
 Then `on_mismatch`: `stop` (the run fails with the names) or `rollback` (every rank reloads the
 newest checkpoint from no later than the last check that agreed, which restores identical
@@ -119,17 +119,17 @@ def no_replicas(parallel: DictConfig) -> str | None:
     return f"parallel={name} without dp_replicate >= 2: every rank holds its own shard or stage"
 
 
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits as an integer
+
+
 @torch.no_grad()
 def checksum(module: torch.nn.Module) -> torch.Tensor:
-    """The sum of every byte of this rank's parameters (local shards), weighted by the byte's
-    position in its element, as one int64: exact, and moved by any flipped bit."""
+    """The sum of this rank's parameters (local shards) read as integers of their width, in int64:
+    exact (no rounding can hide a low bit), and moved by any flipped bit. One int64, on the device."""
     total = None
     for param in module.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
-        data = local.detach().contiguous().view(torch.uint8).view(-1, local.element_size())
-        per_byte = data.sum(dim=0, dtype=torch.int64)  # each byte position's sum: no int64 copy of the data
-        weights = torch.arange(1, local.element_size() + 1, dtype=torch.int64, device=data.device) * 257
-        part = (per_byte * weights).sum()
+        part = local.detach().contiguous().view(INTS[local.element_size()]).sum(dtype=torch.int64)
         total = part if total is None else total + part
     return total if total is not None else torch.zeros((), dtype=torch.int64)
 
