@@ -4,6 +4,9 @@ corpora larger than memory.
 
 Each row is one sample: its text column tokenized by the run's tokenizer (`data.tokenizer`) or its
 token column used as it is, cut to seq_len + 1 tokens and padded to it (padding carries no loss).
+A row with no token to predict (fewer than two ids: an empty or blank line, as about a third of
+wikitext's are) is left out, counted (summary.json `data.rows_left_out`, a line at the start) where
+the dataset is map-style; a batch of such rows would be a step with no loss.
 
 A stream's order is its rows in windows of `data.shuffle_buffer` rows, each window permuted from
 (seed, epoch, window): like the map-style samplers' orders (framework/data/samplers.py) a function
@@ -107,9 +110,13 @@ class RowEncoder:
         # byte ids stop at 255 (the model's 256 ids); a tokenizer pads with its end-of-text id
         self.pad = 0 if tokenized or tokenizer == "bytes" else self.tokenizer.eos_id
 
+    def ids(self, value: Any) -> list[int]:
+        if value is None:
+            return []
+        return list(value) if self.tokenized else self.tokenizer.encode(value)
+
     def __call__(self, value: Any) -> Batch:
-        ids = list(value) if self.tokenized else self.tokenizer.encode(value)
-        ids = ids[: self.seq_len + 1]
+        ids = self.ids(value)[: self.seq_len + 1]
         tokens = torch.full((self.seq_len + 1,), self.pad, dtype=torch.long)
         tokens[: len(ids)] = torch.tensor(ids, dtype=torch.long)
         target = tokens[1:].clone()
@@ -122,12 +129,32 @@ def encoder_of(cfg: Any) -> tuple[str, RowEncoder]:
     return column, RowEncoder(column, cfg.tokens_column is not None, cfg.tokenizer, cfg.seq_len)
 
 
+def with_targets(rows: Any, column: str, encode: RowEncoder, key: str) -> Any:
+    """The rows with at least one token to predict (two ids or more), in their order. Map-style:
+    filtered once, cached under `key` (the data, column and tokenizer); a stream: as it is read."""
+    keep = lambda values: [len(encode.ids(v)) >= 2 for v in values]  # noqa: E731
+    if hasattr(rows, "n_shards"):  # an IterableDataset
+        return rows.filter(keep, batched=True, input_columns=[column])
+    import hashlib
+
+    fingerprint = hashlib.sha256(f"{rows._fingerprint}|{key}".encode()).hexdigest()[:16]
+    return rows.filter(keep, batched=True, input_columns=[column], new_fingerprint=fingerprint)
+
+
 class HFRows(Dataset):
-    """A map-style dataset's rows as samples (the distributed sampler orders them)."""
+    """A map-style dataset's rows as samples (the distributed sampler orders them), the rows with
+    nothing to predict left out and counted (`figures`, `note`)."""
 
     def __init__(self, cfg: Any, path: str | None = None):
         self.column, self.encode = encoder_of(cfg)
-        self.rows = open_rows(path or cfg.path, cfg.format, self.column, streaming=False)
+        path = path or cfg.path
+        every = open_rows(path, cfg.format, self.column, streaming=False)
+        key = f"{self.column}|{cfg.tokens_column is not None}|{cfg.tokenizer}"
+        self.rows = with_targets(every, self.column, self.encode, key)
+        self.figures = {"rows_left_out": len(every) - len(self.rows)}
+        left = self.figures["rows_left_out"]
+        self.note = (f"data: {left:,} of {len(every):,} rows of {path} have no token to predict (empty): left out"
+                     if left else None)  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -148,6 +175,7 @@ class HFStream(IterableDataset):
     def __init__(self, cfg: Any, seed: int):
         self.path, self.format, self.buffer, self.shuffle = cfg.path, cfg.format, cfg.shuffle_buffer, cfg.shuffle
         self.column, self.encode = encoder_of(cfg)
+        self.figures = {"rows_left_out": None}  # a stream leaves them out as it is read: not counted ahead
         self.seed, self.rank, self.replicas, self.sizes = seed, 0, 1, BatchSizes(cfg.batch_size)
         self.epoch = self.start = self.micro = 0
 
@@ -159,7 +187,8 @@ class HFStream(IterableDataset):
         """The epoch's values in order, from position `start` (whole windows before it skipped
         unread). Read in windows with `iter`, which (unlike iterating the IterableDataset in a
         loader worker) does not hand each worker its own files: every worker sees every row."""
-        rows, first = open_rows(self.path, self.format, self.column, streaming=True), self.start // self.buffer
+        rows = with_targets(open_rows(self.path, self.format, self.column, streaming=True), self.column, self.encode, "")
+        first = self.start // self.buffer
         if first:
             rows = rows.skip(first * self.buffer)
         for w, window in enumerate(rows.iter(batch_size=self.buffer), start=first):

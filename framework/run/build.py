@@ -55,6 +55,8 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     data = build_data(cfg.data, (par.dp_rank, par.dp_size), info.device, cfg.seed, spec.task, cfg.accumulation_steps)
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
+        if note := getattr(data.dataset, "note", None):  # e.g. data=hf's rows left out
+            print(note, flush=True)
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
     return Parts(flops, par, optimizer, scheduler, data, precision, spec, n_blocks)
 

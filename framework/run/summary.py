@@ -115,6 +115,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "comm_by_op": ops_over_ranks([r["comm"] for r in everyone]),
         "load_balance": balance,
+        "data": getattr(parts.data.dataset, "figures", None),  # what the dataset counted (data=hf: rows left out)
         **figures.summarize(stats.figures),
         "figure_columns": figures.columns(),  # the sweep report's columns of declared figures
     }
