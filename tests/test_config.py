@@ -168,6 +168,8 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         (["checkpoint.preempt_grace_s=0"], "checkpoint.preempt_grace_s", "> 0"),
         (["backend.step_timeout_s=0"], "backend.step_timeout_s", "null or > 0"),
         (["optim.lr=0"], "optim.lr", "> 0"),
+        (["optim.warmup_steps=-2"], "optim.warmup_steps", ">= 0"),
+        (["peft=lora", "peft.rank=0"], "peft.rank", ">= 1"),
         (
             ["parallel=tp", "model.n_head=3", "model.n_embd=48", "launch.nproc_per_node=2"],
             "parallel.tp",

@@ -51,6 +51,7 @@ def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
             raise ConfigError("model", f"{cfg.model._target_} does not build: {type(err).__name__}: {err}") from None
         _BUILT.clear()
         spec = _spec(model, cfg, target)
+        _check_peft_settings(cfg.get("peft"))  # before the adapters are built from them (a rank of 0 would raise)
         with suppress(ValueError):  # targets that match nothing: _check_peft names them
             apply_peft(model, cfg.get("peft"), spec.blocks, 0)  # the planner counts what trains
         _BUILT[key] = model, spec
@@ -156,14 +157,22 @@ def _check_peft(cfg: DictConfig, model, blocks: str | None) -> None:
     p = cfg.get("peft")
     if not enabled(p):
         return
-    for key, ok, allowed in (("rank", p.rank >= 1, ">= 1"), ("alpha", p.alpha > 0, "> 0"),
-                             ("dropout", 0 <= p.dropout < 1, "in [0, 1)")):  # fmt: skip
-        if not ok:
-            raise ConfigError(f"peft.{key}", f"got {p[key]}; must be {allowed}")
+    _check_peft_settings(p)
     if not targets_of(model, blocks, list(p.targets)):
         linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear][:4]
         raise ConfigError("peft.targets", f"{list(p.targets)} match no linear layer of the blocks; some of the "
                           f"model's: {', '.join(linears)}")  # fmt: skip
+
+
+def _check_peft_settings(p: DictConfig | None) -> None:
+    from framework.peft import enabled
+
+    if not enabled(p):
+        return
+    for key, ok, allowed in (("rank", p.rank >= 1, ">= 1"), ("alpha", p.alpha > 0, "> 0"),
+                             ("dropout", 0 <= p.dropout < 1, "in [0, 1)")):  # fmt: skip
+        if not ok:
+            raise ConfigError(f"peft.{key}", f"got {p[key]}; must be {allowed}")
 
 
 def _check_arguments(cfg: DictConfig, target) -> None:

@@ -80,7 +80,7 @@ def _check_values(cfg: DictConfig) -> None:
     for key, low in (("steps", 1), ("accumulation_steps", 1), ("data.batch_size", 1), ("backend.timeout_s", 1),
                      ("launch.max_restarts", 0), ("checkpoint.every", 0), ("checkpoint.keep_last", 0),
                      ("backend.trace_buffer", 0), ("metrics.log_every", 1), ("metrics.sample_every", 0),
-                     ("memory.empty_cache_every", 0)):  # fmt: skip
+                     ("memory.empty_cache_every", 0), ("optim.warmup_steps", 0)):  # fmt: skip
         _at_least(cfg, key, low)
     if cfg.memory.name == "checkpoint":
         _at_least(cfg, "memory.checkpoint_every", 1)
