@@ -187,7 +187,9 @@ class HFStream(IterableDataset):
         """The epoch's values in order, from position `start` (whole windows before it skipped
         unread). Read in windows with `iter`, which (unlike iterating the IterableDataset in a
         loader worker) does not hand each worker its own files: every worker sees every row."""
-        rows = with_targets(open_rows(self.path, self.format, self.column, streaming=True), self.column, self.encode, "")
+        rows = with_targets(
+            open_rows(self.path, self.format, self.column, streaming=True), self.column, self.encode, ""
+        )
         first = self.start // self.buffer
         if first:
             rows = rows.skip(first * self.buffer)
