@@ -89,10 +89,10 @@ def test_bad_health_settings_are_one_line_naming_the_key(overrides, key, says):
 def test_rollback_goes_back_before_the_spike_skips_its_data_and_ends_near_a_clean_run(tmp_path):
     """A loss spike (100x) injected at step 20 of 60 under ddp x2, action=rollback: the run goes
     back to the step-10 checkpoint (the newest before the spike's update), moves the data past the
-    window that led to it, finishes, and ends within 2% of a run that never saw the spike."""
+    window that led to it, finishes, and ends within 2% of a run that never saw the spike (one
+    process: ddp x2 is its parity)."""
     args = [*SMOKE, "steps=60", "checkpoint.every=10", *SPIKE]
-    clean = train_cli([*args, "callbacks.spike.action=warn"], tmp_path / "clean")
-    assert clean.returncode == 0, clean.stderr[-2000:]
+    train_in_process([*args, "callbacks.spike.action=warn"], tmp_path / "clean")  # one process: ddp's parity
     run = tmp_path / "spiked"
     proc = train_cli([*args, "callbacks.spike.action=rollback"], run, env={"HYDRADIST_FAULT": "0:19:spike"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -143,7 +143,8 @@ def test_warn_and_skip_add_no_host_sync(tmp_path, monkeypatch, capsys):
 
 def test_a_slow_rank_is_named_within_two_intervals_with_its_excess(tmp_path):
     """Rank 1 50 ms slower each step from step 6 (ddp x2): named by the console at the first or
-    second report after, its excess within 20% of 50 ms."""
+    second report after (a rank is named at two slow reports in a row), its excess within 20% of
+    50 ms."""
     run = tmp_path / "run"
     proc = train_cli([*SMOKE, "steps=30", "callbacks.straggler.every=5"], run, env={"HYDRADIST_FAULT": "1:5:slow"})
     assert proc.returncode == 0, proc.stderr[-2000:]

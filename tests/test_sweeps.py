@@ -314,7 +314,8 @@ def test_a_failing_job_is_reported_and_a_rerun_with_skip_done_retrains_only_it(t
 
 # the default run trains the smoke, mlp and lstm presets; the others in `make test-all` (the matrix
 # trains their models and layouts, tests/test_data.py the varlen and token_budget data)
-LONG_PRESETS = {"resnet_ddp_amp", "gpt_3d", "resnet", "gpt_fsdp_bf16", "lstm_token_budget", "gpt_varlen"}
+# smoke: nearly every test of the default run trains it already
+LONG_PRESETS = {"resnet_ddp_amp", "gpt_3d", "resnet", "gpt_fsdp_bf16", "lstm_token_budget", "gpt_varlen", "smoke"}
 
 
 @pytest.mark.parametrize(

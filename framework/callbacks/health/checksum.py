@@ -60,6 +60,9 @@ class Checksum:
         else:
             replicate = mesh.device_mesh["dp_replicate"]
             self.group, self.ranks = replicate.get_group(), dist.get_process_group_ranks(replicate.get_group())
+        if len(self.ranks) < 2 and run.info.is_main:  # parallel=auto chose a layout without replicas
+            print("warning: callbacks.checksum: this layout has no replicas (every rank holds its own shard or "
+                  "stage): nothing is compared", flush=True)  # fmt: skip
 
     def on_step_end(self, step: int) -> None:
         if (step + 1) % self.every == 0:

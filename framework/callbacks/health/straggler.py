@@ -6,7 +6,8 @@ host shows there), on the host clock on a CPU and with CUDA events on a GPU. Eac
 what the slowest one made it wait at that collective (the slowest's time less its own). The ranks
 exchange their times in one small all-gather on that step; the console and W&B name the slowest
 rank and its excess over the median of the others, and summary.json's `straggler` block keeps the
-history.
+history. A rank is named when it was the slow one (`warn_ratio` over the others' median) at
+`patience` reports in a row: one report's noise names no one.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from framework.hooks import Run
 
 
 class Stragglers:
-    def __init__(self, every: int = 0, warn_ratio: float = 1.2):
-        self.every, self.warn_ratio = every, warn_ratio
+    def __init__(self, every: int = 0, warn_ratio: float = 1.2, patience: int = 2):
+        self.every, self.warn_ratio, self.patience = every, warn_ratio, patience
+        self.streak: tuple[int, int] = (-1, 0)  # (rank, reports in a row it was the slow one)
         self.active = every > 0  # 0: off (framework/callbacks/build.py builds none)
         self.history: list[dict[str, Any]] = []
         self.marks: list[Any] | None = None
@@ -35,9 +37,11 @@ class Stragglers:
         every = args.get("every", 0)
         if not isinstance(every, int) or every < 0:
             raise ConfigError(f"{key}.every", f"got {every!r}; check every N steps: an integer >= 1 (0: off)")
-        ratio = args.get("warn_ratio", 1.2)
+        ratio, patience = args.get("warn_ratio", 1.2), args.get("patience", 2)
         if not isinstance(ratio, int | float) or ratio < 1:
             raise ConfigError(f"{key}.warn_ratio", f"got {ratio!r}; the slowest over the median to warn at: >= 1")
+        if not isinstance(patience, int) or patience < 1:
+            raise ConfigError(f"{key}.patience", f"got {patience!r}; reports in a row before naming a rank: >= 1")
 
     def on_build(self, run: Run) -> None:
         self.run = run
@@ -76,7 +80,10 @@ class Stragglers:
                   "compute_s": times, "wait_s": [times[slowest] - t for t in times]}  # fmt: skip
         self.history.append(record)
         self.run.log({f"straggler/{k}": v for k, v in record.items() if k != "step"}, step + 1, False)  # W&B
-        if self.run.info.is_main and typical > 0 and times[slowest] > self.warn_ratio * typical:
+        slow = typical > 0 and times[slowest] > self.warn_ratio * typical
+        rank, streak = self.streak
+        self.streak = (slowest, streak + 1 if rank == slowest else 1) if slow else (-1, 0)
+        if self.run.info.is_main and self.streak[1] >= self.patience:
             print(f"straggler at step {step + 1}: rank {slowest} computes in {times[slowest] * 1000:.1f} ms, "
                   f"{record['excess_s'] * 1000:.1f} ms over the others' median ({typical * 1000:.1f} ms); "
                   "the rest wait for it", flush=True)  # fmt: skip
