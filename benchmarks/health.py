@@ -62,7 +62,8 @@ def spikes(tmp: Path) -> None:
     for action in ("warn", "skip", "rollback"):
         s, lines, _, _ = train([*args, f"callbacks.spike.action={action}"], tmp / action, "0:19:spike")
         event = s["spike"]["events"][0]
-        what = f"to step {event['rolled_back_to']}, {event['skipped_samples']} samples skipped" if action == "rollback" \
+        at = event.get("data_resumes_at", {})
+        what = f"to step {event.get('rolled_back_to')}, the data on from sample {at.get('samples')}" if action == "rollback" \
             else ("update skipped" if action == "skip" else "applied")  # fmt: skip
         rows.append([f"spike at 20, {action}", f"step {event['step']}, score {event['figures']['loss']['score']:.0f}",
                      tail_loss(lines), f"{tail_loss(lines) / clean - 1:+.2%}", what])  # fmt: skip

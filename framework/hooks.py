@@ -80,7 +80,7 @@ class Control:
     skip_when: Any = None  # a device bool: skip this step's update where it holds (no host sync)
     log_requested: bool = False
     sync_requested: bool = False
-    rollback_to: tuple[str | None, int] | None = None
+    rollback_to: Rollback | None = None
 
     def stop(self, reason: str = "a callback") -> None:
         """End the run after this step (a checkpoint is saved where checkpoint.every asks)."""
@@ -93,16 +93,20 @@ class Control:
     def skip_update(self, when: Any = None) -> None:
         """In on_before_optimizer_step or on_before_update: this step's update is not applied
         (counted as skipped). `when`: a bool tensor on the device, decided there: the update is
-        skipped where it holds, and the host never reads it (no sync). Give every rank the same."""
+        skipped where it holds, and the host never reads it (no sync, but for optimizer state kept
+        in host memory beside device parameters: FSDP's CPU offload). Give every rank the same."""
         if when is None:
             self.skip_requested = True
         else:
             self.skip_when = when if self.skip_when is None else self.skip_when | when
 
-    def rollback(self, path: str | None = None, skip_samples: int = 0) -> None:
-        """After this step, go back to checkpoint `path` (None: the newest complete one) and move
-        the data `skip_samples` samples past where that checkpoint left it."""
-        self.rollback_to = (path, skip_samples)
+    def rollback(self, path: str | None = None, skip_samples: int = 0, *, at_most: int | None = None,
+                 data_at: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """After this step, go back to checkpoint `path` (None: the newest complete one, of step
+        `at_most` or earlier when given, chosen on rank 0 once pending saves are done) and move the
+        data `skip_samples` samples past where that checkpoint left it, or to `data_at` (epoch,
+        samples of its order) when given. This step is not saved (its state is what is left)."""
+        self.rollback_to = Rollback(path, skip_samples, at_most, data_at)
 
     def log_step(self) -> None:
         """Write this step's metrics.jsonl line even when metrics.log_every would not (asked before
@@ -118,6 +122,16 @@ class Control:
     def clear(self) -> None:
         self.stop_reason, self.save_requested, self.skip_requested, self.skip_when = None, False, False, None
         self.log_requested, self.sync_requested, self.rollback_to = False, False, None
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A callback's request to go back (Control.rollback)."""
+
+    path: str | None = None
+    skip_samples: int = 0
+    at_most: int | None = None  # the newest checkpoint of this step or earlier (path None)
+    data_at: tuple[int, int] | None = None  # (epoch, samples): where the data goes on from
 
 
 class Timings:

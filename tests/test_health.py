@@ -22,6 +22,7 @@ from tests.helpers import (
     read_summary,
     train_cli,
     train_in_process,
+    wandb_runs,
 )
 
 SMOKE = ["experiment=smoke", "progress=false"]
@@ -62,6 +63,10 @@ def test_the_detector_flags_spikes_of_either_figure_and_not_the_noise_around_the
     assert [k for k, f in enumerate(scored(spiked, window=16)) if f] == [20, 30]
     assert [k for k, f in enumerate(scored(spiked, window=16, watch=("loss",))) if f] == [20]
     assert [k for k, f in enumerate(scored(spiked, window=16, zscore=None, ratio=2.0)) if f] == [20, 30]
+    overflowed = [dict(v) for v in spiked]  # amp's overflow steps: an inf norm is no value of the window
+    for k in range(2, 40, 3):
+        overflowed[k]["grad_norm"] = math.inf
+    assert [k for k, f in enumerate(scored(overflowed, window=16, zscore=None, ratio=2.0)) if f] == [20, 30]
     early = [dict(v) for v in noisy[:15]]
     early[10]["loss"] *= 10
     assert not any(scored(early, window=16))  # warm-up: nothing is scored before a full window
@@ -100,7 +105,8 @@ def test_rollback_goes_back_before_the_spike_skips_its_data_and_ends_near_a_clea
     assert read_summary(tmp_path / "clean")["spike"]["count"] == 0
     block = read_summary(run)["spike"]
     assert block["count"] == 1 and block["events"][0]["step"] == 20 and block["events"][0]["rolled_back_to"] == 10
-    assert block["events"][0]["skipped_samples"] > 0
+    assert block["events"][0]["data_resumes_at"]["samples"] > 0
+    assert not list((run / "checkpoints").glob("superseded-*"))  # step 20's spiked state was never saved
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == list(range(1, 61))  # each step once: the abandoned ones dropped
     assert [e["step"] for m in metrics for e in m.get("spike/events", [])] == [20]  # on the line after it
@@ -124,6 +130,37 @@ def test_skip_leaves_the_weights_as_a_run_that_never_applied_that_step(tmp_path,
     assert got[19]["spike/flag"] == 1 and read_summary(tmp_path / "skip")["nonfinite_skipped"] == 1
 
 
+def test_a_step_a_callback_skips_outright_is_no_spike(tmp_path):
+    summary = train_in_process([*SMOKE, "steps=24", *SPIKE, "callbacks.spike.action=warn",
+                                "+callbacks.at._target_=tests.probes.SkipAt", "+callbacks.at.step=19"], tmp_path)  # fmt: skip
+    assert summary["spike"]["count"] == 0 and summary["nonfinite_skipped"] == 1
+
+
+def test_a_device_skip_of_a_fused_sgd_leaves_it_as_if_that_step_never_came():
+    """step_unless on the first step (no momentum yet) and a later one: as an optimizer that never
+    took them (fused SGD takes the skip as found_inf once its state exists)."""
+    from framework.optim import step_unless
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8))
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)
+    want = torch.optim.SGD([ref], lr=0.1, momentum=0.9, fused=True)
+    grads = [torch.randn(8) for _ in range(4)]
+    for k, g in enumerate(grads):
+        w.grad = g.clone()
+        step_unless(opt, torch.tensor(k in (0, 2)), opt.step)
+        if k not in (0, 2):
+            ref.grad = g.clone()
+            want.step()
+    assert torch.equal(w, ref) and torch.equal(opt.state[w]["momentum_buffer"], want.state[ref]["momentum_buffer"])
+
+
+def test_checksums_compare_the_replicas_of_hsdp_on_any_layout():
+    validate(compose_config(["experiment=smoke", "parallel=fsdp", "parallel.dp_replicate=2",
+                             "launch.nproc_per_node=4", "callbacks.checksum.every=10"]))  # fmt: skip
+
+
 def test_warn_and_skip_add_no_host_sync(tmp_path, monkeypatch, capsys):
     base = [*SMOKE, "steps=24", "metrics.log_every=6", "metrics.sample_every=0", *SPIKE]
     monkeypatch.setenv("HYDRADIST_FAULT", "0:19:spike")
@@ -143,11 +180,14 @@ def test_warn_and_skip_add_no_host_sync(tmp_path, monkeypatch, capsys):
 
 def test_a_slow_rank_is_named_within_two_intervals_with_its_excess(tmp_path):
     """Rank 1 50 ms slower each step from step 6 (ddp x2): named by the console at the first or
-    second report after (a rank is named at two slow reports in a row), its excess within 20% of
-    50 ms."""
+    second report after (a rank is named at two slow reports in a row) and in W&B, its excess
+    within 20% of 50 ms."""
     run = tmp_path / "run"
-    proc = train_cli([*SMOKE, "steps=30", "callbacks.straggler.every=5"], run, env={"HYDRADIST_FAULT": "1:5:slow"})
+    proc = train_cli([*SMOKE, "steps=30", "callbacks.straggler.every=5"], run, env={"HYDRADIST_FAULT": "1:5:slow"},
+                     wandb=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    (logged,) = wandb_runs(run)  # W&B: each report as it comes (its history's last), and the run's goodput
+    assert {"straggler/slowest_rank", "straggler/excess_s", "goodput/goodput"} <= logged["summary"], logged["summary"]
     named = [line for line in proc.stdout.splitlines() if line.startswith("straggler at step")]
     assert named and named[0].startswith(("straggler at step 10: rank 1", "straggler at step 15: rank 1")), named
     history = read_summary(run)["straggler"]["history"]

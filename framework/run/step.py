@@ -176,20 +176,20 @@ def step_elements(cfg: DictConfig, info: DistInfo, parts: Parts, step_batches: l
     return all_reduce_sum(host_values([local], info.device), info)[0]
 
 
-def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool, skip: bool = False,
-                   gate: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> tuple[torch.Tensor, bool | torch.Tensor]:  # fmt: skip
+def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool,
+                   gate: Callable[[torch.Tensor], bool | torch.Tensor | None] | None = None) -> tuple[torch.Tensor, bool | torch.Tensor]:  # fmt: skip
     """Clip the true (unscaled) gradients by their global norm and step. Returns the norm and
     whether the update was applied: amp's scaler skips steps with inf/nan gradients (and lowers
-    its scale); with `skip_nonfinite` so does every precision; `skip` (a callback asked every
-    rank alike) skips it outright; `gate(norm)` (callbacks' on_before_update) may return a device
-    bool: the update is skipped where it holds, decided on the device (framework.optim.step_unless).
+    its scale); with `skip_nonfinite` so does every precision; `gate(norm)` (the callbacks'
+    requests, framework.hooks.Control.skip_update) may skip it outright (True: every rank asked
+    alike) or where a device bool holds, decided on the device (framework.optim.step_unless).
     The norm is global, so every rank decides the same. Under amp, "applied" is a device bool (the
     scale did not drop): `get_scale()` would be a host sync."""
     scaler = parts.precision.scaler
     scaler.unscale_(parts.optimizer)
     norm = parts.par.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
-    when = gate(norm) if gate is not None and not skip else None
-    if skip:
+    when = gate(norm) if gate is not None else None
+    if when is True:
         if scaler.is_enabled():
             scaler.update()  # closes the step unscale_ opened (the scale moves as its inf check says)
         return norm, False

@@ -16,10 +16,10 @@ from framework.checkpoint import store as checkpoint
 from framework.checkpoint.integrity import CheckpointError
 from framework.checkpoint.store import Checkpointer, TrainerState
 from framework.config import resolve_backend, resolve_device
-from framework.dist import DistInfo, destroy_distributed, init_distributed
+from framework.dist import DistInfo, all_gather_object, destroy_distributed, init_distributed
 from framework.export import export_at_end
 from framework.figures import Figure
-from framework.hooks import Callbacks, Control, Run, Timings
+from framework.hooks import Callbacks, Control, Rollback, Run, Timings
 from framework.measure.memory import (
     current_rss_bytes,
     host_allocator,
@@ -170,7 +170,7 @@ class Trainer:
                 stop = self.run_step(step, batches, ledger)
                 step += 1
                 if self.control.rollback_to is not None:
-                    step, batches = self.rollback(*self.control.rollback_to, ledger)
+                    step, batches = self.rollback(self.control.rollback_to, ledger)
                 self.control.clear()
                 if stop:
                     self.stopped = {"after_step": step, "by": self.control.stop_reason or "a callback on another rank"}
@@ -183,7 +183,8 @@ class Trainer:
         stats.checkpoint_io = {"verify_s": self.resumed.verify_s, "load_s": self.resumed.load_s,
                                "failed_saves": self.saver.failed}  # fmt: skip
         if cfg.checkpoint.export:
-            export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
+            with self.timings.timed("export"):
+                export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
         figures = summarize(cfg, info, parts, stats, self.measure, self.figures) | {"stopped": self.stopped}
         summary = Summary("ok", choices, figures=figures)
         if info.is_main:  # the closing lines (the callbacks' own after them: W&B's folder)
@@ -232,9 +233,8 @@ class Trainer:
             before_backward = lambda micro: hooks.call("on_before_backward", step, micro)  # noqa: E731
             step_loss = forward_backward(cfg, info, parts, work, self.measure, before_backward)
             hooks.call("on_before_optimizer_step", step)
-            gate = self.gate(step, work, step_loss) if hooks.hooks["on_before_update"] else None
             update = optimizer_step(
-                parts, cfg.optim.grad_clip, cfg.nonfinite == "skip", self.control.skip_requested, gate
+                parts, cfg.optim.grad_clip, cfg.nonfinite == "skip", self.gate(step, work, step_loss)
             )
         if work.sampled:
             # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
@@ -253,13 +253,16 @@ class Trainer:
         return values
 
     def gate(self, step: int, work: StepInput, step_loss: Any) -> Any:
-        """What decides, on the device, whether this step's update is skipped: the callbacks'
-        on_before_update, shown the step's global loss and (clipped) gradient norm."""
+        """What decides whether this step's update is skipped, once the gradient norm is known:
+        the callbacks' requests (Control.skip_update), on_before_update's among them, shown the
+        step's global loss (one small all-reduce, only where a callback defines it) and norm.
+        True: skipped (the host decided); a device bool: where it holds; None: applied."""
 
         def decide(norm: Any) -> Any:
-            loss = global_loss(self.info, self.parts, work.batches, step_loss)
-            self.callbacks.call("on_before_update", step, {"loss": loss, "grad_norm": norm})
-            return self.control.skip_when
+            if self.callbacks.hooks["on_before_update"]:
+                loss = global_loss(self.info, self.parts, work.batches, step_loss)
+                self.callbacks.call("on_before_update", step, {"loss": loss, "grad_norm": norm})
+            return True if self.control.skip_requested else self.control.skip_when
 
         return decide
 
@@ -271,7 +274,10 @@ class Trainer:
         asked = [e.figures.extra for e in settled]
         save = self.control.save_requested or any(f[SAVE] for f in asked)
         due = cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == cfg.steps)
-        if due or save or last.preempt:
+        if self.control.rollback_to is not None:  # this step's state is what the rollback leaves
+            due = save = False
+            path = checkpoint.latest(self.saver.root) if last.preempt and self.saver.wait() else None
+        elif due or save or last.preempt:
             path = self.save_to(self.saver, done)
         if last.preempt:
             if not self.saver.wait() or path is None:  # on disk before the process exits
@@ -308,23 +314,37 @@ class Trainer:
             self.files.log_step({"step": step, **record})
         self.callbacks.call("on_log", step, record)
 
-    def rollback(self, path: str | None, skip_samples: int, ledger: Ledger) -> tuple[int, Any]:
-        """Go back to checkpoint `path` (None: the newest complete one) and on from there, the data
-        `skip_samples` samples past where it left off. The steps after it are abandoned: their
-        figures waiting in the ledger are dropped, metrics.jsonl and the run's losses and figures
-        lose them (the time they took stays in throughput: it was spent)."""
+    def rollback(self, req: Rollback, ledger: Ledger) -> tuple[int, Any]:
+        """Go back to the checkpoint `req` names (framework.hooks.Control.rollback) and on from
+        there, the data `req.skip_samples` past where it left off (or at `req.data_at`). The steps
+        after it are abandoned: their figures waiting in the ledger are dropped, metrics.jsonl and
+        the run's losses and figures lose them (the time they took stays in throughput: it was spent)."""
+        with self.timings.timed("checkpoint_save"):
+            self.saver.wait()
         t0 = time.perf_counter()
-        self.saver.wait()
-        path = path or checkpoint.latest(self.saver.root)
+        path = self.rollback_path(req)
         if path is None:
-            raise CheckpointError("a callback asked to roll back, but the run has no complete checkpoint")
+            raise CheckpointError("a callback asked to roll back, but the run has no complete checkpoint"
+                                  + (f" of step {req.at_most} or earlier" if req.at_most is not None else ""))  # fmt: skip
         back = resume_from(path, self.parts, self.info)
         self.callbacks.load_state_dict(back.callbacks)
         ledger.entries.clear()
         self.files.truncate_metrics(back.step)
         self.stats.rewind(back.step, self.files.prior_losses, back.skipped_steps)
-        epoch, samples = back.data_position
+        epoch, samples = req.data_at or (back.data_position[0], back.data_position[1] + req.skip_samples)
         if self.info.is_main:
-            print(f"rolled back to step {back.step} ({path}), skipping {skip_samples} samples", flush=True)
+            print(
+                f"rolled back to step {back.step} ({path}), the data on from epoch {epoch}, sample {samples}",
+                flush=True,
+            )
         self.timings.add("rollback", time.perf_counter() - t0)
-        return back.step, self.parts.data.batches(epoch, samples + skip_samples, back.step)
+        return back.step, self.parts.data.batches(epoch, samples, back.step)
+
+    def rollback_path(self, req: Rollback) -> str | None:
+        """The checkpoint to go back to: rank 0's choice, shared (a save finishing in the background
+        can look complete to one rank before another)."""
+        if req.path is not None:
+            return req.path
+        done = [p for p in checkpoint.checkpoints(self.saver.root)
+                if req.at_most is None or checkpoint.step_of(p) <= req.at_most]  # fmt: skip
+        return all_gather_object(done[-1] if done else None, self.info)[0]

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from framework.checkpoint.store import checkpoints, step_of
 from framework.config.errors import ConfigError
 from framework.hooks import Run
 
@@ -37,6 +36,7 @@ class Checksum:
         self.active = every > 0  # 0: off (framework/callbacks/build.py builds none)
         self.checks = 0
         self.agreed = 0  # the last step whose check agreed
+        self.saved: set[int] = set()  # the checkpoints of this run (steps), as every rank saw them saved
         self.mismatches: list[dict[str, Any]] = []
 
     @classmethod
@@ -85,23 +85,32 @@ class Checksum:
         line = f"silent data corruption after step {step + 1}: the weights of {who} differ among replicas {self.ranks}"
         if self.on_mismatch == "stop":
             raise SilentCorruption(f"{line} (callbacks.checksum.on_mismatch=stop)")
-        good = [p for p in checkpoints(self.run.checkpoint_root) if step_of(p) <= self.agreed]
-        if not good:
-            raise SilentCorruption(
-                f"{line}, and no checkpoint from before it (step {self.agreed} or earlier) to roll back to"
-            )
+        if not any(done <= self.agreed for done in self.saved):  # the saves every rank saw: all decide alike
+            raise SilentCorruption(f"{line}, and no checkpoint from the last check that agreed (step {self.agreed}) "
+                                   "or before to roll back to")  # fmt: skip
         if self.run.info.is_main:
-            print(f"warning: {line}; rolling back to {good[-1]}, the newest checkpoint at or before the last check "
-                  f"that agreed (step {self.agreed})", flush=True)  # fmt: skip
-        self.run.control.rollback(good[-1])
+            print(f"warning: {line}; rolling back to the newest checkpoint at or before the last check that agreed "
+                  f"(step {self.agreed})", flush=True)  # fmt: skip
+        self.run.control.rollback(at_most=self.agreed)
+
+    def on_save(self, step: int, path: str | None) -> None:
+        if path is not None:  # None: the save failed (checkpoint.on_error=warn)
+            self.saved.add(step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"checks": self.checks, "mismatches": self.mismatches}
+        return {
+            "checks": self.checks,
+            "mismatches": self.mismatches,
+            "agreed": self.agreed,
+            "saved": sorted(self.saved),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         known = {m["step"] for m in self.mismatches}  # a rollback keeps what it came back from
         self.mismatches += [m for m in state["mismatches"] if m["step"] not in known]
         self.checks = max(self.checks, state["checks"])
+        self.agreed = state.get("agreed", 0)  # as of that checkpoint: the later checks are abandoned
+        self.saved |= set(state.get("saved", []))
 
     def on_end(self, summary: dict[str, Any]) -> None:
         summary["checksum"] = {"every": self.every, "checks": self.checks, "replicas": self.ranks,
@@ -111,12 +120,10 @@ class Checksum:
 def no_replicas(parallel: DictConfig) -> str | None:
     """Why a layout has no replicas to compare (None: it has)."""
     name = parallel.name
-    if name in ("ddp", "dp", "auto"):
+    if name in ("ddp", "dp", "auto") or parallel.get("dp_replicate", 1) >= 2:
         return None
     if name == "none":
         return "parallel=none is one process"
-    if name == "hybrid" and parallel.get("dp_replicate", 1) >= 2:
-        return None
     if parallel.get("tp", 1) != 1 and name in ("tp", "hybrid"):
         return f"parallel={name} without dp_replicate >= 2: tensor parallel ranks hold different slices by design"
     return f"parallel={name} without dp_replicate >= 2: every rank holds its own shard or stage"

@@ -1,13 +1,14 @@
 """goodput (always on): productive training time over the job's wall time, and where the rest went.
 
-The wall time runs from the job's start (the launcher's process start; a restarted worker keeps
-the job's) to the end of training. Every second of it is given to one part, as Google's
+The wall time runs from the job's start to the end of training: under `python train.py` the
+launcher's process start, which its restarted workers keep; under torchrun or srun, which start
+each worker afresh, this worker's own start (an earlier attempt's time is not known to it). Every second of it is given to one part, as Google's
 ml-goodput-measurement splits badput:
 - `productive_s`: steps whose update counts (their compute, less the parts below);
 - `startup_s`: the job's start to its first step (imports, config, workers, model build), and a
   restarted worker's own start-up; `warmup_s`: the first step's excess over the median step
   (compilation, lazy initialisation); `data_s`: waiting for batches;
-- `checkpoint_save_s`, `checkpoint_load_s`, `evaluation_s`;
+- `checkpoint_save_s`, `checkpoint_load_s`, `evaluation_s`, `export_s` (checkpoint.export at the end);
 - `restart_lost_s`: a restart's cost, from the last checkpoint's accounted time to the new
   worker's start (the steps redone, the failure, the relaunch); `rollback_s` (reloading) and
   `rolled_back_s` (the steps a rollback abandoned); `skipped_s`: steps whose update was skipped.
@@ -26,8 +27,8 @@ from framework.dist import restart_count
 from framework.hooks import Run
 from framework.machine import process_start_time
 
-TIMED = ("data", "checkpoint_save", "checkpoint_load", "evaluation", "rollback")
-PARTS = ("productive", "startup", "warmup", "data", "checkpoint_save", "checkpoint_load", "evaluation",
+TIMED = ("data", "checkpoint_save", "checkpoint_load", "evaluation", "rollback", "export")
+PARTS = ("productive", "startup", "warmup", "data", "checkpoint_save", "checkpoint_load", "evaluation", "export",
          "restart_lost", "rollback", "rolled_back", "skipped")  # fmt: skip
 
 

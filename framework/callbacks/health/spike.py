@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from framework.checkpoint.store import checkpoints, read_trainer_state, step_of
 from framework.config.errors import ConfigError
 from framework.figures import Figure
 from framework.hooks import Run
@@ -45,6 +44,8 @@ class SpikeGuard:
         self.events: list[dict[str, Any]] = []
         self.pending: list[dict[str, Any]] = []  # events not yet in a metrics.jsonl line
         self.rolled: list[dict[str, Any]] = []  # a rollback's event: its line is dropped with the steps after
+        self.step = -1  # the step running (0-based)
+        self.saved: set[int] = set()  # the checkpoints of this run (steps), as every rank saw them saved
 
     @classmethod
     def check_config(cls, cfg: DictConfig, key: str, args: dict[str, Any]) -> None:
@@ -85,7 +86,8 @@ class SpikeGuard:
         else:
             score, self.flag = torch.zeros_like(x), torch.zeros((), dtype=torch.bool, device=x.device)
         self.score_now = score
-        self.values[:, self.seen % self.window] = x  # spikes too: the median and MAD shrug one off
+        finite = torch.where(torch.isfinite(x), x, torch.full_like(x, math.nan))  # amp's overflow steps: no value
+        self.values[:, self.seen % self.window] = finite  # spikes too: the median and MAD shrug one off
         self.seen += 1
         if self.action == "skip":
             self.run.control.skip_update(when=self.flag)
@@ -113,7 +115,7 @@ class SpikeGuard:
     def on_settled(self, step: int, figures: dict[str, Any]) -> dict[str, Any] | None:
         """A flagged step: its event, said on the console and carried by every settled step until
         a metrics.jsonl line is written (metrics.log_every may skip the spike's own)."""
-        if figures.get("spike/flag"):
+        if (figures.get("spike/flag") or 0) > 0:  # -inf: no score this step (a callback skipped it outright)
             event = self.event(step, figures)
             if self.action == "rollback":
                 event |= self.roll_back(step)
@@ -137,25 +139,33 @@ class SpikeGuard:
                 "window": self.window, "action": self.action}  # fmt: skip
 
     def roll_back(self, step: int) -> dict[str, Any]:
-        """Ask for the newest checkpoint saved before step `step` (0-based) was applied, and the
-        data moved past everything read since it. No such checkpoint: the spike is only warned of."""
-        before = [p for p in checkpoints(self.run.checkpoint_root) if step_of(p) <= step]
-        if not before:
+        """Ask for the newest checkpoint saved before step `step` (0-based) was applied, the data
+        on from where it is now (past everything read since that checkpoint). No such checkpoint:
+        the spike is only warned of. Decided from the saves every rank saw (on_save), alike."""
+        if not any(done <= step for done in self.saved):
             return {"action": "warn", "note": f"no checkpoint from before step {step + 1} to roll back to"}
-        path = before[-1]
-        saved = read_trainer_state(path).data
         now = self.run.parts.data.position()
-        skip = now["samples"] - saved["samples"] if now["epoch"] == saved["epoch"] else 0  # a new epoch: a new order
-        self.run.control.rollback(path, skip_samples=skip)
-        return {"rolled_back_to": step_of(path), "skipped_samples": skip}
+        self.run.control.rollback(at_most=step, data_at=(now["epoch"], now["samples"]))
+        return {"data_resumes_at": {"epoch": now["epoch"], "samples": now["samples"]}}
+
+    def on_step_start(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, step: int, path: str | None) -> None:
+        if path is not None:  # None: the save failed (checkpoint.on_error=warn)
+            self.saved.add(step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"values": self.values.tolist(), "seen": self.seen, "events": self.events}
+        return {"values": self.values.tolist(), "seen": self.seen, "events": self.events, "done": self.step + 1}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.copy_(torch.tensor(state["values"], device=self.values.device))
         self.seen = state["seen"]
-        self.pending, self.rolled = self.pending + self.rolled, []  # the line that said it is gone
+        self.saved.add(state.get("done", 0))  # resumed or rolled back: that checkpoint exists
+        for event in self.rolled:  # where the rollback went, known now
+            event["rolled_back_to"] = state.get("done")
+        self.pending += [e for e in self.rolled if e not in self.pending]  # the line that said it is gone
+        self.rolled = []
         known = {e["step"] for e in self.events}  # a rollback keeps the events it came back from
         self.events += [e for e in state["events"] if e["step"] not in known]
         self.events.sort(key=lambda e: e["step"])
@@ -170,6 +180,7 @@ def describe(event: dict[str, Any]) -> str:
     what = ", ".join(f"{name} {f['value']:.4g} (score {f['score']:.1f})" for name, f in event["figures"].items())
     done = {"warn": "warned only", "skip": "its update skipped", "rollback": "rolled back"}[event["action"]]
     line = f"spike at step {event['step']}: {what} over {event['threshold']:g} ({event['score']}); {done}"
-    if "rolled_back_to" in event:
-        line += f" to step {event['rolled_back_to']}, skipping {event['skipped_samples']} samples"
+    if "data_resumes_at" in event:
+        at = event["data_resumes_at"]
+        line += f" to the newest checkpoint before it, the data on from epoch {at['epoch']}, sample {at['samples']}"
     return line + (f" ({event['note']})" if "note" in event else "")
