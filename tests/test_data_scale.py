@@ -200,3 +200,19 @@ def test_a_text_column_with_empty_rows_trains_to_the_end(tmp_path, streaming, ca
     assert len(read_metrics(run)) == 12 and all(m["loss"] == m["loss"] and m["loss"] < 10 for m in read_metrics(run))
     assert summary["data"]["rows_left_out"] == (None if streaming else 180)
     assert ("data: 180 of 240 rows" in capsys.readouterr().out) != streaming
+
+
+def test_a_missing_source_and_a_file_of_another_format_are_one_line_before_any_worker(tmp_path):
+    from framework.config import ConfigError, validate
+
+    paths = write_rows(tmp_path)
+    (tmp_path / "fake.parquet").write_text("not parquet at all\n")
+    cases = {
+        "data.sources[1].path": [f"data.sources=[{{path: {paths['json']}}}, {{path: {tmp_path / 'gone.jsonl'}}}]"],
+        "data.sources[0].text_column": [f"data.sources=[{{path: {paths['json']}, text_column: txt}}]"],
+        "data.path": [f"data.path={tmp_path / 'fake.parquet'}", "data.format=parquet"],
+    }
+    for key, args in cases.items():
+        with pytest.raises(ConfigError) as err:
+            validate(compose_config(["model=gpt", "data=hf", "parallel=none", *args]))
+        assert err.value.key == key and "\n" not in str(err.value), (key, str(err.value))

@@ -94,6 +94,21 @@ def check_sources(d: DictConfig) -> None:
         raise ConfigError("data.sources", "a mixture deals its own order round-robin: sampler=distributed, "
                                           "no rank_batch_sizes")  # fmt: skip
     try:
-        source_configs(d)
+        sources = source_configs(d)
     except OmegaConfBaseException as err:
         raise ConfigError("data.sources", f"an entry's key is not a data={d.name} setting: {err.msg}") from None
+    for k, (_, _, source) in enumerate(sources):  # each source's files, as a single source's are checked
+        _check_source_files(source, f"data.sources[{k}]")
+
+
+def _check_source_files(source: DictConfig, key: str) -> None:
+    from pathlib import Path
+
+    from framework.data.tokens import hf_problem
+
+    path = source.get("path")
+    if path is not None and not Path(str(path)).exists():
+        raise ConfigError(f"{key}.path", f"no file or folder at {str(path)!r}")
+    problem = hf_problem(source) if source.name == "hf" else None
+    if problem is not None:
+        raise ConfigError(f"{key}.{problem[0].removeprefix('data.')}", problem[1])

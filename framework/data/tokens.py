@@ -201,8 +201,13 @@ def hf_problem(d) -> tuple[str, str] | None:
         return "data.path", f"no file or folder at {d.path!r} (local files or a save_to_disk folder; nothing downloads)"
     try:
         columns = columns_of(d.path, d.format)
-    except (ValueError, FileNotFoundError) as err:
-        return str(err).split(": ", 1)[0], str(err).split(": ", 1)[1]
+    except Exception as err:  # noqa: BLE001 - ours name their key; a file of another format: pyarrow's, json's
+        text = str(err)
+        if isinstance(err, ValueError | FileNotFoundError) and text.startswith("data.") and ": " in text:
+            key, message = text.split(": ", 1)
+            return key, message
+        first = (text.splitlines() or [""])[0][:200]
+        return "data.path", f"{d.path!r} does not read as data.format={d.format} files: {type(err).__name__}: {first}"
     key, column = ("data.tokens_column", d.tokens_column) if d.tokens_column else ("data.text_column", d.text_column)
     if column not in columns:
         return key, f"no column {column!r} in {d.path}; its columns: {', '.join(columns)}"
