@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from framework.callbacks.health import is_run_checkpoint
 from framework.config.errors import ConfigError
 from framework.hooks import Run
 
@@ -94,7 +95,7 @@ class Checksum:
         self.run.control.rollback(at_most=self.agreed)
 
     def on_save(self, step: int, path: str | None) -> None:
-        if path is not None:  # None: the save failed (checkpoint.on_error=warn)
+        if is_run_checkpoint(self.run.checkpoint_root, path):  # not a failed save, nor the best one
             self.saved.add(step)
 
     def state_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from framework.callbacks.health import is_run_checkpoint
 from framework.config.errors import ConfigError
 from framework.figures import Figure
 from framework.hooks import Run
@@ -152,7 +153,7 @@ class SpikeGuard:
         self.step = step
 
     def on_save(self, step: int, path: str | None) -> None:
-        if path is not None:  # None: the save failed (checkpoint.on_error=warn)
+        if is_run_checkpoint(self.run.checkpoint_root, path):  # not a failed save, nor the best one
             self.saved.add(step)
 
     def state_dict(self) -> dict[str, Any]:
