@@ -76,6 +76,7 @@ def test_multirun_sweeps_strategies_each_job_its_own_group_and_summary(tmp_path)
         (["steps=-1"], "steps"),
         (["steps=abc"], "steps"),
         (["model=lstm"], "data"),
+        (["plan.gpu=B300"], "plan.gpu"),
     ],
 )
 def test_bad_input_is_one_clear_message_and_no_worker_starts(tmp_path, args, key):

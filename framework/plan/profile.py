@@ -257,12 +257,10 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
 def gpu_profile(cfg: DictConfig, part: str) -> Profile:
     """The profile of a GPU cluster from the part's published figures (framework.plan.gpu), on any
     machine: no probe, no cache; `plan.*` figures still come first."""
-    from framework.config import ConfigError
-    from framework.plan.gpu import SPECS
+    from framework.plan.gpu import check_part
 
+    check_part(part)
     spec = gpu_spec(part)
-    if spec is None:
-        raise ConfigError("plan.gpu", f"{part!r} is not a part the time model knows; one of {', '.join(SPECS)}")
     plan = cfg.plan
     kernels = _gpu_kernels(cfg, spec)
     intra, inter = spec.link_bytes_per_s()
