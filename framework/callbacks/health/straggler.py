@@ -17,10 +17,10 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from framework.config.errors import ConfigError
+from framework.dist import all_gather_object
 from framework.hooks import Run
 
 
@@ -72,7 +72,7 @@ class Stragglers:
         start, end = self.marks
         self.marks = None
         mine = start.elapsed_time(end) / 1000 if self.cuda else end - start  # settled: the events are done
-        times = gather_floats(mine, self.run.info)
+        times = all_gather_object(mine, self.run.info)  # every rank's, in rank order
         slowest = max(range(len(times)), key=times.__getitem__)
         others = [t for r, t in enumerate(times) if r != slowest] or times
         typical = statistics.median(others)
@@ -93,13 +93,3 @@ class Stragglers:
         for record in self.history:
             counts[record["slowest_rank"]] = counts.get(record["slowest_rank"], 0) + 1
         summary["straggler"] = {"every": self.every, "slowest_counts": counts, "history": self.history}
-
-
-def gather_floats(value: float, info: Any) -> list[float]:
-    """Every rank's `value`, in rank order (one all-gather; one process: its own)."""
-    if not info.distributed:
-        return [value]
-    mine = torch.tensor([value], dtype=torch.float64, device=info.device)
-    out = [torch.zeros_like(mine) for _ in range(info.world_size)]
-    dist.all_gather(out, mine)
-    return [t.item() for t in out]
