@@ -281,3 +281,20 @@ def wait_tasks(procs: list[subprocess.Popen], cwd: Path, timeout: float) -> list
 
 def task_outputs(cwd: Path, ntasks: int) -> str:
     return "\n".join(f"--- task {r}:\n{(cwd / f'task{r}.log').read_text()[-3000:]}" for r in range(ntasks))
+
+
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+
+
+def other_kernels() -> tuple[str, dict[str, str]]:
+    """(name, environment) of a family of math kernels other than the one this CPU runs by default,
+    forced through the math libraries' dispatch controls (read by a process at its start: a
+    spawned one). On a CPU with AVX-512 (and AMX): AVX2 for ATen, MKL and oneDNN alike. On one
+    whose best is AVX2: MKL's SSE2 code path (`MKL_CBWR=COMPATIBLE`; MKL ignores an ISA cap below
+    AVX) and oneDNN's SSE 4.1 kernels, ATen staying on AVX2: with ATen forced below it, inductor's
+    generated code does not build (torch 2.14: `at::vec` undeclared)."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return "AVX2", {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    return "MKL SSE2 path, oneDNN SSE 4.1", {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}

@@ -1,7 +1,9 @@
 """The matrix's runs: each cell composed and validated in this process (a refusal is its outcome),
 the rest trained in groups of workers of each world size (a fresh group every GROUP_CONFIGS
-configs), after the single-process references (tests/test_matrix.py). A config that raises ends its group: the configs before it are done, it is
-recorded as FAILED, and a fresh group runs the ones after it, so one failure hides no other cell.
+configs), after the single-process references and the noise floors' runs (tests/test_matrix.py,
+tests/matrix.py's FLOOR_MULTIPLE). A config that raises ends its group: the configs before it are
+done, it is recorded as FAILED, and a fresh group runs the ones after it, so one failure hides no
+other cell.
 """
 
 from __future__ import annotations
@@ -12,11 +14,21 @@ import os
 import sys
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import on_cpu, read_metrics, write_tiny_llama_config
-from tests.matrix import BASE, GLOBAL_BATCH, STEPS, TOLERANCE, Cell
+from tests.helpers import KERNEL_VARIABLES, on_cpu, read_metrics, write_tiny_llama_config
+from tests.matrix import (
+    BASE,
+    BATCH_STATISTICS,
+    CHOICE_SETTINGS,
+    FLOOR_AT_LEAST,
+    FLOOR_MULTIPLE,
+    GLOBAL_BATCH,
+    STEPS,
+    Cell,
+)
 
 SAVED_AT = 2  # a resumed cell's checkpoint: after this many steps, at another world size
 # configs one group of workers trains before a fresh group takes the rest: each run's process
@@ -24,6 +36,7 @@ SAVED_AT = 2  # a resumed cell's checkpoint: after this many steps, at another w
 # and a worker with thousands of them trains each config slower than the last (1-2 s a cell at
 # first, 12-90 s after 300)
 GROUP_CONFIGS = 40
+REVERSED = "-reversed"  # a floor's run whose every batch has its samples in reverse order
 
 
 def prepare(folder: Path) -> dict[str, str]:
@@ -98,6 +111,64 @@ def model_part(cell: Cell) -> list[str]:
     return [o for o in cell.model.overrides if not (own_data and o.startswith("data"))]
 
 
+def floor_runs(cell: Cell, folders: dict[str, str]) -> dict[str, list[str]]:
+    """{key: overrides} of the runs that measure the noise floor of the cell's model and precision:
+    one process on the model's own data, then the same summed in other orders (its samples
+    reversed; its global batch as two accumulated micro-batches, but for a model with batch
+    statistics, where that is another model)."""
+    precision = [] if cell.precision == "fp32" else [f"precision={cell.precision}"]
+    precision += [s for p in precision for s in CHOICE_SETTINGS.get(p, ())]
+    base = _fill([*cell.model.overrides, "parallel=none", *precision], folders)
+    runs = {key_of(base): base, key_of(base) + REVERSED: base}
+    if cell.model.name.split("(")[0] not in BATCH_STATISTICS:
+        runs[key_of([*base, "accumulation_steps=2"])] = [*base, "accumulation_steps=2"]
+    return runs
+
+
+def measured_floor(cell: Cell, out: Path, folders: dict[str, str], errors: dict[str, str]) -> float:
+    """The worst relative loss difference, over the steps, of the floor's reordered runs from its
+    first (raises with the error of a floor's run that failed)."""
+    keys = list(floor_runs(cell, folders))
+    failed = [k for k in keys if k in errors]
+    if failed:
+        raise RuntimeError(f"the noise floor's run failed: {errors[failed[0]]}")
+    want = losses(out / keys[0])
+    return max(deviation(losses(out / k), want, want) for k in keys[1:])
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
+
+
+def deviation(got: dict[int, float], want: dict[int, float], steps) -> float:
+    return max(abs(got[s] - want[s]) / abs(want[s]) for s in steps)
+
+
+@contextmanager
+def reversed_samples():
+    """Every batch the data pipeline prepares with its samples in reverse order (inputs and targets
+    alike): the same training, its sums over the batch taken in another order."""
+    import torch
+
+    from framework.data import DataPipeline
+
+    prepare = DataPipeline.prepare
+
+    def reverse(self, batch, device, non_blocking=None):
+        inputs, target = prepare(self, batch, device, non_blocking)
+
+        def flip(t):
+            return t.flip(0) if isinstance(t, torch.Tensor) and t.dim() and t.size(0) == target.size(0) else t
+
+        return tuple(map(flip, inputs)), flip(target)
+
+    DataPipeline.prepare = reverse
+    try:
+        yield
+    finally:
+        DataPipeline.prepare = prepare
+
+
 def key_of(overrides: list[str]) -> str:
     return hashlib.sha1("\n".join(overrides).encode()).hexdigest()[:12]
 
@@ -116,7 +187,7 @@ def save_plan(cell: Cell, folders: dict[str, str]) -> tuple[list[str], int]:
     )
 
 
-def run_batch(configs: dict[str, dict], world: int, out: Path) -> dict[str, str]:
+def run_batch(configs: dict[str, dict], world: int, out: Path, start_method: str = "forkserver") -> dict[str, str]:
     """Train `configs` in groups of `world` workers; {name: error} of those that raised."""
     from framework.machine import launch_local
     from framework.run.sweep import device_and_backend
@@ -126,7 +197,7 @@ def run_batch(configs: dict[str, dict], world: int, out: Path) -> dict[str, str]
     while remaining:
         group = dict(list(remaining.items())[:GROUP_CONFIGS])
         try:
-            launch_local(world, _train_batch, group, str(out), device_and_backend(group))
+            launch_local(world, _train_batch, group, str(out), device_and_backend(group), start_method=start_method)
             failure = None
         except Exception as err:  # the first config not done ended the group
             failure = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
@@ -162,8 +233,9 @@ def _train_batch(configs: dict[str, dict], out_dir: str, place: tuple[str, str])
         for name, config in configs.items():
             cfg, run_dir, started = OmegaConf.create(config), Path(out_dir) / name, time.perf_counter()
             torch.manual_seed(cfg.seed)
+            reorder = reversed_samples() if name.endswith(REVERSED) else nullcontext()
             try:
-                with Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
+                with reorder, Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
                     train(cfg, info, RunFiles(str(run_dir), info), {"parallel": cfg.parallel.name}, guard)
             except BaseException as err:
                 run_dir.mkdir(parents=True, exist_ok=True)
@@ -171,47 +243,71 @@ def _train_batch(configs: dict[str, dict], out_dir: str, place: tuple[str, str])
                 (run_dir / f"error-rank{info.rank}.txt").write_text(trace)
                 raise
             if info.is_main:
-                (run_dir / "done").write_text(f"{time.perf_counter() - started:.2f}")
+                kernels = {k: os.environ[k] for k in KERNEL_VARIABLES if k in os.environ}
+                kernels["aten"] = torch.backends.cpu.get_cpu_capability()
+                done = {"seconds": time.perf_counter() - started, "kernels": kernels}
+                (run_dir / "done").write_text(json.dumps(done))
     finally:
         destroy_distributed()
 
 
-def outcome(cell: Cell, run_dir: Path, ref_dir: Path, error: str | None) -> tuple[str, str]:
-    """("parity", the worst relative difference) or ("FAILED", why) of a cell that ran."""
-    if error is not None:
-        return "FAILED", error
+def outcome(cell: Cell, run_dir: Path, ref_dir: Path, floor: float) -> tuple[str, str, dict]:
+    """("parity", its deviation and floor) or ("FAILED", why) of a cell that ran, and its figures:
+    the worst relative loss difference from one process over the steps, the noise floor measured
+    for its model and precision, and their ratio (the floor no lower than the unit roundoff)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     if summary.get("status") != "ok":
-        return "FAILED", f"status {summary.get('status')}: {summary.get('error')}"
-    got = {m["step"]: m["loss"] for m in read_metrics(run_dir)}
-    want = {m["step"]: m["loss"] for m in read_metrics(ref_dir)}
+        return "FAILED", f"status {summary.get('status')}: {summary.get('error')}", {}
+    got, want = losses(run_dir), losses(ref_dir)
     steps = range(SAVED_AT + 1, STEPS + 1) if resumes(cell) else range(1, STEPS + 1)
     if sorted(got) != list(steps):
-        return "FAILED", f"logged steps {sorted(got)}, expected {list(steps)}"
-    tol = TOLERANCE[cell.precision]
-    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in steps)
-    if worst > tol:
-        return "FAILED", f"losses {[got[s] for s in steps]} vs one process {[want[s] for s in steps]}"
+        return "FAILED", f"logged steps {sorted(got)}, expected {list(steps)}", {}
+    worst = deviation(got, want, steps)
+    figures = {"deviation": worst, "floor": floor, "ratio": worst / max(floor, FLOOR_AT_LEAST),
+               "kernels": json.loads((run_dir / "done").read_text())["kernels"]}  # fmt: skip
+    measured = f"deviation {worst:.1e}, {figures['ratio']:.3g}x the floor {floor:.1e}"
+    if figures["ratio"] > FLOOR_MULTIPLE and (warmup := scale_warmup(cell, run_dir, ref_dir)):
+        return "warm-up", warmup, figures
+    if figures["ratio"] > FLOOR_MULTIPLE:
+        return "FAILED", f"{measured} (bound {FLOOR_MULTIPLE}x): losses {[got[s] for s in steps]} vs one " \
+                         f"process {[want[s] for s in steps]}", figures  # fmt: skip
     if "checkpoint.export=true" in cell.feature.overrides and not any(
         (run_dir / f).exists() for f in ("model.pt", "hf")
     ):
-        return "FAILED", "checkpoint.export=true wrote neither model.pt nor hf/"
-    return "parity", f"worst relative difference {worst:.1e} (bound {tol:g})"
+        return "FAILED", "checkpoint.export=true wrote neither model.pt nor hf/", figures
+    return "parity", f"{measured} (bound {FLOOR_MULTIPLE}x)", figures
 
 
-def refusal(err: Exception) -> tuple[str, str]:
+def scale_warmup(cell: Cell, run_dir: Path, ref_dir: Path) -> str | None:
+    """amp from its default first scale (2^16): where the cell's scaler skipped its first update
+    (an overflow, then the scale halves) and one process's did not, and nothing else, the
+    explanation; else None. Data parallel's ranks backpropagate dp x the one process's per-token
+    gradients (FSDP averages them after), and float16 parameters hold less range than autocast's
+    float32 ones: the same scale can overflow under a layout and not alone."""
+    if cell.precision != "amp":
+        return None
+    skipped = [[m["step"] for m in read_metrics(d) if m.get("skipped")] for d in (run_dir, ref_dir)]
+    if skipped != [[1], []]:
+        return None
+    return "the loss scaler's warm-up: this layout's first update overflowed at the default first scale and was skipped, one process's was not"
+
+
+def refusal(err: Exception) -> tuple[str, str, dict]:
     """A config error is a refusal if it is one line naming its key; anything else FAILED."""
     from framework.config import ConfigError
 
     text = str(err)
     if isinstance(err, ConfigError) and "\n" not in text and text.startswith(f"{err.key}: "):
-        return "refused", text
-    return "FAILED", f"{type(err).__name__} while composing: {text.strip().splitlines()[-1] if text.strip() else ''}"
+        return "refused", text, {}
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    return "FAILED", f"{type(err).__name__} while composing: {last}", {}
 
 
-def run_cells(cells: list[Cell], out: Path) -> dict[str, tuple[str, str]]:
-    """{cell id: (outcome, detail)} for every cell: refusals composed here, then the references,
-    the resumed cells' saves and the cells in groups of workers of each world size."""
+def run_cells(cells: list[Cell], out: Path, start_method: str = "forkserver") -> dict[str, tuple[str, str, dict]]:
+    """{cell id: (outcome, detail, figures)} for every cell: refusals composed here, then the
+    references and floors, the resumed cells' saves and the cells in groups of workers of each
+    world size. `spawn` starts each group's workers afresh, in this process's environment as it
+    is now (forced math kernels: a forkserver keeps the kernels it chose when it started)."""
     folders = prepare(out / "folders")
     results: dict[str, tuple[str, str]] = {}
     planned: dict[int, dict[str, tuple[Cell, list[str]]]] = {}
@@ -225,15 +321,16 @@ def run_cells(cells: list[Cell], out: Path) -> dict[str, tuple[str, str]]:
             results[cell.id] = refusal(err)
             continue
         refs[key_of(reference_overrides(cell, folders))] = reference_overrides(cell, folders)
+        refs |= floor_runs(cell, folders)
         if resumes(cell):
             save, world = save_plan(cell, folders)
             saves.setdefault(world, {})[key_of(save)] = save
         planned.setdefault(cell.strategy.world, {})[key_of([cell.id])] = (cell, config)
-    _run_phases(planned, refs, saves, out, results, folders)
+    _run_phases(planned, refs, saves, out, results, folders, start_method)
     return results
 
 
-def _run_phases(planned, refs, saves, out: Path, results: dict, folders: dict[str, str]) -> None:
+def _run_phases(planned, refs, saves, out: Path, results: dict, folders: dict[str, str], start_method: str) -> None:
     """World 1 (references, saves for other worlds, one-process cells), then each larger world
     (its saves, its cells), then the one-process cells that resume from a save at 2."""
     from framework.checkpoint.store import step_dir
@@ -261,9 +358,13 @@ def _run_phases(planned, refs, saves, out: Path, results: dict, folders: dict[st
                 except Exception as err:  # a save that failed leaves no folder to resume
                     errors[key] = f"{type(err).__name__}: {err}"
         if configs:
-            errors |= run_batch(configs, world, out)
+            errors |= run_batch(configs, world, out, start_method)
     for world_cells in planned.values():
         for key, (cell, _) in world_cells.items():
             ref = out / key_of(reference_overrides(cell, folders))
             error = errors.get(key) or (f"the reference failed: {errors[ref.name]}" if ref.name in errors else None)
-            results[cell.id] = outcome(cell, out / key, ref, error)
+            try:
+                floor = measured_floor(cell, out, folders, errors)
+            except RuntimeError as err:
+                error = error or str(err)
+            results[cell.id] = ("FAILED", error, {}) if error else outcome(cell, out / key, ref, floor)

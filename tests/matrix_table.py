@@ -7,12 +7,14 @@ import os
 from pathlib import Path
 
 from tests.helpers import ROOT
-from tests.matrix import GLOBAL_BATCH, STEPS, TOLERANCE, Cell
+from tests.matrix import FLOOR_AT_LEAST, FLOOR_MULTIPLE, GLOBAL_BATCH, STEPS, Cell
 
-MARKS = {"parity": "✓", "refused": "✗", "FAILED": "FAILED"}
+MARKS = {"parity": "✓", "refused": "✗", "warm-up": "✓ w", "FAILED": "FAILED"}
 
 
-def write_table(cells: list[Cell], results: dict[str, tuple[str, str]], seconds: float, name: str = "matrix") -> Path:
+def write_table(
+    cells: list[Cell], results: dict[str, tuple[str, str, dict]], seconds: float, name: str = "matrix"
+) -> Path:
     notes: dict[str, int] = {}
     plain = [c for c in cells if c.feature.name.startswith("plain")]
     lines = [
@@ -20,9 +22,14 @@ def write_table(cells: list[Cell], results: dict[str, tuple[str, str]], seconds:
         "",
         f"Written by `make matrix` (tests/test_matrix.py; {len(cells)} cells in {seconds / 60:.1f} min on this "
         "machine's CPUs, gloo). Axes generated from the config schema (tests/matrix.py). Each cell trains "
-        f"{STEPS} steps at a global batch of {GLOBAL_BATCH}: ✓ the losses equal the single-process run's "
-        f"(relative, every step: fp32 {TOLERANCE['fp32']:g}, bf16 {TOLERANCE['bf16']:g}, amp {TOLERANCE['amp']:g}); "
+        f"{STEPS} steps at a global batch of {GLOBAL_BATCH}: ✓ r: the losses equal the single-process run's, "
+        "their worst relative difference over the steps r times the noise floor of the model and precision "
+        f"(below; parity: r at most {FLOOR_MULTIPLE}); "
+        "✓ w: amp from its default first scale, the layout's first update skipped by its loss scaler (an "
+        "overflow of its float16 range) where one process's was not (the losses part from there); "
         "✗ n: refused before any worker starts, for reason n below; FAILED: neither (a bug); · not run.",
+        "",
+        *_floors(cells, results),
         "",
         "## Every model under every strategy (fp32)",
         "",
@@ -39,6 +46,29 @@ def write_table(cells: list[Cell], results: dict[str, tuple[str, str]], seconds:
     return out
 
 
+def _floors(cells: list[Cell], results: dict) -> list[str]:
+    """The noise floors the cells were held to: per model and precision, the worst relative loss
+    difference of one process's run summed in another order (tests/matrix.py, FLOOR_MULTIPLE)."""
+    floors: dict[tuple[str, str], float] = {}
+    for c in cells:
+        figures = results.get(c.id, ("", "", {}))[2]
+        if "floor" in figures:
+            floors[(c.model.name, c.precision)] = figures["floor"]
+    precisions = [p for p in ("fp32", "bf16", "amp") if any(k[1] == p for k in floors)]
+    lines = [
+        "Noise floors (one process's run with its batch's samples reversed, and as two accumulated "
+        f"micro-batches where no layer reads the whole batch; never taken below {FLOOR_AT_LEAST:.1e}, "
+        "float32's unit roundoff):",
+        "",
+        "| model | " + " | ".join(precisions) + " |",
+        "|---" * (len(precisions) + 1) + "|",
+    ]
+    for model in dict.fromkeys(k[0] for k in floors):
+        row = [f"{floors[(model, p)]:.1e}" if (model, p) in floors else "·" for p in precisions]
+        lines.append(f"| `{model}` | " + " | ".join(row) + " |")
+    return lines
+
+
 def _grid(cells: list[Cell], results: dict, notes: dict[str, int], row, col) -> list[str]:
     from tests.matrix import features, models, strategies
 
@@ -51,8 +81,10 @@ def _grid(cells: list[Cell], results: dict, notes: dict[str, int], row, col) -> 
         marks = []
         for c in cols:
             cell = at.get((r, c))
-            kind, detail = results.get(cell.id, ("", "")) if cell else ("", "")
+            kind, detail, figures = results.get(cell.id, ("", "", {})) if cell else ("", "", {})
             mark = MARKS.get(kind, "·")
+            if kind == "parity":
+                mark += f" {figures['ratio']:.2g}"
             if kind in ("refused", "FAILED"):
                 mark += f" {notes.setdefault(detail.replace('|', '/'), len(notes) + 1)}"
             marks.append(mark)

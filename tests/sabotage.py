@@ -195,6 +195,10 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("a rollback that reads on from where the data was, not from its checkpoint's place", "framework/run/trainer.py",
      "        epoch, samples = back.data_position", "        epoch, samples = self.parts.data.epoch, self.parts.data.samples",
      "tests/test_callbacks.py::test_a_callback_saves_skips_an_update_and_rolls_back"),
+    # the matrix under its noise-floor rule (tests/matrix.py FLOOR_MULTIPLE): the issue's own cell
+    ("BatchNorm's statistics each rank's own (sync_batchnorm ignored)", "framework/parallel/__init__.py",
+     'if not cfg.parallel.get("sync_batchnorm", True) or', "if True or",
+     "tests/test_matrix.py::test_covering_subset[resnet|fsdp(version=1,reshard_after_forward=false)|memory=checkpoint]"),
 ]  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache",

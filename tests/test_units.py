@@ -61,7 +61,18 @@ def test_lstm_ignores_padding():
     assert torch.allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("checkpoint_every", [0, 1, 2])
+def test_lstm_trains_under_cpu_bf16_autocast_a_batch_of_one_length():
+    """oneDNN's bfloat16 LSTM cannot build a primitive for a batch whose sequences all have one
+    length (two micro-batches of a varlen batch under accumulation met it): such a batch trains,
+    and oneDNN is on again after the recurrence."""
+    torch.manual_seed(0)
+    model = LSTMClassifier(embed_dim=16, hidden=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(1, 32, (3, 4)), torch.tensor([4, 4, 4])).float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.lstm.parameters())
+    assert torch.backends.mkldnn.enabled
+
+
 def test_gpt_flops_per_token_match_flops_counted_on_a_real_training_step(checkpoint_every):
     """MFU's FLOPs (and HFU's, with the recomputation of checkpointed blocks) against what torch's
     FlopCounterMode counts in one forward + backward. Attention runs on SDPA's math path here:
