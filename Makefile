@@ -42,10 +42,11 @@ matrix: $(STAMP)
 	HYDRADIST_RESULTS_DIR=docs/results $(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix $(ARGS)
 
 # the covering subset of the matrix (every pair of a model, a strategy family and a feature meets;
-# part of `make test`), alone, its table written to docs/results/matrix-subset/matrix.md
+# part of `make test`), alone, on this CPU's kernels and another family's, its tables written to
+# docs/results/matrix-subset/ (matrix.md, matrix_wide.md, matrix_kernels.md)
 matrix-subset: $(STAMP)
 	HYDRADIST_RESULTS_DIR=docs/results/matrix-subset $(VENV)/bin/python -m pytest -n 2 --dist loadfile \
-		tests/test_matrix.py tests/test_matrix_wide.py -k covering_subset $(ARGS)
+		tests/test_matrix.py tests/test_matrix_wide.py tests/test_matrix_kernels.py -k covering_subset $(ARGS)
 
 # each one-line sabotage of tests/sabotage.py in a temporary copy, and the test that catches it
 sabotage: $(STAMP)

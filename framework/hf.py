@@ -25,7 +25,9 @@ Rename = Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 
 def check_config_folder(folder: str | None, key: str = "model.config") -> str | None:
     """Why `folder` cannot configure a model (None: it can)."""
-    if folder is None or not os.path.isdir(folder):
+    if folder is None:
+        return "not set: model.pretrained=<folder> (config.json and *.safetensors) or model.config=<folder with config.json>"
+    if not os.path.isdir(folder):
         return f"no folder at {folder!r}; give a folder with a Hugging Face config.json"
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return f"{folder!r} has no config.json"

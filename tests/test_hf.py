@@ -19,8 +19,9 @@ STEPS, GLOBAL_BATCH = 4, 8
 
 
 def base(folder, *extra) -> list[str]:
-    return ["experiment=smoke", "logger=none", f"steps={STEPS}", "model=hf", f"model.config={folder}",
-            "optim.grad_clip=0", *extra]  # fmt: skip
+    """`folder`: model.config's (None: not set, as model.pretrained's folder gives it)."""
+    config = [] if folder is None else [f"model.config={folder}"]
+    return ["experiment=smoke", "logger=none", f"steps={STEPS}", "model=hf", *config, "optim.grad_clip=0", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def _first_global_batch(cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_pretrained_loads_into_fsdp_shards_with_hf_first_loss(llama, tmp_path):
     config, pretrained, model = llama
-    overrides = [*base(config), "parallel=fsdp", "data.batch_size=4", f"model.pretrained={pretrained}",
+    # model.config unset: model=hf reads the pretrained folder's config.json, as model=llama does
+    overrides = [*base(None), "parallel=fsdp", "data.batch_size=4", f"model.pretrained={pretrained}",
                  f"checkpoint.every={STEPS}", "checkpoint.export=true"]  # fmt: skip
     summary = run_configs({"fsdp": world_config(overrides, 2)}, 2, str(tmp_path))["fsdp"]
     inputs, target = _first_global_batch(OmegaConf.create(world_config(overrides, 2)))
@@ -156,3 +158,12 @@ def test_loading_holds_one_full_size_tensor_at_a_time(llama):
         # worker thread may still hold the previous tensor's buffer a moment after its broadcast
         # returns (seen once in CI: 2.5 parameters), so three at most; all of it would be the model
         assert peak <= 3 * largest < total / 2, f"{peak} bytes alive while loading; one full parameter is {largest}"
+
+
+def test_a_hugging_face_model_without_a_folder_is_one_line_naming_the_keys():
+    from framework.config import ConfigError, validate
+    from tests.helpers import compose_config
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(base(None)))
+    assert err.value.key == "model.config" and "model.pretrained=<folder>" in str(err.value), str(err.value)

@@ -113,7 +113,7 @@ class HFConfig(ModelConfig):
 
     name: str | None = "hf"
     _target_: str = "framework.hf.from_config"
-    config: str = MISSING  # a folder with config.json
+    config: str | None = None  # a folder with config.json (conf: model.pretrained's)
     trust_remote_code: bool = False  # run the folder's own modelling code (off unless named here)
     attn_implementation: str = "sdpa"  # sdpa | eager
 
