@@ -231,6 +231,7 @@ def export_at_end(cfg, run_dir: str, par, is_main: bool) -> str:
     path = os.path.join(run_dir, "hf" if has_hf_layout(cfg) else "model.pt")
     if not is_main:
         return path
+    written = f"{path} (Hugging Face: config.json + model.safetensors)"
     if cfg.model.get("name") == "hf":
         write_transformers_hf(cfg, path, state)
     elif has_hf_layout(cfg):
@@ -238,8 +239,13 @@ def export_at_end(cfg, run_dir: str, par, is_main: bool) -> str:
         write_llama_hf(cfg, path, tensors, state.__getitem__)
         if enabled(cfg.get("peft")):
             write_peft_adapter(cfg, os.path.join(run_dir, "adapter"), tensors, state.__getitem__)
+            written = (
+                f"{path} (LoRA merged in; Hugging Face) and {os.path.join(run_dir, 'adapter')} (the adapter, PEFT's)"
+            )
     else:
         torch.save(state, path)
+        written = f"{path} (the full state dict: torch.load(path, weights_only=True))"
+    print(f"export: {written}", flush=True)
     return path
 
 
@@ -273,8 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{a.out}: Hugging Face Llama ({args.n_layers} layers, dim {args.dim}, vocabulary {args.vocab_size})")
+    print(
+        f"{a.out}: {written_kind(args, a.format)} ({args.n_layers} layers, dim {args.dim}, vocabulary {args.vocab_size})"
+    )
     return 0
+
+
+def written_kind(args: LlamaArgs, fmt: str) -> str:
+    """What the CLI wrote, as its reader knows it: PEFT's adapter, or transformers' architecture."""
+    if fmt == "peft":
+        return "a PEFT LoRA adapter of a Hugging Face " + ("Mixtral" if args.moe.experts else "Llama")
+    return f"Hugging Face Mixtral ({args.moe.experts} experts)" if args.moe.experts else "Hugging Face Llama"
 
 
 if __name__ == "__main__":

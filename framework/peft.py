@@ -104,3 +104,11 @@ def init_adapters(model: nn.Module, rank: int, seed: int) -> None:
             fill_(p.to_local(), adapter_rule(name, rank), seed, name, p.shape, offset)
         else:
             fill_(p, adapter_rule(name, rank), seed, name)
+
+
+def describe(model: nn.Module, cfg: DictConfig) -> str:
+    """The console's line of what trains under the adapters (counted on the unwrapped model)."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (f"peft: LoRA rank {cfg.rank} (alpha {cfg.alpha:g}) on {list(cfg.targets)}: {trainable:,} trainable "
+            f"parameters of {total:,} ({trainable / max(total, 1):.2%})")  # fmt: skip

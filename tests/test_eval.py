@@ -194,6 +194,10 @@ def test_patience_stops_every_rank_after_the_same_step(tmp_path):
     summary = read_summary(run)
     assert summary["status"] == "ok" and summary["stopped_early"] == 3
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3] and summary["eval"]["best_step"] == 1
+    # the console says each validation loss and why the run stopped
+    evals = [line for line in proc.stdout.splitlines() if line.startswith("eval at step")]
+    assert len(evals) == 3 and evals[0].startswith("eval at step 1: val_loss "), proc.stdout[-2000:]
+    assert "early stop: no improvement by more than eval.min_delta=100 in eval.patience=2" in evals[2], evals
 
 
 def module_cli(module: str, args: list[str]) -> subprocess.CompletedProcess:

@@ -96,7 +96,20 @@ def lora_runs(pretrained, tmp_path_factory):
                          "checkpoint.export=true"], root / name)  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
         runs[name] = root / name
+        (root / name / "console.txt").write_text(run.stdout)
     return hf_folder, runs
+
+
+def test_the_console_says_what_trains_and_what_the_export_wrote(lora_runs):
+    """The trainable parameters under LoRA (the adapters' own count), and the export's folders."""
+    _, runs = lora_runs
+    console = (runs["one"] / "console.txt").read_text()
+    line = next(x for x in console.splitlines() if x.startswith("peft: LoRA rank"))
+    from safetensors.torch import load_file
+
+    adapter = load_file(runs["one"] / "adapter" / "adapter_model.safetensors")
+    assert f": {sum(t.numel() for t in adapter.values()):,} trainable parameters of " in line, line
+    assert f"export: {runs['one'] / 'hf'} (LoRA merged in; Hugging Face) and {runs['one'] / 'adapter'}" in console
 
 
 def losses(run_dir) -> list[float]:

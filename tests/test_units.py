@@ -331,3 +331,13 @@ def test_a_rank_threads_over_the_cores_it_may_use_not_the_machines():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1"]
+
+
+def test_the_export_cli_names_what_it_wrote():
+    """An adapter is PEFT's, a Llama with routed experts transformers' Mixtral (not "a Llama")."""
+    from framework.export import written_kind
+    from models.llama_args import FLAVORS
+
+    assert written_kind(FLAVORS["debug"], "hf") == "Hugging Face Llama"
+    assert written_kind(FLAVORS["debug_moe"], "hf") == "Hugging Face Mixtral (4 experts)"
+    assert written_kind(FLAVORS["debug"], "peft") == "a PEFT LoRA adapter of a Hugging Face Llama"

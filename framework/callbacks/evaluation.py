@@ -232,12 +232,24 @@ class Evaluation:
         if improved and self.best is not None:
             self.run.save(self.best, done)
             self.best_saves += 1
-        if e.patience and self.stale >= e.patience and done < self.run.cfg.steps:
+        stop = bool(e.patience and self.stale >= e.patience and done < self.run.cfg.steps)
+        if stop:
             self.stopped_at = done
             self.run.control.stop("eval.patience")
+        if self.run.info.is_main:
+            print(self.describe(done, record["val_loss"], stop), flush=True)
         self.run.control.log_step()
         self.run.call("on_evaluate", step, record)
         return record
+
+    def describe(self, done: int, loss: float, stop: bool) -> str:
+        """The console's line of an evaluation (and, when it stops the run, why)."""
+        line = f"eval at step {done}: val_loss {loss:.4f} (best {self.best_loss:.4f} at step {self.best_step})"
+        if stop:
+            e = self.run.cfg.eval
+            line += (f"; early stop: no improvement by more than eval.min_delta={e.min_delta:g} in "
+                     f"eval.patience={e.patience} evaluations")  # fmt: skip
+        return line
 
     def state_dict(self) -> dict[str, Any]:  # a resumed run goes on from its best, not from scratch
         if self.best_step is None and not self.stale:

@@ -9,8 +9,7 @@ blocks and a block's parameters are gathered again for its recomputation; contex
 wraps nothing (it shards the batch and routes attention to a ring, also in the recomputation); compilation per block
 after checkpointing (the recomputation is compiled too) and before FSDP, whose hooks and
 collectives stay outside the compiled graphs; the data-parallel wrapper last, over the final
-parameters. A pipeline split comes before all of them: each stage is
-then parallelized like a model of its own.
+parameters. A pipeline split comes before all of them: each stage is then parallelized alone.
 
 The result, ``Parallelized``, is what the trainer needs of any strategy: the module to run, a
 gradient-sync switch for accumulation, gradient clipping that knows how gradients are sharded,
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from framework import peft
 from framework.contract import ModelSpec, blocks_of, build_model
 from framework.dist import DistInfo
 from framework.measure.memory import apply_activation_checkpointing
@@ -39,7 +39,6 @@ from framework.modules import map_blocks, materialize_model
 from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split
 from framework.parallel.ties import SplitTies, retie, split_ties
-from framework.peft import apply_peft
 
 
 @dataclass
@@ -108,7 +107,9 @@ def parallelize(
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, info.device)
-        apply_peft(model, cfg.get("peft"), spec.blocks, cfg.seed)
+        peft.apply_peft(model, cfg.get("peft"), spec.blocks, cfg.seed)
+    if peft.enabled(cfg.get("peft")) and info.is_main:
+        print(peft.describe(model, cfg.peft), flush=True)
     decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
     decay |= {alias for alias, source in spec.ties.items() if source in decay}  # a pipeline's copy of a tie
     par = _wrap(model, spec, cfg, info, strategy)
