@@ -3,6 +3,10 @@
 Composes conf/ with Hydra, validates, then starts `launch.nproc_per_node` local workers through
 torch's elastic launcher, or, when a launcher such as torchrun already started this process as a
 worker (RANK/WORLD_SIZE set), trains directly. See framework/launch.py.
+
+A plain run composes its config once, before torch is imported (framework/config/hydra_job.py):
+when it will start local workers, their forkserver starts then and imports torch beside this
+process instead of after it.
 """
 
 import sys
@@ -27,20 +31,26 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from framework.config import register_configs, register_resolvers  # noqa: E402
-from framework.config.overrides import check_overrides  # noqa: E402
-from framework.data import register_data_vocab  # noqa: E402
-from framework.launch import main as launch_main  # noqa: E402
+from framework.config.hydra_job import run_plain  # noqa: E402
 
 register_configs()
-register_resolvers()  # ${run_id:} in hydra.run.dir
-register_data_vocab()  # ${data_vocab:}: a model's vocab_size follows its data's tokenizer
+register_resolvers()  # ${run_id:} in hydra.run.dir; ${data_vocab:}: a model's vocab_size follows its data
 
 
-@hydra.main(version_base=None, config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> dict | None:
+def launch(cfg: DictConfig) -> float | None:
+    from framework.launch import main as launch_main  # torch: imported once the config is composed
+
     return launch_main(cfg)
 
 
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    return launch(cfg)
+
+
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:])  # a misspelt choice or key: one line and exit 2, not Hydra's dump
-    main()
+    if not run_plain(sys.argv[1:], launch, __file__):  # a plain run composes its config once
+        from framework.config.overrides import check_overrides
+
+        check_overrides(sys.argv[1:])  # a misspelt choice or key: one line and exit 2, not Hydra's dump
+        main()  # -m, Hydra's flags, a config that sweeps: Hydra's own path

@@ -6,7 +6,8 @@ gpt + DDP job; none of the framework. Run under torchrun:
 
     torchrun --standalone --nproc_per_node=2 benchmarks/raw_ddp.py --steps 30 --precision fp32
 
-Rank 0 prints one JSON line: per-step seconds and tokens.
+Rank 0 prints one JSON line: per-step seconds and tokens, and for startup.py, when its process
+started and when its first step ended (time.time()).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from framework.data.datasets import ByteTextDataset  # noqa: E402
+from framework.machine import process_start_time  # noqa: E402
 from models import GPT  # noqa: E402
 
 
@@ -64,7 +66,7 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
-    seconds, tokens, epoch = [], [], 0
+    seconds, tokens, epoch, first_step_at = [], [], 0, None
     batches = iter(loader)
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -87,8 +89,11 @@ def main() -> None:
         dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
         seconds.append(time.perf_counter() - t0)
         tokens.append(x.numel() * world)
+        if len(seconds) == 1:
+            first_step_at = time.time()
     if rank == 0:
-        print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+        times = {"process_started_at": process_start_time(), "first_step_at": first_step_at}
+        print(json.dumps({"seconds": seconds, "tokens": tokens, **times}), flush=True)
     dist.destroy_process_group()
 
 

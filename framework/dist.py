@@ -18,8 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from framework.machine import (
-    local_launch_config,  # noqa: F401  (re-exported: launch and the sweeps start workers through it)
+from framework.machine import (  # noqa: F401  (re-exported: launch and the sweeps start workers through it)
+    launched_as_worker,
+    local_launch_config,
+    slurm_task,
     usable_cores,
 )
 
@@ -46,19 +48,6 @@ class DistInfo:
 def restart_count() -> int:
     """How often torch's elastic agent has restarted the workers (0: first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
-def launched_as_worker() -> bool:
-    """True when an outside launcher (torchrun, srun, ...) started this process as one rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def slurm_task() -> bool:
-    """True under `srun` with several tasks and no torchrun in between: each task is one rank."""
-    env = os.environ
-    needed = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID")
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    return "RANK" not in env and all(k in env for k in needed) and bool(nodelist) and int(env["SLURM_NTASKS"]) > 1
 
 
 def first_host(nodelist: str) -> str:

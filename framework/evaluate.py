@@ -1,16 +1,20 @@
 """`python -m framework.evaluate RUN_DIR|CHECKPOINT [key=value ...]`: the held-out loss of a saved
 checkpoint, under any layout (DCP reshards on load), written to `eval.json` and printed.
 `python -m framework.evaluate key=value ...` (no checkpoint): the loss of a model before any
-training here (`model=llama model.pretrained=DIR`, `model=hf ...`, a `_target_` model), its config
-composed as train.py composes it, under any strategy; printed.
+training here (`model=llama model.pretrained=DIR`, `model=hf model.pretrained=DIR`, a `_target_`
+model), its config composed as train.py composes it, under any strategy; printed.
 
-- RUN_DIR: its best checkpoint (checkpoint.monitor), else its newest; CHECKPOINT: that folder.
-- The model and data are the run's (the config saved beside the checkpoints); overrides change
-  them: `parallel.name=fsdp launch.nproc_per_node=2` evaluates under the launcher, like train.py
-  (default: one process, parallel.name=none); `eval.steps=N` reads N batches per rank.
-- Data: the run's validation split; or, with `data.path=FILE` (lm), the whole file as consecutive
-  windows at 0, T, 2T, ... (inputs [i, i+T), targets [i+1, i+T+1), the last incomplete window
-  dropped), and the loss is the mean over all predicted tokens: any other tool can reproduce it.
+- The input is read as every door reads it (framework/config/door.py): RUN_DIR's best checkpoint
+  (checkpoint.monitor), else its newest; CHECKPOINT that folder; its model and data the run's (the
+  config saved beside the checkpoints), the overrides on top, checked as train.py checks them:
+  `parallel=fsdp launch.nproc_per_node=2` evaluates under the launcher (default: one process,
+  parallel=none); `eval.steps=N` reads N batches per rank.
+- Data, any data choice: its validation split (data.val_fraction, data.val_path, the shards'
+  val split; data=chat, data=hf and a `_target_` dataset: all of it unless data.val_fraction holds
+  some out); where there is none, one line naming the keys that make one. Under data=text,
+  `data.path=FILE` is the whole file as consecutive windows at 0, T, 2T, ... (inputs [i, i+T),
+  targets [i+1, i+T+1), the last incomplete window dropped), and the loss is the mean over all
+  predicted tokens: any other tool can reproduce it.
 """
 
 from __future__ import annotations
@@ -20,60 +24,11 @@ import os
 import sys
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from framework.checkpoint import store as checkpoint
-from framework.config import ConfigError, validate
-
-ALL_BYTES = 1 << 62  # data.path given: read the whole file
-
-
-def resolve_checkpoint(target: str) -> str:
-    """A checkpoint folder, or a run directory's best (else newest) complete checkpoint."""
-    if checkpoint.complete(target):
-        return target
-    root = os.path.join(target, "checkpoints")
-    found = checkpoint.latest(checkpoint.best_root(root)) or checkpoint.latest(root)
-    if found is None:
-        raise ConfigError("checkpoint", f"{target!r} is neither a complete checkpoint nor a run directory with one")
-    return found
-
-
-def eval_config(path: str, overrides: list[str]) -> DictConfig:
-    """The run's config for evaluating `path`: one process by default, nothing saved or logged."""
-    saved = checkpoint.find_config(path)
-    if saved is None:
-        raise ConfigError("checkpoint", f"no {checkpoint.CONFIG_FILE} beside {path} (saved by runs since issue 21)")
-    from framework.config.overrides import apply_overrides
-
-    cfg = OmegaConf.create(saved)
-    base = {"parallel": {"name": "none"}, "launch": {"nproc_per_node": 1}, "logger": {"name": "none"},
-            "checkpoint": {"resume": None, "every": 0, "monitor": None, "export": False},
-            "eval": {"every": 0, "at_start": False, "patience": 0}, "progress": False}  # fmt: skip
-    cfg = OmegaConf.merge(cfg, base)
-    if any(o.startswith("data.path=") for o in overrides):  # a file of its own, read whole
-        cfg = OmegaConf.merge(cfg, {"data": {"val_fraction": 0.0, "val_path": None, "max_bytes": ALL_BYTES}})
-    OmegaConf.set_struct(cfg, True)
-    return apply_overrides(cfg, overrides)  # as train.py composes and checks them: one line naming the key
-
-
-# what evaluating sets unless the overrides say otherwise: one process, nothing saved or logged
-FRESH = {"parallel": "parallel=none", "launch.nproc_per_node": "launch.nproc_per_node=1", "logger": "logger=none",
-         "checkpoint.every": "checkpoint.every=0", "checkpoint.export": "checkpoint.export=false",
-         "progress": "progress=false"}  # fmt: skip
-
-
-def fresh_config(overrides: list[str]) -> DictConfig:
-    """The config of a model not trained here, composed as train.py composes it (and checked as
-    it checks), one process by default, nothing saved or logged."""
-    from framework.config.overrides import compose_checked
-
-    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    cfg = compose_checked([v for k, v in FRESH.items() if k not in given] + overrides)
-    if any(o.startswith("data.path=") for o in overrides):  # a file of its own, read whole
-        OmegaConf.set_struct(cfg, False)
-        cfg = OmegaConf.merge(cfg, {"data": {"val_fraction": 0.0, "val_path": None, "max_bytes": ALL_BYTES}})
-    return cfg
+from framework.config import ConfigError
+from framework.config.door import check_validation_split, resolve_input, split_target
 
 
 def load_model(path: str, module) -> None:
@@ -119,20 +74,20 @@ def run(target: str | None, overrides: list[str]) -> dict[str, Any]:
     from framework.config import resolve_nproc
     from framework.dist import launched_as_worker
 
-    path = resolve_checkpoint(target) if target is not None else None
-    cfg = eval_config(path, overrides) if path is not None else fresh_config(overrides)
-    validate(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    whole_file = any(o.startswith("data.path=") for o in overrides)
+    door = resolve_input(target, overrides)  # composed, checked and resolved: one line for what it refuses
+    if not door.whole_file:
+        check_validation_split(door.cfg)
+    cfg, path = door.cfg, door.checkpoint
+    config = OmegaConf.to_container(cfg)
     nproc = resolve_nproc(cfg)
     if launched_as_worker() or nproc == 1:
-        result = evaluate_rank(config, path, whole_file)
+        result = evaluate_rank(config, path, door.whole_file)
     else:
         from framework.machine import launch_local
 
-        result = launch_local(nproc, evaluate_rank, config, path, whole_file)[0]
+        result = launch_local(nproc, evaluate_rank, config, path, door.whole_file)[0]
     step = checkpoint.read_trainer_state(path).step if path is not None else 0
-    data = f"data.path={cfg.data.path}" if whole_file else "the validation split"
+    data = f"data.path={cfg.data.path}" if door.whole_file else "the validation split"
     out = {**result, "checkpoint": path, "step": step, "data": data, "parallel": cfg.parallel.name}
     if int(os.environ.get("RANK", 0)) == 0:
         if target is not None:
@@ -157,9 +112,8 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    target, overrides = (None, argv) if "=" in argv[0] and not os.path.exists(argv[0]) else (argv[0], argv[1:])
     try:
-        run(target, overrides)
+        run(*split_target(argv))
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

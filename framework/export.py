@@ -1,6 +1,8 @@
 """Export a checkpoint for use outside this framework:
 `python -m framework.export CHECKPOINT OUT --format hf` writes OUT/config.json and
-OUT/model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads.
+OUT/model.safetensors that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads, and the
+run's tokenizer (tokenizer.json, tokenizer_config.json with its chat template) that
+`transformers.AutoTokenizer.from_pretrained(OUT)` loads.
 
 CHECKPOINT is a `step-NNNNNN` folder saved under any layout and world size (DCP reshards on
 read). The export streams parameter by parameter: each tensor is read whole from the checkpoint
@@ -28,7 +30,6 @@ import copy
 import functools
 import json
 import os
-import shutil
 import struct
 import sys
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from omegaconf import OmegaConf, open_dict
 
 from framework.checkpoint.full import full_model_state_dict
 from framework.contract import factory_kwargs
+from framework.data.tokenizer import HFTokenizer, data_tokenizer
 from framework.hf import ties_embeddings
 from framework.peft import enabled, is_adapter
 from models.llama import Llama
@@ -127,7 +129,7 @@ def llama_args_of(cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> Ll
 
 def write_llama_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dtype]],
                    read: Callable[[str], torch.Tensor]) -> LlamaArgs:  # fmt: skip
-    """OUT/config.json, OUT/model.safetensors (and the run's tokenizer.json) of a llama whose
+    """OUT/config.json, OUT/model.safetensors (and the run's tokenizer) of a llama whose
     tensors (our names: shape, dtype) are `tensors`; `read(name)` gives one whole tensor, called
     once per tensor, in order."""
     args = llama_args_of(cfg, tensors)
@@ -147,7 +149,7 @@ def write_llama_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dty
                       lambda i: hf[i][3](read(hf[i][1]) if hf[i][2] is None else read(hf[i][1])[hf[i][2]]))  # fmt: skip
     config_json = hf_config(args, str(dtype).removeprefix("torch."))
     Path(out, "config.json").write_text(json.dumps(config_json, indent=2))
-    copy_tokenizer(cfg, out)
+    write_tokenizer(cfg, out)
     return args
 
 
@@ -218,7 +220,7 @@ def write_transformers_hf(cfg, out: str, state: dict[str, torch.Tensor]) -> None
     entries = [(n, state[n].shape, state[n].dtype) for n in names]
     write_safetensors(os.path.join(out, "model.safetensors"), entries, lambda i: state[names[i]])
     Path(out, "config.json").write_text(json.dumps(config_json, indent=2))
-    copy_tokenizer(cfg, out)
+    write_tokenizer(cfg, out)
 
 
 def export_at_end(cfg, run_dir: str, par, is_main: bool) -> str:
@@ -249,14 +251,29 @@ def export_at_end(cfg, run_dir: str, par, is_main: bool) -> str:
     return path
 
 
-def copy_tokenizer(cfg, out: str) -> None:
-    """The run's tokenizer.json beside the weights, when it had one."""
-    d = cfg.data
-    source = Path(d.path, "tokenizer.json") if d.name == "tokens" else None
-    if d.name == "text" and d.get("tokenizer", "bytes") != "bytes":
-        source = Path(d.tokenizer)
-    if source is not None and source.is_file():
-        shutil.copyfile(source, Path(out, "tokenizer.json"))
+def write_tokenizer(cfg, out: str) -> None:
+    """The run's tokenizer beside the weights, as transformers' `AutoTokenizer.from_pretrained(OUT)`
+    loads it: tokenizer.json (with the end-of-document token it may have gained) and
+    tokenizer_config.json (its own, else a fast tokenizer's), with the chat template the run's
+    conversations were rendered with and the end-of-document token as `eos_token`. config.json's
+    `eos_token_id` follows that token where it names none, so transformers' generate stops where
+    `framework.generate` does. A bytes run has no Hugging Face tokenizer: nothing is written."""
+    try:
+        tok = data_tokenizer(cfg.data)
+    except FileNotFoundError as err:  # the CLI, long after the run: its shards may be gone
+        print(f"export: no tokenizer written ({err})", file=sys.stderr)
+        return
+    if not isinstance(tok, HFTokenizer):
+        return
+    tok.save(os.path.join(out, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tok.config, "eos_token": tok.eos_token}
+    if template := tok.chat_template():
+        config["chat_template"] = template
+    Path(out, "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    model_config = Path(out, "config.json")
+    model_json = json.loads(model_config.read_text())
+    if model_json.get("eos_token_id") is None:
+        model_config.write_text(json.dumps(model_json | {"eos_token_id": tok.eos_id}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,16 @@
-"""`python -m framework.generate CHECKPOINT --prompt TEXT | --prompts FILE [--max-new-tokens N]
-[--temperature T] [--top-k K] [--top-p P] [--seed S] [--print-ids] [--no-cache]`: continue prompts
-with a trained language model and print the text.
+"""`python -m framework.generate CHECKPOINT|RUN_DIR|key=value ... --prompt TEXT | --prompts FILE
+[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--print-ids] [--no-cache]`:
+continue prompts with a language model and print the text.
 
-It reads the DCP checkpoint directly (any layout it was saved under: DCP reshards into the plain
-model), on one process, on the GPU if there is one. The tokens are the run's: its tokenizer is
-read from the config saved beside the checkpoint (data.tokenizer; for data=tokens, the one
-framework.data.prepare recorded with the shards), so a model trained on BPE ids is prompted with
-BPE ids, not bytes. The prompt is encoded with it, the continuation decoded with it, and
-generation stops at its end-of-document id (a model trained on documents ends them).
+The model is what every door reads (framework/config/door.py): a checkpoint (or a run folder's
+best, else newest), its weights read directly from DCP under any layout it was saved under, the
+overrides on top; or, with no checkpoint, the model train.py's overrides compose, as train.py
+builds it (`model=llama model.pretrained=DIR data=text`, `model=hf model.pretrained=DIR`: the
+pretrained weights; any other initialised from the seed). One process, on the GPU if there is one
+(`device=cpu` says otherwise). The tokens are the config's: its tokenizer (data.tokenizer; for
+data=tokens, the one framework.data.prepare recorded with the shards), so a model trained on BPE
+ids is prompted with BPE ids, not bytes. The prompt is encoded with it, the continuation decoded
+with it, and generation stops at its end-of-document id (a model trained on documents ends them).
 `--temperature 0` is greedy decoding, deterministic. The framework's models decode with a KV
 cache (models/kv_cache.py): the prompt runs once, then each new token alone. Tokens per second go
 to standard error; `--print-ids` prints each continuation's token ids as a Python list after it.
@@ -21,52 +24,65 @@ import time
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
-from framework.checkpoint import store as checkpoint
-from framework.config import ConfigError
+from framework.config import ConfigError, resolve_device, resolve_nproc
+from framework.config.door import DoorInput, resolve_input, split_target
 from framework.contract import build_model, logits_of, spec_of
-from framework.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_of_shards
-from framework.evaluate import load_model, resolve_checkpoint
-from framework.peft import apply_peft
+from framework.convert import convert_model
+from framework.data.tokenizer import ByteTokenizer, HFTokenizer, data_tokenizer
+from framework.evaluate import load_model
+from framework.modules import materialize_model
 from models.kv_cache import caching, supports_cache
 
+Tokenizer = ByteTokenizer | HFTokenizer
 
-def load_lm(path: str, device: torch.device) -> torch.nn.Module:
-    """The plain model of checkpoint `path`, its weights loaded, in eval mode."""
-    saved = checkpoint.find_config(path)
-    if saved is None:
-        raise ConfigError("CHECKPOINT", f"no {checkpoint.CONFIG_FILE} beside {path}")
-    model_cfg = OmegaConf.create(saved["model"])
-    model = build_model(model_cfg, device)
-    spec = spec_of(model, model_cfg)
-    task = spec.task
-    if saved.get("peft"):  # the run's adapters are in its checkpoint: the model must hold them
-        apply_peft(model, OmegaConf.create(saved["peft"]), spec.blocks, 0)
-    if task != "lm":
-        raise ConfigError("CHECKPOINT", f"{model_cfg._target_} is a {task} model; generate needs a language model (lm)")
-    load_model(path, model)
+
+def open_lm(
+    target: str | None, overrides: list[str], device: str | None = None
+) -> tuple[torch.nn.Module, Tokenizer, torch.device]:
+    """The language model and tokenizer a checkpoint (`target`) or the overrides name, and the
+    device it is on (`device`, else the config's: the GPU if there is one), read through the
+    doors' one way in (framework/config/door.py)."""
+    if target is None and not overrides:
+        raise ConfigError("CHECKPOINT", "give a checkpoint or run folder, or the model's overrides as train.py "
+                          "takes them (model=llama model.pretrained=DIR data=text)")  # fmt: skip
+    door = resolve_input(target, overrides)
+    if door.cfg.parallel.name != "none" or resolve_nproc(door.cfg) != 1:
+        raise ConfigError("parallel", "the plain model runs on one process here: parallel=none, "
+                          "launch.nproc_per_node=1 (framework.evaluate runs under a strategy)")  # fmt: skip
+    on = torch.device(device or resolve_device(door.cfg))
+    return build_lm(door, on), run_tokenizer(door.cfg), on
+
+
+def build_lm(door: DoorInput, device: torch.device) -> torch.nn.Module:
+    """The plain model of the door's input, in eval mode: the checkpoint's weights, else as
+    train.py builds it (pretrained weights loaded, or initialised from the seed)."""
+    cfg = door.cfg
+    model = build_model(cfg.model, device if door.checkpoint is not None else "meta")
+    spec = spec_of(model, cfg.model)
+    if spec.task != "lm":
+        raise ConfigError(
+            "model", f"{cfg.model._target_} is a {spec.task} model; generation needs a language model (lm)"
+        )
+    convert_model(model, cfg, spec)  # peft=lora's adapters: a fine-tune's checkpoint holds them
+    if door.checkpoint is not None:
+        load_model(door.checkpoint, model)
+    else:
+        materialize_model(model, spec, cfg, device)
     return model.eval()
 
 
-def run_tokenizer(saved: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer the run trained with, from its saved config: data=tokens, the shards' own
-    (their index.json names it, tokenizer.json beside them); data=text, data.tokenizer; else bytes."""
-    data = saved.get("data") or {}
-    if data.get("name") == "tokens":
-        try:
-            return tokenizer_of_shards(data["path"])
-        except FileNotFoundError:
-            raise ConfigError("data.path", f"the run's token shards at {data['path']!r} are gone; generate needs "
-                              "their tokenizer (index.json, tokenizer.json): restore them there") from None  # fmt: skip
-    spec = data.get("tokenizer") or "bytes"
+def run_tokenizer(cfg: DictConfig) -> Tokenizer:
+    """The tokenizer of the config's data (framework.data.tokenizer's `data_tokenizer`, as export
+    reads it: the shards' own; data.tokenizer, a tokenizer.json or its folder; else bytes)."""
     try:
-        return load_tokenizer(spec)
+        return data_tokenizer(cfg.data)
     except FileNotFoundError as err:
-        raise ConfigError("data.tokenizer", str(err).removeprefix("data.tokenizer: ")) from None
+        key, _, message = str(err).partition(": ")
+        raise ConfigError(key, message) from None
 
 
 @dataclass(frozen=True)
@@ -137,17 +153,19 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         extra = message.removeprefix("unrecognized arguments: ")
-        if extra != message:  # a key=value override: the model and its settings are the checkpoint's
-            message = f"{extra}: not an argument here; generate takes CHECKPOINT and --prompt, --prompts, " \
-                      "--max-new-tokens, --temperature, --top-k, --top-p, --seed, --print-ids, --no-cache " \
-                      "(the model is the checkpoint's)"  # fmt: skip
+        if extra != message:
+            message = f"{extra}: not an argument here; generate takes CHECKPOINT or key=value overrides and " \
+                      "--prompt, --prompts, --max-new-tokens, --temperature, --top-k, --top-p, --seed, " \
+                      "--print-ids, --no-cache"  # fmt: skip
         print(f"error: {message.removeprefix('argument ')}", file=sys.stderr)
         sys.exit(2)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m framework.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a checkpoint folder, or a run directory (its best, else newest)")
+    parser.add_argument("inputs", nargs="*", metavar="CHECKPOINT|key=value",
+                        help="a checkpoint folder or a run directory (its best, else newest), then overrides; "
+                             "or train.py's overrides alone (model=llama model.pretrained=DIR)")  # fmt: skip
     parser.add_argument("--prompt", default=None, help="text to continue")
     parser.add_argument("--prompts", default=None, help="a file of prompts, one a line, each continued in turn")
     parser.add_argument("--max-new-tokens", type=int, default=100)
@@ -157,7 +175,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--print-ids", action="store_true", help="also print the new tokens' ids, a list a prompt")
     parser.add_argument("--no-cache", action="store_true", help="run the whole context for every token")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def prompts_of(args: argparse.Namespace) -> list[str]:
@@ -176,10 +194,7 @@ def main(argv: list[str]) -> int:
         if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < (args.top_p or 1) <= 1:
             raise ConfigError("--max-new-tokens/--temperature/--top-p", "must be >= 0, >= 0 and in (0, 1]")
         prompts = prompts_of(args)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        path = resolve_checkpoint(args.checkpoint)
-        model = load_lm(path, device)
-        tok = run_tokenizer(checkpoint.find_config(path) or {})
+        model, tok, device = open_lm(*split_target(args.inputs))
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

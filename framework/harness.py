@@ -1,17 +1,24 @@
-"""lm-evaluation-harness on this framework's checkpoints: the model registered as `hydradist`.
+"""lm-evaluation-harness on this framework's models: the model registered as `hydradist`.
 
     python -m framework.harness --model hydradist --model_args checkpoint=outputs/RUN --tasks hellaswag
     python -m framework.harness --model hydradist --model_args checkpoint=RUN --tasks my_task --include_path tasks/
+    python -m framework.harness --model hydradist --model_args model=llama,model.pretrained=DIR,data=text --tasks ...
 
-takes lm_eval's own arguments (this module registers the model, then runs lm_eval's command line);
-from Python, `lm_eval.simple_evaluate(model=HydradistLM("outputs/RUN"), tasks=[...])`.
+takes lm_eval's own arguments (this module registers the model, reads lm_eval's command line with
+lm_eval's parser, builds the model, then runs lm_eval with it); from Python,
+`lm_eval.simple_evaluate(model=HydradistLM("outputs/RUN"), tasks=[...])`.
 
-The checkpoint is read as `framework.generate` reads it (any layout, one process, the GPU if there
-is one; the run's tokenizer). `loglikelihood` scores each continuation's tokens after its context
-in one forward (the context cut from the left to the model's length; an empty context starts at
-the end-of-document id); `loglikelihood_rolling` scores a whole text in windows of the model's
-length, each token once; `generate_until` decodes greedily (or samples, as the task asks) with the
-KV cache until a stop string, the end of document or `max_gen_toks`.
+`--model_args` are what every door reads (framework/config/door.py): `checkpoint=RUN` (a
+checkpoint folder or a run folder) with train.py's overrides on top, or the overrides alone
+(`model=llama,model.pretrained=DIR`: the pretrained weights, as train.py loads them). The model is
+read as `framework.generate` reads it (one process, the config's tokenizer) and is built before
+lm_eval reads its tasks: a bad input is one line and exit 2. The device: `--device`, else the
+config's (`device=auto`: the GPU if there is one, else the CPU; lm_eval's own default is CUDA).
+`loglikelihood` scores each continuation's tokens after its context in one forward (the context
+cut from the left to the model's length; an empty context starts at the end-of-document id);
+`loglikelihood_rolling` scores a whole text in windows of the model's length, each token once;
+`generate_until` decodes greedily (or samples, as the task asks) with the KV cache until a stop
+string, the end of document or `max_gen_toks`.
 """
 
 from __future__ import annotations
@@ -23,23 +30,26 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from framework.config import ConfigError
+from framework.config.door import as_override
 from framework.contract import logits_of
-from framework.evaluate import resolve_checkpoint
-from framework.generate import Sampling, load_lm, run_tokenizer, sample
+from framework.generate import Sampling, open_lm, sample
 from framework.generate import max_length as model_length
+
+LM_EVAL_OWN = ("batch_size", "max_batch_size")  # lm_eval's, given to every model: here one request at a time
 
 
 @register_model("hydradist")
 class HydradistLM(LM):
-    def __init__(self, checkpoint: str, device: str | None = None, max_length: int | None = None, **_ignored):
-        from framework.checkpoint import store
-
+    def __init__(self, checkpoint: str | None = None, device: str | None = None, max_length: int | None = None,
+                 **overrides):  # fmt: skip
         super().__init__()
-        path = resolve_checkpoint(checkpoint)
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_lm(path, self._device)
-        self.tok = run_tokenizer(store.find_config(path) or {})
+        given = [f"{key}={as_override(value)}" for key, value in overrides.items() if key not in LM_EVAL_OWN]
+        self.model, self.tok, self._device = open_lm(checkpoint, given, device)
         self.max_length = int(max_length or model_length(self.model) or 2048)
+
+    def __str__(self) -> str:  # lm_eval names the model by it in its closing line
+        return "hydradist"
 
     def _logprobs(self, tokens: list[int]) -> torch.Tensor:
         """log p(tokens[i + 1] | tokens[: i + 1]) for each i, one forward (len(tokens) <= max_length + 1)."""
@@ -102,10 +112,23 @@ class HydradistLM(LM):
 
 
 def main(argv: list[str]) -> int:
-    from lm_eval.__main__ import cli_evaluate
+    """lm_eval's command line, with `--model hydradist` built here first (lm_eval would build it
+    after indexing its tasks, and on its default device, CUDA, where there is none)."""
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.utils import setup_logging
 
     sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    setup_logging()
+    parser = HarnessCLI()
+    args = parser.parse_args()
+    if getattr(args, "model", None) == "hydradist":
+        settings = dict(args.model_args or {})
+        try:
+            args.model = HydradistLM(device=settings.pop("device", None) or args.device, **settings)
+        except (ConfigError, FileNotFoundError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    parser.execute(args)
     return 0
 
 

@@ -18,14 +18,15 @@ from typing import Any
 
 
 def process_start_time() -> float:
-    """When this process started (Linux: /proc), else now."""
+    """When this process started (Linux: /proc), else now. The boot time is now less the uptime
+    (to 10 ms), not /proc/stat's btime, which is whole seconds: up to a second off every start-up time."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, after the name
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        with open("/proc/uptime") as f:
+            boot = time.time() - float(f.read().split()[0])
         return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
@@ -77,12 +78,37 @@ _STARTED_ENV = dict(os.environ)
 
 def start_forkserver() -> None:
     """Start the forkserver now, so that its imports run beside the caller's own start-up (train.py
-    calls it before composing the config); later launches fork from it."""
-    import multiprocessing
+    calls it once the config says workers will start); later launches fork from it. It starts
+    with SIGINT and SIGTERM held, as under launch_local, until framework.preload holds them itself.
+    Should no launch use it (the config is refused), it is ended at exit, mid-import or not."""
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    atexit.register(_end_unused_forkserver, forkserver._forkserver._forkserver_pid)
+
+
+def _end_unused_forkserver(pid: int | None) -> None:
+    if pid is not None and not _stop_forkserver_at_exit.cache_info().currsize:  # no launch_local
+        os.kill(pid, signal.SIGKILL)  # it holds SIGTERM (framework.preload)
+        os.waitpid(pid, 0)
+
+
+def launched_as_worker() -> bool:
+    """True when an outside launcher (torchrun, srun, ...) started this process as one rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def slurm_task() -> bool:
+    """True under `srun` with several tasks and no torchrun in between: each task is one rank."""
+    env = os.environ
+    needed = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    return "RANK" not in env and all(k in env for k in needed) and bool(nodelist) and int(env["SLURM_NTASKS"]) > 1
 
 
 def local_launch_config(

@@ -52,6 +52,39 @@ def test_smoke_run_trains_across_two_workers_and_logs_to_wandb_offline(tmp_path)
     assert (proc.stderr.count("12/12")) >= 1
 
 
+# train.py with Hydra's config loader counted: every composition of the config, whoever asks
+COUNTED = """
+import atexit, runpy, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+composed, load = [], ConfigLoaderImpl.load_configuration
+ConfigLoaderImpl.load_configuration = lambda self, *a, **k: composed.append(1) or load(self, *a, **k)
+atexit.register(lambda: print(f"composed {len(composed)} time(s)", file=sys.stderr))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_plain_run_composes_its_config_once_and_says_when_its_workers_started(tmp_path):
+    """`python train.py OVERRIDES` composes once (Hydra's own path composed twice more, and the
+    overrides' check once before it); the summary splits the start-up: launch_s (to the workers)
+    within startup_s (to the end of the first step)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", COUNTED, str(ROOT / "train.py"), "experiment=smoke", "steps=1", "logger=none",
+           f"hydra.run.dir={run}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "composed 1 time(s)" in proc.stderr, proc.stderr[-2000:]
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / ".hydra" / "overrides.yaml").is_file()
+    summary = read_summary(run)
+    assert summary["status"] == "ok" and 0 < summary["launch_s"] < summary["startup_s"], summary
+    # a misspelt key still is one line before anything starts, and a sweep keeps Hydra's path
+    proc = subprocess.run([*cmd[:4], "stepz=1"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "stepz: no such key" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_multirun_sweeps_strategies_each_job_its_own_group_and_summary(tmp_path):
     sweep = tmp_path / "sweep"
     proc = train_cli(

@@ -5,6 +5,8 @@ the same config measures, and the planner's forecast; at cluster scale it equals
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from omegaconf import OmegaConf
 from framework.plan.dry_run import STATE, compare, role_ranks
 from framework.plan.model import Layout
 from framework.run.sweep import run_configs
-from tests.helpers import world_config
+from tests.helpers import ROOT, train_cli, world_config
 
 LLAMA = ["model=llama", "steps=1", "logger=none"]
 CASES = {
@@ -83,3 +85,38 @@ def test_the_dry_run_refuses_what_it_cannot_lay_out_in_one_line(args):
 
     with pytest.raises(ConfigError, match=r"^plan.dry_run: lays out the mesh strategies with FSDP2 .* got parallel"):
         compare(compose_config([*args, "launch.nproc_per_node=2"]), 2)
+
+
+def plan_cli(args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m framework.plan ARGS` in a subprocess, as a user types it."""
+    return subprocess.run([sys.executable, "-m", "framework.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def test_the_dry_run_door_spawns_roles_that_follow_the_datas_vocabulary():
+    """data=text with no model.vocab_size: the model's vocab_size is `${data_vocab:}`, which a
+    spawned role cannot resolve on its own (issue 53: an OmegaConf traceback from the roles)."""
+    done = plan_cli(["plan.dry_run=true", "plan.world_size=2", "model=llama", "data=text", "data.seq_len=64",
+                     "data.batch_size=2", "parallel=tp"])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "1 roles" in done.stdout and "state bytes equal the planner's" in done.stdout, done.stdout
+
+
+def test_micro_batches_below_the_stages_are_train_pys_one_line_at_the_dry_run_door(tmp_path):
+    """The dry run validates as train.py does, before any role starts: the same line, exit 2."""
+    layout = ["model=llama", "parallel=hybrid", "parallel.pp=2", "parallel.tp=1", "parallel.dp_shard=2",
+              "parallel.n_microbatches=1"]  # fmt: skip
+    planned = plan_cli(["plan.dry_run=true", "plan.world_size=4", *layout])
+    trained = train_cli([*layout, "launch.nproc_per_node=4"], run_dir=tmp_path / "run")
+    line = "error: parallel.n_microbatches: the 1F1B schedule needs at least as many micro-batches as stages (2)\n"
+    assert (planned.returncode, planned.stderr) == (trained.returncode, trained.stderr) == (2, line)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # about 45 s on 2 cores: six roles of Llama 3 70B
+def test_the_issue_53_dry_run_at_1024_ranks_finishes_through_the_front_door():
+    done = plan_cli(["plan.dry_run=true", "plan.world_size=1024", "plan.nodes=128", "model=llama", "model.flavor=70b",
+                     "data=text", "parallel=hybrid", "parallel.tp=8", "parallel.pp=8", "parallel.dp_shard=16",
+                     "parallel.n_microbatches=8"])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "6 roles" in done.stdout and "state bytes equal the planner's" in done.stdout, done.stdout

@@ -217,10 +217,9 @@ def test_evaluate_an_fsdp_checkpoint_as_one_process(world2, tmp_path):
     proc = module_cli("framework.evaluate", [str(out / "fsdp2"), f"data.path={text}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((out / "fsdp2" / "eval.json").read_text())
-    from framework.evaluate import resolve_checkpoint
-    from framework.generate import load_lm
+    from framework.generate import open_lm
 
-    model, data = load_lm(resolve_checkpoint(str(out / "fsdp2")), torch.device("cpu")), text.read_bytes()
+    model, data = open_lm(str(out / "fsdp2"), [], "cpu")[0], text.read_bytes()
     windows = torch.tensor([list(data[i : i + 33]) for i in range(0, len(data) - 32, 32)])
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(windows[:, :-1]).flatten(0, 1), windows[:, 1:].flatten())
@@ -233,10 +232,9 @@ def test_generate_is_greedy_and_deterministic_and_refuses_a_classifier(world2):
     first = module_cli("framework.generate", args)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.startswith("def ")
-    from framework.evaluate import resolve_checkpoint
-    from framework.generate import load_lm
+    from framework.generate import open_lm
 
-    model = load_lm(resolve_checkpoint(str(out / "fsdp2")), torch.device("cpu"))
+    model = open_lm(str(out / "fsdp2"), [], "cpu")[0]
     tokens = list(b"def ")
     with torch.no_grad():
         for _ in range(12):  # the bytes the trained model predicts, one at a time

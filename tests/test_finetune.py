@@ -302,8 +302,7 @@ def test_lm_eval_runs_a_local_task_on_a_checkpoint_as_a_hand_computation_scores_
     pytest.importorskip("lm_eval")
     import json
 
-    from framework.evaluate import resolve_checkpoint
-    from framework.generate import load_lm
+    from framework.generate import open_lm
     from tests.helpers import train_cli
 
     run = train_cli(["experiment=smoke", "parallel=none", "steps=4", "checkpoint.every=4", "logger=none"],
@@ -326,7 +325,7 @@ def test_lm_eval_runs_a_local_task_on_a_checkpoint_as_a_hand_computation_scores_
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())
     acc = results["results"]["tiny_choice"]["acc,none"]
-    model = load_lm(resolve_checkpoint(str(tmp_path / "run")), torch.device("cpu"))
+    model = open_lm(str(tmp_path / "run"), [], "cpu")[0]
 
     def loglikelihood(context: str, continuation: str) -> float:
         """Bytes (the smoke run's tokenizer), the context cut from the left to the model's 32."""

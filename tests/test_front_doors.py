@@ -124,10 +124,10 @@ def saved_run(tmp_path):
 def test_evaluate_takes_group_choices_as_train_py_does(saved_run, capsys):
     """`python -m framework.evaluate RUN parallel=ddp` (a group's choice) was an AttributeError in
     validate: the saved config got the string 'ddp' for its parallel section."""
-    from framework.evaluate import eval_config, main
+    from framework.config.door import resolve_input
+    from framework.evaluate import main
 
-    cfg = eval_config(str(saved_run / "checkpoints" / "step-000002"), ["parallel=ddp", "logger=none", "eval.steps=2"])
-    validate(cfg)
+    cfg = resolve_input(str(saved_run / "checkpoints" / "step-000002"), ["parallel=ddp", "eval.steps=2"]).cfg
     assert (cfg.parallel.name, cfg.logger.name, cfg.eval.steps) == ("ddp", "none", 2)
     assert "bucket_cap_mb" in cfg.parallel  # ddp's own keys, as train.py composes them
     for args, line in ((["parallel=dddp"], "error: parallel: got 'dddp'; did you mean 'ddp'?"),
@@ -138,13 +138,22 @@ def test_evaluate_takes_group_choices_as_train_py_does(saved_run, capsys):
         assert len(err) == 1 and err[0].startswith(line), err
 
 
-def test_generate_refuses_an_override_in_one_line(saved_run, capsys):
+def test_generate_takes_overrides_and_refuses_what_it_cannot_run_in_one_line(saved_run, capsys):
+    """generate reads the run's config as evaluate does, overrides on top (it refused any before):
+    a misspelt key and a strategy (one plain model on one process here) are one line, exit 2,
+    before any weight is read; an unknown option too."""
     from framework.generate import main
 
+    for args, line in ((["parallel=ddp"], "error: parallel: the plain model runs on one process"),
+                       (["eval.stepz=2"], "error: eval.stepz: no such key; did you mean 'eval.steps'?"),
+                       ([], "error: CHECKPOINT: give a checkpoint or run folder, or the model's overrides")):  # fmt: skip
+        assert main([*([str(saved_run)] if args else []), *args, "--prompt", "x"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(line), err
     with pytest.raises(SystemExit) as stop:
-        main([str(saved_run), "parallel=ddp"])
+        main([str(saved_run), "--beams"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: parallel=ddp: not an argument"), err
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: --beams: not an argument"), err
 
 
 def test_the_planner_checks_its_overrides_and_has_help(capsys):

@@ -129,11 +129,13 @@ class ScriptedLM(torch.nn.Module):
 def run_with_shards(tmp_path, monkeypatch, shards, script: list[int], vocab: int) -> ScriptedLM:
     """A run folder trained on data=tokens from `shards` (its checkpoint holds `model`)."""
     import framework.generate as gen
+    from framework.compose import compose_run
 
     path = fake_checkpoint(tmp_path / "run" / "checkpoints", 4)
-    checkpoint.write_config(os.path.dirname(path), {"data": {"name": "tokens", "path": str(shards)}})
+    config = compose_run(["model=llama", "data=tokens", f"data.path={shards}", "parallel=none", "device=cpu"])
+    checkpoint.write_config(os.path.dirname(path), config)
     model = ScriptedLM(script, vocab)
-    monkeypatch.setattr(gen, "load_lm", lambda *_: model)
+    monkeypatch.setattr(gen, "build_lm", lambda *_: model)
     return model
 
 

@@ -40,11 +40,8 @@ def compose(overrides: list[str] | None = None):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from framework.data import register_data_vocab
-
     register_configs()
     register_resolvers()
-    register_data_vocab()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides or []))

@@ -11,14 +11,15 @@ from collections.abc import Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config.errors import ConfigError
-from framework.figures import FigureError, Registry
-from framework.hooks import HOOKS, declared_figures, defined_hooks
 
 # the framework's own callbacks' names (framework/callbacks/build.py): a user's entry takes another
 OWN_NAMES = ("model", "mixture", "nonfinite", "eval", "goodput", "profiler", "progress", "loggers")
 
 
 def check_callbacks(cfg: DictConfig) -> None:
+    from framework.figures import FigureError, Registry  # torch: composing a config imports none
+    from framework.hooks import HOOKS, declared_figures, defined_hooks
+
     entries = cfg.get("callbacks") or {}
     figures = Registry()
     for name, entry in entries.items():

@@ -223,12 +223,12 @@ def compose_checked(overrides: list[str]) -> DictConfig:
     names is raised as its ConfigError, and what Hydra still refuses is one line too."""
     from framework.config import compose
 
-    problem = first_problem(overrides)
-    if problem is not None:
-        raise ConfigError(*problem.split(": ", 1))
     try:
-        return compose(overrides)
+        return compose(overrides)  # once: only a config that does not compose is composed again, to name the key
     except Exception as err:  # noqa: BLE001 - a syntax error: Hydra's first line points at it
+        problem = first_problem(overrides)
+        if problem is not None:
+            raise ConfigError(*problem.split(": ", 1)) from None
         raise ConfigError("overrides", str(err).splitlines()[0]) from None
 
 

@@ -8,7 +8,7 @@ from datetime import datetime
 
 from omegaconf import OmegaConf
 
-from framework.dist import launched_as_worker, slurm_task
+from framework.machine import launched_as_worker, slurm_task
 
 
 @functools.cache
@@ -28,5 +28,13 @@ def _run_id() -> str:
 
 
 def register_resolvers() -> None:
-    """`${run_id:}`. (`${data_vocab:}` is the data layer's: framework.data.register_data_vocab.)"""
+    """`${run_id:}`, and the data layer's `${data_vocab:}` (framework.data.tokens.data_vocab),
+    imported when a config first reads it: composing needs neither torch nor the data layer."""
     OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
+    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
+
+
+def _data_vocab(*, _root_) -> int | None:
+    from framework.data.tokens import data_vocab
+
+    return data_vocab(_root_)

@@ -31,7 +31,7 @@ from framework.data.samplers import (
     weighted_sampler,
 )
 from framework.data.split import document_split, held_out, text_region
-from framework.data.tokens import TokenShards, register_data_vocab, vocab_size_of  # noqa: F401 (re-exported)
+from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 from framework.machine import usable_cores
 
 USER_DATA_RESERVED = (

@@ -2,7 +2,8 @@
 the tokenizer's own chat template, only the assistant's tokens in the loss.
 
 Each line of the JSONL file is `{"messages": [{"role": ..., "content": ...}, ...]}`. The folder
-holds `tokenizer.json` and `tokenizer_config.json`, whose `chat_template` (Jinja) renders a
+(or the tokenizer.json in it) holds `tokenizer.json` and `tokenizer_config.json`, whose
+`chat_template` (Jinja; else the folder's `chat_template.jinja`, transformers' newer layout) renders a
 conversation as transformers' `apply_chat_template` does (a sandboxed environment, trim_blocks and
 lstrip_blocks, `raise_exception`, the config's special tokens as variables). An assistant turn's
 text is where the conversation rendered through it extends the conversation rendered up to it with
@@ -15,31 +16,26 @@ the template's own markup, padding) carries the ignore index. Conversations are 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
 from framework.data.datasets import PackedSequences
+from framework.data.tokenizer import HFTokenizer, token_text
 from framework.loss import IGNORE_INDEX
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
 
 class ChatTemplate:
-    """A tokenizer folder's chat template and special tokens (tokenizer_config.json)."""
+    """A tokenizer's chat template and special tokens (its tokenizer_config.json)."""
 
-    def __init__(self, folder: str):
-        config_path = Path(folder) / "tokenizer_config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"data.tokenizer: no tokenizer_config.json in {folder!r} (its chat_template)")
-        config = json.loads(config_path.read_text())
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    def __init__(self, tokenizer: HFTokenizer):
+        template = tokenizer.chat_template()
         if not template:
-            raise ValueError(f"data.tokenizer: {config_path} has no chat_template")
-        self.special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+            raise ValueError(f"data.tokenizer: {tokenizer.name!r} has no chat_template (in tokenizer_config.json "
+                             "or chat_template.jinja)")  # fmt: skip
+        self.special = {k: token_text(v) for k, v in tokenizer.config.items()
                         if k.endswith("_token") and isinstance(v, (str, dict))}  # fmt: skip
         self.template = _environment().from_string(template)
 
@@ -85,11 +81,9 @@ def encode_conversation(tokenizer, template: ChatTemplate, messages: list[dict])
 class ChatSequences(Dataset):
     """The conversations of a JSONL file, tokenized, each (inputs, targets) of seq_len tokens."""
 
-    def __init__(self, path: str, tokenizer_folder: str, seq_len: int):
-        from framework.data.tokenizer import HFTokenizer
-
-        tokenizer = HFTokenizer.from_file(str(Path(tokenizer_folder) / "tokenizer.json"))
-        template = ChatTemplate(tokenizer_folder)
+    def __init__(self, path: str, tokenizer_path: str, seq_len: int):
+        tokenizer = HFTokenizer.from_file(tokenizer_path)
+        template = ChatTemplate(tokenizer)
         self.seq_len, self.pad_id = seq_len, tokenizer.eos_id
         self.items = []
         with open(path, encoding="utf-8") as f:

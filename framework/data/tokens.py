@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 
-from framework.data.tokenizer import load_tokenizer
+from framework.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_files
 from framework.loss import IGNORE_INDEX
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
@@ -97,24 +96,20 @@ def vocab_size_of(cfg) -> int | None:
     if cfg.name == "text":
         return 256 if cfg.tokenizer == "bytes" else load_tokenizer(cfg.tokenizer).vocab_size
     if cfg.name == "chat":
-        return load_tokenizer(str(Path(cfg.tokenizer) / "tokenizer.json")).vocab_size
+        return load_tokenizer(cfg.tokenizer).vocab_size
     if cfg.name == "hf" and cfg.tokens_column is None:
         return 256 if cfg.tokenizer == "bytes" else load_tokenizer(cfg.tokenizer).vocab_size
     return cfg.get("vocab_size")
 
 
-def register_data_vocab() -> None:
-    """`${data_vocab:}`: the ids the configured data holds (its tokenizer's), for a model's
-    vocab_size (conf/model/llama.yaml); null with model.pretrained (the checkpoint's config.json
-    says). Registered by the front doors that compose a config (train.py, framework.config.compose)."""
-    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
-
-
-def _data_vocab(*, _root_) -> int | None:
-    if _root_.model.get("pretrained") is not None:
+def data_vocab(root) -> int | None:
+    """`${data_vocab:}` (registered with the config's resolvers): the ids the configured data holds
+    (its tokenizer's), for a model's vocab_size (conf/model/llama.yaml); null with model.pretrained
+    (the checkpoint's config.json says)."""
+    if root.model.get("pretrained") is not None:
         return None
     try:
-        return vocab_size_of(_root_.data)
+        return vocab_size_of(root.data)
     except (FileNotFoundError, OSError):  # a missing path: validation names it (data.path)
         return None
 
@@ -151,12 +146,8 @@ def data_problem(d) -> tuple[str, str] | None:
     if d.name == "chat":
         if not Path(d.path).is_file():
             return "data.path", f"no JSONL file of conversations at {d.path!r}"
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if not (Path(d.tokenizer) / name).is_file():
-                return (
-                    "data.tokenizer",
-                    f"no {name} in {d.tokenizer!r} (a folder with the tokenizer and its chat_template)",
-                )
+        if problem := chat_tokenizer_problem(d.tokenizer):
+            return problem
     if d.name == "hf" and (problem := hf_problem(d)):
         return problem
     if d.name == "text" and d.tokenizer == "bpe":
@@ -164,8 +155,33 @@ def data_problem(d) -> tuple[str, str] | None:
             "data.tokenizer",
             "bpe is trained by python -m framework.data.prepare INPUT OUT --tokenizer bpe; train on data=tokens",
         )
-    if d.name == "text" and d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
-        return "data.tokenizer", f"no tokenizer.json at {d.tokenizer!r}; allowed: bytes, a tokenizer.json path"
+    if d.name == "text":
+        return tokenizer_problem(d.tokenizer)
+    return None
+
+
+def tokenizer_problem(spec: str) -> tuple[str, str] | None:
+    """data.tokenizer names no tokenizer: neither bytes nor a tokenizer.json (or its folder)."""
+    if spec == "bytes":
+        return None
+    try:
+        tokenizer_files(spec)
+    except FileNotFoundError as err:
+        return "data.tokenizer", str(err).removeprefix("data.tokenizer: ")
+    return None
+
+
+def chat_tokenizer_problem(spec: str) -> tuple[str, str] | None:
+    """data=chat: data.tokenizer is a tokenizer with a chat template that compiles."""
+    from jinja2 import TemplateError
+
+    from framework.data.chat import ChatTemplate
+
+    try:
+        ChatTemplate(HFTokenizer.from_file(spec))
+    except (FileNotFoundError, ValueError, TemplateError) as err:
+        key, _, message = str(err).partition(": ")
+        return (key, message) if key.startswith("data.") else ("data.tokenizer", f"its chat_template: {err}")
     return None
 
 
@@ -211,8 +227,8 @@ def hf_problem(d) -> tuple[str, str] | None:
     key, column = ("data.tokens_column", d.tokens_column) if d.tokens_column else ("data.text_column", d.text_column)
     if column not in columns:
         return key, f"no column {column!r} in {d.path}; its columns: {', '.join(columns)}"
-    if d.tokens_column is None and d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
-        return "data.tokenizer", f"no tokenizer.json at {d.tokenizer!r}; allowed: bytes, a tokenizer.json path"
+    if d.tokens_column is None and (problem := tokenizer_problem(d.tokenizer)):
+        return problem
     if d.tokens_column is not None and d.vocab_size is None:
         return "data.vocab_size", "a tokens_column needs the ids it holds (data.vocab_size=N): the model's follows"
     return None

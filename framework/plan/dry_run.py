@@ -20,6 +20,7 @@ context- and replicate-parallel peers hold the same shapes.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import time
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from framework.config import ConfigError
@@ -189,12 +190,27 @@ def _hidden_dtype(cfg: DictConfig, layout: Layout) -> torch.dtype:
 # ----------------------------------------------------------------------------- the report
 
 
+def role_config(cfg: DictConfig, world: int) -> DictConfig:
+    """What every role runs: `cfg` validated as train.py validates a run of `world` ranks, so a bad
+    setting is its one-line ConfigError before any role starts; on this CPU, where the roles run
+    (no GPU count caps the fake world). Then resolved, as launch resolves a worker's: a spawned
+    role has none of the front door's resolvers (`${data_vocab:}`)."""
+    from framework.config import validate
+
+    run = copy.deepcopy(cfg)
+    with open_dict(run):
+        run.device, run.launch.nproc_per_node = "cpu", world
+    validate(run)
+    return OmegaConf.create(OmegaConf.to_container(run, resolve=True))
+
+
 def compare(cfg: DictConfig, world: int) -> tuple[list[RankReport], dict]:
     """The dry run's ranks, and the planner's forecast of the same layout at `world` ranks."""
     from framework.config.model import model_dims_of
     from framework.plan.model import layout_of
     from framework.plan.predict import predict
 
+    cfg = role_config(cfg, world)
     layout = layout_of(cfg.parallel, world, *model_dims_of(cfg))
     if layout.name not in ("tp", "pp", "hybrid", "fsdp") or layout.fsdp == 1:
         got = "parallel.version=1" if layout.fsdp == 1 else f"parallel={layout.name}"

@@ -264,14 +264,19 @@ def gpu_profile(cfg: DictConfig, part: str) -> Profile:
     plan = cfg.plan
     kernels = _gpu_kernels(cfg, spec)
     intra, inter = spec.link_bytes_per_s()
-    where = {"peak_flops": "config" if plan.peak_tflops else "datasheet", "kernels": "datasheet"}
+    where = {"peak_flops": "config" if plan.peak_tflops else "datasheet", "kernels": "datasheet",
+             "overlap": "config" if plan.overlap is not None else "nominal", "baseline_bytes": "nominal"}  # fmt: skip
 
-    def given(key: str, default: float, scale: float) -> float:
-        where[key] = "config" if plan.get(key) is not None else "datasheet"
+    def given(key: str, figure: str, default: float, scale: float) -> float:
+        """`plan.<key>` in the Profile's unit, else the part's figure; its source under the
+        Profile's name of it (`figure`), as the planner's machine line reads them."""
+        where[figure] = "config" if plan.get(key) is not None else "datasheet"
         return plan[key] * scale if plan.get(key) is not None else default
 
-    intra, inter = given("intra_node_gbps", intra, 1e9), given("inter_node_gbps", inter, 1e9)
-    latency, overhead = given("latency_us", NCCL_BASE_S, 1e-6), given("op_overhead_us", 0.0, 1e-6)
+    intra = given("intra_node_gbps", "intra_bytes_per_s", intra, 1e9)
+    inter = given("inter_node_gbps", "inter_bytes_per_s", inter, 1e9)
+    latency = given("latency_us", "latency_s", NCCL_BASE_S, 1e-6)
+    overhead = given("op_overhead_us", "op_overhead_s", 0.0, 1e-6)
     overlap = plan.overlap if plan.overlap is not None else 0.8
     return Profile(
         kernels.peak_flops, intra, inter, latency, overlap, f"gpu: {spec.part} (published figures)", 0,

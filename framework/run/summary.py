@@ -41,6 +41,7 @@ class RunStats:
     skipped_steps: int = 0  # updates not applied: non-finite gradients (nonfinite=skip, amp's scaler)
     rss_baseline_bytes: int | None = None  # after imports and process-group set-up, before the model
     started: float | None = None  # when the process started (time.time()), for startup_s; None: unknown
+    entered: float | None = None  # when this worker began training (time.time()), for launch_s
     plan_auto: dict[str, Any] | None = None  # parallel=auto: the planner's record of its choice, for plan.auto
     figures: list[dict[str, Any]] = field(default_factory=list)  # the registry's figures of each step
 
@@ -59,6 +60,7 @@ class Given(NamedTuple):
 
     started: float | None = None
     plan_auto: dict[str, Any] | None = None
+    entered: float | None = None  # when this worker began (time.time()), for launch_s
 
 
 def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, measure: Measurements,
@@ -101,6 +103,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "step_time_s": stats.throughput.median_step_time(),
         "train_time_s": stats.throughput.total_time(),
         "startup_s": max(r["startup_s"] for r in everyone if r["startup_s"] is not None),
+        "launch_s": max((r["launch_s"] for r in everyone if r["launch_s"] is not None), default=None),
         "compile_s": stats.first_step_s if cfg.compile else None,
         "mfu": None if impossible else mfu(flops.model, tokens_per_s, peak, flops.devices),
         "hfu": None if impossible else hfu,
@@ -137,6 +140,8 @@ def rank_figures(info: DistInfo, stats: RunStats, measure: Measurements) -> dict
         "slots": stats.slots,
         "forward": stats.forward_s,
         "startup_s": stats.startup_s,
+        # the launcher's share of it: process start to this worker's start (imports, config, checks)
+        "launch_s": None if None in (stats.started, stats.entered) else stats.entered - stats.started,
     }
     local["breakdown"] = breakdown(local, measure.probe.parts)
     return local

@@ -55,17 +55,17 @@ LOOP_FIGURES = [Figure(name, log=False, summary=()) for name in (SIGNAL, STOP, S
 
 def run(cfg: DictConfig, run_dir: str, choices: dict[str, str], started: float | None = None,
         plan_auto: dict[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
-    """Train as one rank; returns the run summary on rank 0 (None elsewhere). `started`: when the
-    process started (for summary.startup_s); `plan_auto`: parallel=auto's record of its choice
-    (summary.plan.auto). Raises `Preempted` after a signal (the checkpoint is saved); a failure
-    marks the run aborted for every rank."""
+    """Train as one rank; the run summary on rank 0 (None elsewhere). `started`: the process's start (summary.startup_s);
+    `plan_auto`: parallel=auto's record of its choice (summary.plan.auto). Raises `Preempted` after a signal (the
+    checkpoint is saved); a failure marks the run aborted for every rank."""
+    entered = time.time()  # this worker has started: the launcher's part of summary.launch_s is done
     backend = resolve_backend(cfg) if Strategy.of(cfg.parallel).needs_backend else None
     info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
     files = RunFiles(run_dir, info)
     try:
         with Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
             try:
-                summary = train(cfg, info, files, choices, guard, Given(started, plan_auto))
+                summary = train(cfg, info, files, choices, guard, Given(started, plan_auto, entered))
             except Preempted as stop:
                 files.write_summary(Summary("preempted", choices, step=stop.step, checkpoint=stop.path,
                                             signal=signal.Signals(stop.signum).name))  # fmt: skip
@@ -101,7 +101,7 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
         trainer = Trainer(cfg, info, parts, files, callbacks, guard, started=given.started)
         resumed = trainer.resume()
         stats = RunStats(losses=list(files.prior_losses), skipped_steps=resumed.skipped_steps,
-                         rss_baseline_bytes=baseline, started=given.started, plan_auto=given.plan_auto)  # fmt: skip
+                         rss_baseline_bytes=baseline, **given._asdict())  # fmt: skip
         trainer.stats = stats
         summary = trainer.loop(choices)
     except BaseException as err:

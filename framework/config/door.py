@@ -1,0 +1,139 @@
+"""One way in for the front doors that read a model (`python -m framework.evaluate`, `.generate`,
+`.harness`): `resolve_input(target, overrides)` composes once, resolves and validates as train.py
+does, before any model is built or any worker starts. What it refuses is a ConfigError naming the
+key, which the door prints as one line and exits 2 on.
+
+- TARGET, a checkpoint folder or a run folder (its best checkpoint, else its newest): the config
+  saved beside the checkpoints, the overrides on top (a group's choice composed as train.py composes it);
+- no TARGET: the config the overrides compose, as `python train.py OVERRIDES` would
+  (`model=llama model.pretrained=DIR`, `model=hf model.pretrained=DIR`, a `_target_` model).
+
+Either way one process, nothing saved or logged, unless the overrides say otherwise. Under
+data=text, a `data.path=FILE` override is a file scored whole (`whole_file`): consecutive windows
+of all of it, nothing held out.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.checkpoint import store as checkpoint
+from framework.config.errors import ConfigError, resolution_named
+from framework.config.validate import validate
+
+ALL_BYTES = 1 << 62  # data.max_bytes of a file scored whole
+# what a door sets unless the overrides say otherwise: one process, nothing saved, logged or
+# evaluated along the way. Groups take their choice; keys their value.
+DOOR_GROUPS = {"parallel": "none", "logger": "none"}
+DOOR_KEYS = {"launch.nproc_per_node": 1, "checkpoint.resume": None, "checkpoint.every": 0, "checkpoint.monitor": None,
+             "checkpoint.export": False, "eval.every": 0, "eval.at_start": False, "eval.patience": 0,
+             "progress": False}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DoorInput:
+    cfg: DictConfig  # validated and resolved, in struct mode: what a worker runs with
+    checkpoint: str | None  # the checkpoint folder the weights come from; None: the model as built
+    whole_file: bool  # data=text given data.path: the file scored whole
+
+
+def split_target(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(TARGET, overrides): a first argument that is a path, or not key=value, is the checkpoint or run folder."""
+    if argv and ("=" not in argv[0] or os.path.exists(argv[0])):
+        return argv[0], list(argv[1:])
+    return None, list(argv)
+
+
+def resolve_input(target: str | None, overrides: list[str]) -> DoorInput:
+    """The config a door runs with: a checkpoint's (TARGET) or the one the overrides compose,
+    checked as train.py checks it, resolved; ConfigError for the first problem."""
+    path = resolve_checkpoint(target) if target is not None else None
+    cfg = saved_config(path, overrides) if path is not None else composed_config(overrides)
+    given = keys_of(overrides)
+    whole_file = "data.path" in given and cfg.data.name == "text" and not cfg.data.get("sources")
+    whole_file = whole_file and not given & {"data.val_fraction", "data.val_path"}  # else: that file's split
+    if whole_file:
+        OmegaConf.update(cfg, "data.val_fraction", 0.0)
+        OmegaConf.update(cfg, "data.val_path", None)
+        if "data.max_bytes" not in given:
+            OmegaConf.update(cfg, "data.max_bytes", ALL_BYTES)
+    validate(cfg)
+    with resolution_named():
+        resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.set_struct(resolved, True)
+    return DoorInput(resolved, path, whole_file)
+
+
+def resolve_checkpoint(target: str) -> str:
+    """A checkpoint folder, or a run directory's best (else newest) complete checkpoint."""
+    if checkpoint.complete(target):
+        return target
+    root = os.path.join(target, "checkpoints")
+    found = checkpoint.latest(checkpoint.best_root(root)) or checkpoint.latest(root)
+    if found is None:
+        raise ConfigError("checkpoint", f"{target!r} is neither a complete checkpoint nor a run directory with one "
+                          "(a run saves them with checkpoint.every=N)")  # fmt: skip
+    return found
+
+
+def saved_config(path: str, overrides: list[str]) -> DictConfig:
+    """The config saved beside checkpoint `path`, the door's settings and then `overrides` on top."""
+    from framework.config.overrides import apply_overrides
+
+    saved = checkpoint.find_config(path)
+    if saved is None:
+        raise ConfigError("checkpoint", f"no {checkpoint.CONFIG_FILE} beside {path} (saved by runs since issue 21)")
+    cfg = OmegaConf.create(saved)
+    for group, choice in DOOR_GROUPS.items():
+        OmegaConf.update(cfg, f"{group}.name", choice, force_add=True)
+    for key, value in DOOR_KEYS.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    OmegaConf.set_struct(cfg, True)
+    return apply_overrides(cfg, overrides)  # as train.py composes and checks them: one line naming the key
+
+
+def composed_config(overrides: list[str]) -> DictConfig:
+    """The config `python train.py OVERRIDES` composes (and checks as it checks), the door's
+    settings under the overrides."""
+    from framework.config.overrides import compose_checked
+
+    given = keys_of(overrides)
+    door = [f"{g}={c}" for g, c in DOOR_GROUPS.items() if g not in given]
+    door += [f"{k}={as_override(v)}" for k, v in DOOR_KEYS.items() if k not in given]
+    return compose_checked(door + overrides)
+
+
+def keys_of(overrides: list[str]) -> set[str]:
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def as_override(value: object) -> str:
+    """A value as an override writes it: null, false, 0.01 (lm_eval's --model_args come typed)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_validation_split(cfg: DictConfig) -> None:
+    """The data holds a validation split out for framework.evaluate to read; else one line naming
+    the keys that make one (the worker's own error was a traceback, after the workers started)."""
+    d = cfg.data
+    if d.get("_target_") or d.name == "chat" or (d.name == "hf" and not d.streaming):
+        return  # nothing held out: the whole dataset is the split
+    if d.name == "hf":
+        raise ConfigError("data.streaming", "a stream holds no validation split out; evaluate with "
+                          "data.streaming=false (all rows, or data.val_fraction=F of them)")  # fmt: skip
+    if d.name == "tokens":
+        from framework.data.tokens import read_manifest
+
+        for folder in [s.get("path", d.path) for s in d.sources] if d.get("sources") else [d.path]:
+            if not any(s["split"] == "val" for s in read_manifest(folder)["shards"]):
+                raise ConfigError("data.path", f"the shards at {folder!r} hold no validation split; make one with "
+                                  "python -m framework.data.prepare INPUT OUT --val-fraction F")  # fmt: skip
+        return
+    if d.val_fraction > 0 or d.get("val_path"):
+        return
+    text = ", data.val_path=FILE, or data.path=FILE (scored whole)" if d.name == "text" else ""
+    raise ConfigError("data.val_fraction", f"data={d.name} holds no validation split out; set "
+                      f"data.val_fraction=F (0 < F < 1){text}")  # fmt: skip

@@ -1,0 +1,223 @@
+"""One way in (issue 53): `python -m framework.evaluate`, `.generate` and `.harness` read a
+checkpoint or run folder (its saved config, the overrides on top) or train.py's model and data
+overrides alone, through one function (framework/config/door.py) that composes and checks the
+config before any model is built or any worker starts. Each is held to transformers on the same
+weights: a tiny Hugging Face Llama written here, nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from framework.config import ConfigError  # noqa: E402
+from framework.config.door import resolve_input  # noqa: E402
+from framework.loss import IGNORE_INDEX  # noqa: E402
+from tests.helpers import ROOT, train_cli  # noqa: E402
+from tests.test_finetune import CONVERSATION, chat_folder  # noqa: E402
+from tests.test_front_doors import cli, one_line  # noqa: E402
+from tests.test_llama import hf_model  # noqa: E402
+from tests.test_tokens import prepare  # noqa: E402
+
+SEQ = 32
+PROMPT = "def main():"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A pretrained Llama (bytes, 257 ids), one whose vocabulary is a chat tokenizer's, a text
+    file, JSON rows, byte token shards with a validation split, conversations, and a run
+    fine-tuned from the Llama for 2 steps (checkpointed, exported to run/hf)."""
+    root = tmp_path_factory.mktemp("doors")
+    hf_model(root / "hf", tie=False)
+    chat_folder(root / "tok")
+    torch.manual_seed(1)
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(root / "tok")))
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                      intermediate_size=96, vocab_size=vocab, max_position_embeddings=256)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf_chat")
+    (root / "text.txt").write_bytes(bytes(range(32, 127)) * 7)  # 665 bytes: 20 windows of 32
+    rows = [{"text": f"row {i}: " + "the quick brown fox " * (1 + i % 3)} for i in range(12)]
+    (root / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (root / "docs").mkdir()
+    for i in range(4):
+        (root / "docs" / f"{i}.txt").write_text(f"document {i}: " + "lorem ipsum dolor sit amet " * 8)
+    assert prepare(root / "docs", root / "shards", "--val-fraction", "0.5", "--shard-mb", "0.0001") == 0
+    (root / "chat.jsonl").write_text("\n".join(json.dumps({"messages": CONVERSATION}) for _ in range(8)))
+    run = train_cli(["model=llama", f"model.pretrained={root / 'hf'}", "data=text", f"data.path={root / 'text.txt'}",
+                     f"data.seq_len={SEQ}", "data.batch_size=4", "data.val_fraction=0.2", "parallel=none", "steps=2",
+                     "optim.lr=0.01", "checkpoint.every=2", "checkpoint.export=true", "progress=false"],
+                    root / "run")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return root
+
+
+def greedy(folder, prompt: bytes, n: int) -> list[int]:
+    """transformers' own greedy `generate` on a folder: the new ids, up to the end-of-document id (256)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    return out[: out.index(256)] if 256 in out else out
+
+
+def printed_ids(stdout: str) -> list[int]:
+    """generate --print-ids: the ids' list is the line after the text."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_generate_from_a_pretrained_folder_equals_transformers_greedy_generate(inputs, capsys):
+    """`generate model=llama model.pretrained=DIR data=text` (it said `not an argument here`), as a
+    user types it, and through `model=hf`: transformers' greedy tokens on the same folder."""
+    from framework.generate import main
+
+    expected = greedy(inputs / "hf", PROMPT.encode(), 24)
+    args = ["--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "24", "--print-ids"]
+    proc = cli(["-m", "framework.generate", "model=llama", f"model.pretrained={inputs / 'hf'}", "data=text", *args],
+               inputs)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert printed_ids(proc.stdout) == expected and proc.stdout.startswith(PROMPT)
+    assert main(["model=hf", f"model.pretrained={inputs / 'hf'}", "data=text", *args]) == 0
+    assert printed_ids(capsys.readouterr().out) == expected
+
+
+def test_generate_on_a_checkpoint_equals_transformers_on_its_export(inputs, capsys):
+    from framework.generate import main
+
+    args = ["--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "16", "--print-ids"]
+    assert main([str(inputs / "run"), *args]) == 0
+    assert printed_ids(capsys.readouterr().out) == greedy(inputs / "run" / "hf", PROMPT.encode(), 16)
+
+
+def hand_loss(folder, dataset) -> tuple[float, int]:
+    """transformers' mean next-token loss over every sample of `dataset` (its padding ignored)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    total, terms = 0.0, 0
+    for i in range(len(dataset)):
+        (tokens,), target = dataset[i]
+        with torch.no_grad():
+            logits = hf(tokens[None]).logits[0].float()
+        total += torch.nn.functional.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum").item()
+        terms += int((target != IGNORE_INDEX).sum())
+    return total / terms, terms
+
+
+# (data overrides, the pretrained folder) per data choice; RUN: the fine-tuned run, scored through its export
+CHOICES = {
+    "text file": (["data=text", "data.path={root}/text.txt", f"data.seq_len={SEQ}"], "hf"),
+    "hf": (["data=hf", "data.path={root}/rows.jsonl", f"data.seq_len={SEQ}"], "hf"),
+    "tokens": (["data=tokens", "data.path={root}/shards", f"data.seq_len={SEQ}"], "hf"),
+    "chat": (["data=chat", "data.path={root}/chat.jsonl", "data.tokenizer={root}/tok", "data.seq_len=64"], "hf_chat"),
+}
+CASES = [(name, False) for name in CHOICES] + [(name, True) for name in ("text file", "hf", "tokens")] + [(None, True)]
+
+
+@pytest.mark.parametrize("choice,checkpoint", CASES, ids=[f"{c or 'its split'}-{'run' if r else 'pretrained'}"
+                                                          for c, r in CASES])  # fmt: skip
+def test_evaluate_reads_every_lm_data_choice_as_transformers_scores_it(inputs, choice, checkpoint):
+    """Every lm data choice, with or without a checkpoint (data=hf and data=chat ended in
+    `ConfigKeyError: Key 'max_bytes'`: `data.path=` was read as a text file whatever the choice)."""
+    from framework.data import build_dataset
+    from framework.evaluate import run
+
+    data, folder = CHOICES[choice] if choice else ([], "hf")
+    overrides = [o.format(root=inputs) for o in data] + ["data.batch_size=4"]
+    if checkpoint:
+        target, folder = str(inputs / "run"), inputs / "run" / "hf"
+    else:
+        target, folder = None, inputs / folder
+        overrides = ["model=llama", f"model.pretrained={folder}", *overrides]
+    door = resolve_input(target, overrides)
+    assert door.whole_file == (choice == "text file") and door.cfg.data.name == (choice or "text file").split()[0]
+    got = run(target, overrides)
+    dataset = build_dataset(door.cfg.data, door.cfg.seed, "lm", "train" if door.whole_file else "val")
+    loss, terms = hand_loss(folder, dataset)
+    assert got["terms"] == terms and got["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_evaluate_without_a_validation_split_says_so_in_one_line(inputs, tmp_path):
+    """Before any worker starts (was a worker's ValueError traceback): the keys that make one."""
+    pretrained = ["model=llama", f"model.pretrained={inputs / 'hf'}"]
+    proc = cli(["-m", "framework.evaluate", *pretrained, "data=text", "parallel=ddp", "launch.nproc_per_node=2"],
+               tmp_path)  # fmt: skip
+    line = one_line(proc, "data.val_fraction: data=text holds no validation split out")
+    assert "data.val_path=FILE" in line and "data.path=FILE" in line and os.listdir(tmp_path) == []
+    assert prepare(inputs / "text.txt", tmp_path / "train_only") == 0
+    for overrides, key in ((["data=varlen", "model=gpt"], "data.val_fraction"),
+                           ([*pretrained, "data=tokens", f"data.path={tmp_path / 'train_only'}"], "data.path"),
+                           ([*pretrained, "data=hf", f"data.path={inputs / 'rows.jsonl'}", "data.streaming=true"],
+                            "data.streaming")):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            from framework.evaluate import run
+
+            run(None, overrides)
+        assert err.value.key == key, err.value
+
+
+def test_bad_inputs_to_each_door_are_one_line_and_leave_nothing_behind(inputs, tmp_path, capsys):
+    from framework.evaluate import main as evaluate
+    from framework.generate import main as generate
+
+    assert generate(["model=llama", f"model.pretrained={tmp_path / 'none'}", "--prompt", "x"]) == 2
+    assert (
+        evaluate(["model=llama", f"model.pretrained={inputs / 'hf'}", "data=hf", f"data.path={tmp_path}/no.jsonl"]) == 2
+    )
+    assert evaluate([str(tmp_path), "eval.steps=2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":", 2)[1] for line in lines] == [" model.pretrained", " data.path", " checkpoint"], lines
+    assert "checkpoint.every=N" in lines[2] and os.listdir(tmp_path) == []
+    harness = ["-m", "framework.harness", "--model", "hydradist", "--tasks", "none"]
+    proc = cli([*harness, "--model_args", f"model=llama,model.pretraind={inputs / 'hf'}"], tmp_path)
+    one_line(proc, "model.pretraind: no such key; did you mean 'model.pretrained'?")
+    proc = cli([*harness, "--model_args", f"checkpoint={tmp_path / 'none'}"], tmp_path)
+    one_line(proc, "checkpoint: ")
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_harness_takes_model_overrides_on_the_machines_device(inputs):
+    """`hydradist` given `model=llama,model.pretrained=DIR,...` (lm_eval types the values) builds
+    the model on the config's device (the CPU where there is no GPU: lm_eval's default is CUDA)
+    and scores a continuation as transformers does."""
+    from framework.harness import HydradistLM
+
+    lm = HydradistLM(**{"model": "llama", "model.pretrained": str(inputs / "hf"), "data": "text", "seed": 3,
+                        "batch_size": 1})  # fmt: skip
+    assert lm._device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    ((score, _),) = lm.loglikelihood([SimpleNamespace(args=("def main", "():"))])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(inputs / "hf")).eval()
+    whole = list(b"def main():")
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([whole[:-1]])).logits[0].float(), -1)
+    assert score == pytest.approx(sum(logprobs[7 + i, t].item() for i, t in enumerate(whole[8:])), abs=1e-4)
+
+
+@pytest.mark.slow  # lm_eval indexes its tasks: about 20 s
+def test_the_harness_command_runs_on_the_cpu_without_being_told(inputs, tmp_path):
+    """No `--device` on a machine without a GPU: it raised `Found no NVIDIA driver` inside an
+    InstantiationException (lm_eval's own default device is CUDA)."""
+    pytest.importorskip("lm_eval")
+    docs = tmp_path / "choices.jsonl"
+    docs.write_text("\n".join(json.dumps({"question": "def main", "choices": ["():", "!!"], "answer": 0})
+                              for _ in range(2)))  # fmt: skip
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny.yaml").write_text(
+        "task: tiny_doors\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {docs}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "framework.harness", "--model", "hydradist", "--model_args",
+                           f"model=llama,model.pretrained={inputs / 'hf'},data=text", "--tasks", "tiny_doors",
+                           "--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "out")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "acc" in json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]["tiny_doors"]
