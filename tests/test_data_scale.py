@@ -191,13 +191,16 @@ def test_a_text_column_with_empty_rows_trains_to_the_end(tmp_path, streaming, ca
     rows are left out (counted where the dataset is map-style), and the run trains to the end."""
     rows = [{"text": f"row {i}: " + "some words here. " * (1 + i % 5) if i % 4 == 0 else ("" if i % 8 else "   ")}
             for i in range(240)]  # fmt: skip
-    path = tmp_path / "rows.jsonl"
+    path, val = tmp_path / "rows.jsonl", tmp_path / "val.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
     run = tmp_path / "run"
     args = [*TINY_GPT, "data=hf", f"data.path={path}", f"data.streaming={streaming}", "data.seq_len=32",
-            "data.batch_size=8", "data.shuffle_buffer=64", "steps=12"]  # fmt: skip
+            "data.batch_size=8", "data.shuffle_buffer=64", "steps=12", f"data.val_path={val}", "eval.every=6"]  # fmt: skip
     summary = train_in_process(args, run)
     assert len(read_metrics(run)) == 12 and all(m["loss"] == m["loss"] and m["loss"] < 10 for m in read_metrics(run))
+    # validated on data.val_path, as data.md says (a stream holds nothing out)
+    assert [m["step"] for m in read_metrics(run) if m.get("val_loss") is not None] == [6, 12]
     assert summary["data"]["rows_left_out"] == (None if streaming else 180)
     assert ("data: 180 of 240 rows" in capsys.readouterr().out) != streaming
 
@@ -211,6 +214,10 @@ def test_a_missing_source_and_a_file_of_another_format_are_one_line_before_any_w
         "data.sources[1].path": [f"data.sources=[{{path: {paths['json']}}}, {{path: {tmp_path / 'gone.jsonl'}}}]"],
         "data.sources[0].text_column": [f"data.sources=[{{path: {paths['json']}, text_column: txt}}]"],
         "data.path": [f"data.path={tmp_path / 'fake.parquet'}", "data.format=parquet"],
+        # validation: a stream holds nothing out; a file of its own reads as data.path does
+        "data.val_fraction": [f"data.path={paths['json']}", "data.streaming=true", "data.val_fraction=0.1"],
+        "data.val_path": [f"data.path={paths['json']}", f"data.val_path={tmp_path / 'gone.jsonl'}"],
+        "eval": [f"data.path={paths['json']}", "data.streaming=true", "eval.every=2"],
     }
     for key, args in cases.items():
         with pytest.raises(ConfigError) as err:

@@ -1,8 +1,10 @@
-"""Checks of the data's curriculum (`data.batch_schedule`, `data.seq_len_schedule`): what a
-schema cannot tell, before any worker starts (framework/config/validate.py calls them)."""
+"""Checks of the data's curriculum (`data.batch_schedule`, `data.seq_len_schedule`) and its
+validation split: what a schema cannot tell, before any worker starts (framework/config/validate.py
+calls them)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -11,6 +13,36 @@ from framework.config.errors import ConfigError
 
 # data whose samples are token windows of data.seq_len (a length schedule cuts them shorter)
 TOKEN_WINDOWS = ("text", "tokens", "chat", "hf")
+
+
+# data that validates on a file of its own (data.val_path), read as data.path is (a stream's map-style)
+VAL_PATH_DATA = ("text", "hf")
+
+
+def check_val_split(d: DictConfig, evaluating: bool) -> None:
+    """data.val_fraction and data.val_path make a split the data can hold out, and one exists where
+    evaluation reads it. A stream holds nothing out: it validates on data.val_path."""
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError("data.val_fraction", f"got {d.val_fraction}; must be >= 0 and < 1")
+    stream = d.name == "hf" and d.get("streaming")
+    if stream and d.val_fraction > 0:
+        raise ConfigError("data.val_fraction", "a stream (data.streaming=true) holds nothing out; validate on "
+                          "data.val_path=FILE (read map-style)")  # fmt: skip
+    if d.get("val_path") is not None:
+        if d.name not in VAL_PATH_DATA:
+            raise ConfigError("data.val_path", f"a file or folder to validate on, for data=text or data=hf; got "
+                              f"data={d.name} (hold out data.val_fraction instead)")  # fmt: skip
+        if not os.path.exists(d.val_path):
+            raise ConfigError("data.val_path", f"no file or folder at {d.val_path!r}")
+        if d.name == "hf":
+            from framework.data.tokens import hf_problem
+
+            if problem := hf_problem(OmegaConf.merge(d, {"path": d.val_path})):  # its rows read as data.path's
+                key, message = problem
+                raise ConfigError("data.val_path" if key == "data.path" else key, message)
+    if evaluating and not (d.val_fraction > 0 or d.get("val_path")):
+        how = "data.val_path=FILE" if stream else "data.val_fraction (0 < f < 1) or data.val_path=FILE (text, hf)"
+        raise ConfigError("eval", f"needs a validation split: set {how}")
 
 
 def schedule_pairs(key: str, schedule: Any) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from framework.config.callback_checks import check_callbacks
 from framework.config.choices import Choice
-from framework.config.data_checks import check_data_plan
+from framework.config.data_checks import check_data_plan, check_val_split
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 
@@ -330,12 +330,7 @@ def _check_eval(cfg: DictConfig) -> None:
     _at_least(cfg, "eval.patience", 0)
     _require(e.steps == -1 or e.steps >= 1, "eval.steps", f"got {e.steps}; must be -1 (the whole split) or >= 1")
     _require(e.min_delta >= 0, "eval.min_delta", f"got {e.min_delta}; must be >= 0")
-    _require(0 <= d.val_fraction < 1, "data.val_fraction", f"got {d.val_fraction}; must be >= 0 and < 1")
-    if d.val_path is not None:
-        _require(d.name == "text", "data.val_path", f"a text file or folder, for data=text only; got data={d.name}")
-        _require(os.path.exists(d.val_path), "data.val_path", f"no file or folder at {d.val_path!r}")
-    split = "set data.val_fraction (0 < f < 1) or data.val_path (data=text)"
-    _require(not on or d.val_fraction > 0 or d.val_path, "eval", f"needs a validation split: {split}")
+    check_val_split(d, on)
     for key, used in (("eval.patience", e.patience), ("checkpoint.monitor", cfg.checkpoint.monitor),
                       ("optimize", cfg.optimize == "val_loss")):  # fmt: skip
         _require(not used or e.every > 0, key, "needs evaluation during training: set eval.every=N (> 0)")
