@@ -40,7 +40,6 @@ from omegaconf import OmegaConf, open_dict
 
 from framework.checkpoint.full import full_model_state_dict
 from framework.contract import factory_kwargs
-from framework.data.tokenizer import HFTokenizer, data_tokenizer
 from framework.hf import ties_embeddings
 from framework.peft import enabled, is_adapter
 from models.llama import Llama
@@ -258,6 +257,8 @@ def write_tokenizer(cfg, out: str) -> None:
     conversations were rendered with and the end-of-document token as `eos_token`. config.json's
     `eos_token_id` follows that token where it names none, so transformers' generate stops where
     `framework.generate` does. A bytes run has no Hugging Face tokenizer: nothing is written."""
+    from framework.data.tokenizer import HFTokenizer, data_tokenizer  # the data's: see PENDING_UPWARD
+
     try:
         tok = data_tokenizer(cfg.data)
     except FileNotFoundError as err:  # the CLI, long after the run: its shards may be gone

@@ -127,7 +127,7 @@ def test_a_tokenizer_is_a_tokenizer_json_or_its_folder(tmp_path):
     from framework.config import ConfigError
     from framework.data.chat import ChatSequences
     from framework.data.tokenizer import load_tokenizer
-    from framework.data.tokens import tokenizer_problem
+    from framework.data.tokens import data_problem
     from framework.generate import run_tokenizer
 
     chat_folder(tmp_path / "tok")
@@ -136,8 +136,13 @@ def test_a_tokenizer_is_a_tokenizer_json_or_its_folder(tmp_path):
     assert folder.eos_id == file.eos_id == folder.tok.token_to_id("<|im_end|>")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONVERSATION}))
     assert len(ChatSequences(str(tmp_path / "chat.jsonl"), str(tmp_path / "tok" / "tokenizer.json"), 64)) == 1
-    assert tokenizer_problem(str(tmp_path / "tok")) is None
-    assert tokenizer_problem(str(tmp_path))[0] == "data.tokenizer"
+    assert data_problem(OmegaConf.create({"name": "text", "tokenizer": str(tmp_path / "tok")})) is None
+    assert data_problem(OmegaConf.create({"name": "text", "tokenizer": str(tmp_path)}))[0] == "data.tokenizer"
+    (tmp_path / "bare").mkdir()  # a tokenizer without a chat template cannot render conversations
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((tmp_path / "tok" / "tokenizer.json").read_bytes())
+    chat = {"name": "chat", "path": str(tmp_path / "chat.jsonl"), "tokenizer": str(tmp_path / "bare")}
+    key, message = data_problem(OmegaConf.create(chat))
+    assert key == "data.tokenizer" and "no chat_template" in message
     with pytest.raises(ConfigError) as err:
         run_tokenizer(OmegaConf.create({"data": {"name": "chat", "tokenizer": str(tmp_path / "gone")}}))
     assert err.value.key == "data.tokenizer" and "gone" in str(err.value) and "\n" not in str(err.value)

@@ -65,9 +65,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("launch", "compose", "evaluate", "generate", "harness", "report", "report_table", "plan.__main__", "preload"),
 ]
 
-# Exemptions: none today. An edge or a size that must wait for a later change is named here,
-# with the issue that removes it.
-PENDING_UPWARD: set[tuple[str, str]] = set()
+# Exemptions: an edge or a size that must wait for a later change is named here, with the issue
+# that removes it.
+PENDING_UPWARD: set[tuple[str, str]] = {
+    # issue 53: export writes the run's tokenizer beside the weights (framework.data.tokenizer's
+    # data_tokenizer, as generate reads it); its command line moves to the doors' wing, and the
+    # trainer hands export_at_end the tokenizer
+    ("framework.export", "framework.data"),
+    ("framework.export", "framework.data.tokenizer"),
+}
 PENDING_SIZE: set[str] = set()
 
 

@@ -154,7 +154,7 @@ def test_evaluate_without_a_validation_split_says_so_in_one_line(inputs, tmp_pat
     for overrides, key in ((["data=varlen", "model=gpt"], "data.val_fraction"),
                            ([*pretrained, "data=tokens", f"data.path={tmp_path / 'train_only'}"], "data.path"),
                            ([*pretrained, "data=hf", f"data.path={inputs / 'rows.jsonl'}", "data.streaming=true"],
-                            "data.streaming")):  # fmt: skip
+                            "data.val_path")):  # fmt: skip
         with pytest.raises(ConfigError) as err:
             from framework.evaluate import run
 
@@ -182,6 +182,14 @@ def test_bad_inputs_to_each_door_are_one_line_and_leave_nothing_behind(inputs, t
     assert os.listdir(tmp_path) == []
 
 
+def hf_loglikelihood(hf, context: str, continuation: str) -> float:
+    """transformers' log-probability of the continuation's bytes after the context's."""
+    first, whole = len(context.encode()), list((context + continuation).encode())
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([whole[:-1]])).logits[0].float(), -1)
+    return sum(logprobs[first - 1 + i, t].item() for i, t in enumerate(whole[first:]))
+
+
 def test_the_harness_takes_model_overrides_on_the_machines_device(inputs):
     """`hydradist` given `model=llama,model.pretrained=DIR,...` (lm_eval types the values) builds
     the model on the config's device (the CPU where there is no GPU: lm_eval's default is CUDA)
@@ -191,22 +199,22 @@ def test_the_harness_takes_model_overrides_on_the_machines_device(inputs):
     lm = HydradistLM(**{"model": "llama", "model.pretrained": str(inputs / "hf"), "data": "text", "seed": 3,
                         "batch_size": 1})  # fmt: skip
     assert lm._device.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    ((score, _),) = lm.loglikelihood([SimpleNamespace(args=("def main", "():"))])
+    [(score, _)] = lm.loglikelihood([SimpleNamespace(args=("def main", "():"))])
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(inputs / "hf")).eval()
-    whole = list(b"def main():")
-    with torch.no_grad():
-        logprobs = torch.log_softmax(hf(torch.tensor([whole[:-1]])).logits[0].float(), -1)
-    assert score == pytest.approx(sum(logprobs[7 + i, t].item() for i, t in enumerate(whole[8:])), abs=1e-4)
+    assert score == pytest.approx(hf_loglikelihood(hf, "def main", "():"), abs=1e-4)
+
+
+QUESTIONS = [("def main", ["():", "!!"], 0), ("import", [" os", "))"], 1), ("x = [1, 2,", [" 3]", " zebra"], 0)]
 
 
 @pytest.mark.slow  # lm_eval indexes its tasks: about 20 s
 def test_the_harness_command_runs_on_the_cpu_without_being_told(inputs, tmp_path):
     """No `--device` on a machine without a GPU: it raised `Found no NVIDIA driver` inside an
-    InstantiationException (lm_eval's own default device is CUDA)."""
+    InstantiationException (lm_eval's own default device is CUDA). Model overrides, no checkpoint:
+    the accuracy is the share of questions whose answer transformers scores highest."""
     pytest.importorskip("lm_eval")
     docs = tmp_path / "choices.jsonl"
-    docs.write_text("\n".join(json.dumps({"question": "def main", "choices": ["():", "!!"], "answer": 0})
-                              for _ in range(2)))  # fmt: skip
+    docs.write_text("\n".join(json.dumps({"question": q, "choices": c, "answer": a}) for q, c, a in QUESTIONS))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny.yaml").write_text(
         "task: tiny_doors\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
@@ -220,4 +228,9 @@ def test_the_harness_command_runs_on_the_cpu_without_being_told(inputs, tmp_path
                            "--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "out")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "acc" in json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]["tiny_doors"]
+    acc = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())["results"]["tiny_doors"]["acc,none"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(inputs / "hf")).eval()
+    right = [
+        max(range(len(c)), key=lambda i, q=q, c=c: hf_loglikelihood(hf, q, " " + c[i])) == a for q, c, a in QUESTIONS
+    ]
+    assert acc == pytest.approx(sum(right) / len(right))

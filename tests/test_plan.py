@@ -374,3 +374,21 @@ def test_plain_data_parallelism_on_the_hybrid_mesh_replicates_and_keeps_megatron
     assert 15.5 < ratio <= 16, ratio  # dp 16: the whole stage on each replica (FSDP pads its shards)
     seconds = [plan(world, True)["step_time_s"] * world for world in (384, 768, 1536)]  # GPU-seconds per step
     assert seconds[0] < seconds[1] < seconds[2], seconds
+
+
+def test_planner_md_example_prints_what_the_doc_shows(tmp_path, monkeypatch, capsys):
+    """docs/planner.md's example (plan.gpu=A100: published figures, no probe, no cache) prints its
+    table on any machine exactly as the doc shows it (issue 53: a newcomer got another table)."""
+    import re
+    import shlex
+
+    from framework.plan.__main__ import main
+
+    doc = (ROOT / "docs" / "planner.md").read_text()
+    example = re.search(r"```\n\$ (python -m framework\.plan .*?)\n(.*?)```", doc.replace("\\\n", ""), re.S)
+    argv = shlex.split(example[1])[3:]
+    assert "plan.gpu=A100" in argv
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # an empty cache: nothing of this machine's
+    assert main(argv) == 0
+    assert capsys.readouterr().out == example[2]
+    assert not (tmp_path / "hydradist").exists()

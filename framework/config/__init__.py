@@ -12,7 +12,7 @@ from pathlib import Path
 
 from framework.config.errors import ConfigError
 from framework.config.resolve import backend_env, resolve_backend, resolve_device, resolve_nproc, world_size_of
-from framework.config.run_id import register_resolvers
+from framework.config.run_id import register_run_id
 from framework.config.schema import register_configs
 from framework.config.validate import validate
 
@@ -31,6 +31,22 @@ __all__ = [
     "validate",
     "world_size_of",
 ]
+
+
+def register_resolvers() -> None:
+    """`${run_id:}` (hydra.run.dir) and `${data_vocab:}`: a model's vocab_size follows its data's
+    tokenizer (framework.data.tokens.data_vocab), the data layer imported when a config first reads
+    it, so that composing imports no torch."""
+    from omegaconf import OmegaConf
+
+    register_run_id()
+    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
+
+
+def _data_vocab(*, _root_) -> int | None:
+    from framework.data.tokens import data_vocab
+
+    return data_vocab(_root_)
 
 
 def compose(overrides: list[str] | None = None):

@@ -57,7 +57,7 @@ class TextDataConfig(LoaderFields):
     path: str | None = None  # file or folder of text; null: this Python's standard library source
     seq_len: int = 128
     max_bytes: int = 4_000_000  # read at most this many bytes of the corpus
-    tokenizer: str = "bytes"  # bytes (ids 0..255) | <path to a tokenizer.json> (bpe: prepare shards, data=tokens)
+    tokenizer: str = "bytes"  # bytes (ids 0..255) | a tokenizer.json or its folder (bpe: prepare shards, data=tokens)
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ChatDataConfig(LoaderFields):
 
     name: str = "chat"
     path: str = MISSING  # a JSONL file, one {"messages": [{"role": ..., "content": ...}, ...]} a line
-    tokenizer: str = MISSING  # a folder with tokenizer.json and tokenizer_config.json (its chat_template)
+    tokenizer: str = MISSING  # a tokenizer folder with its chat_template (tokenizer_config.json), or its tokenizer.json
     seq_len: int = 256  # each conversation cut to seq_len + 1 tokens and padded to it
 
 
@@ -81,7 +81,7 @@ class HFDataConfig(LoaderFields):
     format: HFFormat = HFFormat.auto  # auto: a saved dataset, else the files' suffix
     text_column: str = "text"  # tokenized on the fly by data.tokenizer
     tokens_column: str | None = None  # token ids used as they are (instead of text_column)
-    tokenizer: str = "bytes"  # bytes | <path to a tokenizer.json>
+    tokenizer: str = "bytes"  # bytes | a tokenizer.json or its folder
     vocab_size: int | None = None  # tokens_column: the ids it holds (the model's vocabulary follows)
     seq_len: int = 128
     streaming: bool = False  # read as a stream, never whole: corpora larger than memory

@@ -119,11 +119,11 @@ def check_validation_split(cfg: DictConfig) -> None:
     """The data holds a validation split out for framework.evaluate to read; else one line naming
     the keys that make one (the worker's own error was a traceback, after the workers started)."""
     d = cfg.data
-    if d.get("_target_") or d.name == "chat" or (d.name == "hf" and not d.streaming):
-        return  # nothing held out: the whole dataset is the split
+    if d.get("val_path") or d.get("_target_") or d.name == "chat" or (d.name == "hf" and not d.streaming):
+        return  # a file of its own; else, with nothing held out, the whole dataset is the split
     if d.name == "hf":
-        raise ConfigError("data.streaming", "a stream holds no validation split out; evaluate with "
-                          "data.streaming=false (all rows, or data.val_fraction=F of them)")  # fmt: skip
+        raise ConfigError("data.val_path", "a stream holds no validation split out; set data.val_path=FILE (read "
+                          "map-style), or data.streaming=false (all rows, or data.val_fraction=F of them)")  # fmt: skip
     if d.name == "tokens":
         from framework.data.tokens import read_manifest
 
@@ -132,7 +132,7 @@ def check_validation_split(cfg: DictConfig) -> None:
                 raise ConfigError("data.path", f"the shards at {folder!r} hold no validation split; make one with "
                                   "python -m framework.data.prepare INPUT OUT --val-fraction F")  # fmt: skip
         return
-    if d.val_fraction > 0 or d.get("val_path"):
+    if d.val_fraction > 0:
         return
     text = ", data.val_path=FILE, or data.path=FILE (scored whole)" if d.name == "text" else ""
     raise ConfigError("data.val_fraction", f"data={d.name} holds no validation split out; set "

@@ -27,14 +27,6 @@ def _run_id() -> str:
     return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
 
 
-def register_resolvers() -> None:
-    """`${run_id:}`, and the data layer's `${data_vocab:}` (framework.data.tokens.data_vocab),
-    imported when a config first reads it: composing needs neither torch nor the data layer."""
+def register_run_id() -> None:
+    """`${run_id:}` (framework.config.register_resolvers registers it with the data's `${data_vocab:}`)."""
     OmegaConf.register_new_resolver("run_id", _run_id, replace=True)
-    OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
-
-
-def _data_vocab(*, _root_) -> int | None:
-    from framework.data.tokens import data_vocab
-
-    return data_vocab(_root_)

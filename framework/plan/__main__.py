@@ -53,7 +53,11 @@ def machine_lines(profile: Profile) -> str:
     """The machine figures the forecast used, each with its source (config, probe, cache, datasheet,
     nominal): a figure this machine cannot measure for the planned job is the config's or nominal."""
     where = profile.sources or {}
+    # probed or published kernels price the arithmetic operator by operator (a CPU's whatever
+    # plan.peak_tflops says); without them, the FLOPs go at the peak
+    priced = ("op by op", where.get("kernels")) if profile.kernels is not None else ("FLOPs at the peak", "no kernels")
     figures = [
+        ("arithmetic", *priced),
         ("peak", f"{profile.peak_flops / 1e12:.3g} TFLOP/s per rank", where.get("peak_flops")),
         ("link within a node", f"{profile.intra_bytes_per_s / 1e9:.3g} GB/s", where.get("intra_bytes_per_s")),
         ("link across nodes", f"{profile.inter_bytes_per_s / 1e9:.3g} GB/s", where.get("inter_bytes_per_s")),

@@ -77,9 +77,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
     counting = [r for r in everyone if r["work"]]  # one rank per data-parallel group
     rates = throughput = stats.throughput.rates()
     per_step = stats.throughput.per_step()
-    balance = load_balance(
-        [r["work"] for r in counting], [r["slots"] for r in counting], [r["forward"] for r in counting]
-    )
+    balance = load_balance(*([r[key] for r in counting] for key in ("work", "slots", "forward")))
     if cfg.data.get("pack"):  # packed blocks hold no padding: the unused positions are document boundaries
         balance["boundary_waste"] = balance.pop("padding_waste")
     par, flops, peak = parts.par, parts.flops, measure.peak_flops
