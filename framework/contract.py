@@ -28,6 +28,13 @@ declaration        meaning                                    without it
                                                               on any
 (ties)             a parameter held twice (``self.output.     found, never declared: every strategy
                    weight = self.tok_embeddings.weight``)     keeps it one in value (parallel/ties.py)
+``from_hf_name``   ``(hf name) -> (ours, layout change)``:    ``model.pretrained`` loads names that
+                   a Hugging Face checkpoint's tensors in     match as they are
+                   (``model.pretrained``)
+``hf_entries``     ``() -> [(hf name, ours, expert index |    no Hugging Face export (``model.pt``);
+``to_hf_name``     None, layout change)]``, ``(ours) ->       framework/export.py asks these, and
+``hf_config``      (hf name, change)``, ``(dtype) -> dict``:  imports no model
+                   the model out as transformers' files
 =================  =========================================  =========================================
 
 A model's output may be a tensor, a tuple whose first item is the logits, or an object with

@@ -6,7 +6,8 @@ run's tokenizer (tokenizer.json, tokenizer_config.json with its chat template) t
 
 CHECKPOINT is a `step-NNNNNN` folder saved under any layout and world size (DCP reshards on
 read). The export streams parameter by parameter: each tensor is read whole from the checkpoint
-(DCP gathers its shards), converted to Hugging Face's name and layout (models/llama_hf.py) and
+(DCP gathers its shards), converted to Hugging Face's name and layout (what the model declares: the contract's
+`hf_entries`, `to_hf_name` and `hf_config`; export imports no model) and
 written at its place in the safetensors file, whose header is written first from the
 checkpoint's metadata. No more than one full parameter is in memory at a time.
 
@@ -26,7 +27,6 @@ onto the Hugging Face base); `checkpoint.export=true` writes both (RUN_DIR/hf, R
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import os
@@ -37,14 +37,13 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf, open_dict
+from torch import nn
 
 from framework.checkpoint.full import full_model_state_dict
-from framework.contract import factory_kwargs
+from framework.checkpoint.store import find_config
+from framework.contract import build_model, locate_target
 from framework.hf import ties_embeddings
 from framework.peft import enabled, is_adapter
-from models.llama import Llama
-from models.llama_args import LlamaArgs
-from models.llama_hf import hf_config, hf_entries, hf_names, to_hf_name
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
@@ -77,9 +76,12 @@ def write_safetensors(path: str, entries: Sequence[tuple[str, torch.Size, torch.
 
 
 def run_config(checkpoint: str, config: str | None):
-    """The config of the run that saved `checkpoint`."""
+    """The config of the run that saved `checkpoint`: `--config`, else the resolved one the run
+    saved beside its checkpoints, else its `.hydra/config.yaml`."""
     if config is not None:
         return OmegaConf.load(config)
+    if (saved := find_config(checkpoint)) is not None:
+        return OmegaConf.create(saved)
     for parent in Path(checkpoint).resolve().parents[:3]:
         if (parent / ".hydra" / "config.yaml").is_file():
             return OmegaConf.load(parent / ".hydra" / "config.yaml")
@@ -109,47 +111,61 @@ def read_tensor(checkpoint: str, name: str, shape: torch.Size, dtype: torch.dtyp
 
 
 def has_hf_layout(cfg) -> bool:
-    """Whether the run's model exports to Hugging Face's format: model=llama, or model=hf (which
-    is a transformers model already)."""
-    return cfg.model.get("_target_") == "models.llama.Llama" or cfg.model.get("name") == "hf"
+    """Whether the run's model exports to Hugging Face's format: model=hf (a transformers model
+    already), or a model class that declares its layout (the contract's `hf_entries`: model=llama)."""
+    if cfg.model.get("name") == "hf":
+        return True
+    try:
+        return hasattr(locate_target(cfg.model), "hf_entries")
+    except ValueError:  # no importable _target_: nothing to export in Hugging Face's format
+        return False
 
 
-def llama_args_of(cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> LlamaArgs:
-    if cfg.model.get("_target_") != "models.llama.Llama":
-        raise ExportError(f"--format hf: {cfg.model.get('_target_')} has no Hugging Face layout here; model=llama has")
-    cfg = copy.deepcopy(cfg)  # the run's config is read, never written back
-    with open_dict(cfg):
-        cfg.model.vocab_size = int(tensors["tok_embeddings.weight"][0][0])  # what the run trained with
-    kwargs = factory_kwargs(OmegaConf.to_container(cfg.model, resolve=True))
-    kwargs.pop("_target_")
-    with torch.device("meta"):
-        return Llama(**kwargs).args
+def hf_model_of(cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> nn.Module:
+    """The run's model on the meta device, with the vocabulary it trained with: what it declares
+    of Hugging Face's layout (hf_entries, to_hf_name, hf_config) is read from it."""
+    if not has_hf_layout(cfg) or cfg.model.get("name") == "hf":
+        raise ExportError(f"--format hf: {cfg.model.get('_target_')} declares no Hugging Face layout (the "
+                          "contract's hf_entries); model=llama does, and model=hf exports at the run's end")  # fmt: skip
+    model_cfg = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=False))  # read, never written back
+    with open_dict(model_cfg):
+        model_cfg.vocab_size = _trained_vocab(model_cfg, tensors)
+    return build_model(model_cfg, "meta")
 
 
-def write_llama_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dtype]],
-                   read: Callable[[str], torch.Tensor]) -> LlamaArgs:  # fmt: skip
-    """OUT/config.json, OUT/model.safetensors (and the run's tokenizer) of a llama whose
-    tensors (our names: shape, dtype) are `tensors`; `read(name)` gives one whole tensor, called
-    once per tensor, in order."""
-    args = llama_args_of(cfg, tensors)
+def _trained_vocab(model_cfg, tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> int | None:
+    """The rows of the model's token embedding (its first nn.Embedding) in the checkpoint: the
+    config's `${data_vocab:}` may no longer resolve (the data gone, or read elsewhere)."""
+    probe = model_cfg.copy()
+    with open_dict(probe):
+        probe.vocab_size = 1
+    embedding = next(name for name, m in build_model(probe, "meta").named_modules() if isinstance(m, nn.Embedding))
+    return int(tensors[f"{embedding}.weight"][0][0])
+
+
+def write_model_hf(cfg, out: str, tensors: dict[str, tuple[torch.Size, torch.dtype]],
+                   read: Callable[[str], torch.Tensor]) -> dict:  # fmt: skip
+    """OUT/config.json, OUT/model.safetensors (and the run's tokenizer) of a model that declares
+    its Hugging Face layout, whose tensors (our names: shape, dtype) are `tensors`; `read(name)`
+    gives one whole tensor, called once per tensor, in order. Returns the config.json written."""
+    model = hf_model_of(cfg, tensors)
     if enabled(cfg.get("peft")):  # the adapters folded into their weights
         read = merged(tensors, read, cfg.peft.alpha / cfg.peft.rank)
-    names = hf_names(args)
-    missing = [n for n in names if n not in tensors]
+    hf = model.hf_entries()  # (Hugging Face name, ours, expert or None, layout change)
+    missing = sorted({ours for _, ours, _, _ in hf} - set(tensors))
     if missing:
         raise ExportError(f"CHECKPOINT: the model state lacks {', '.join(missing[:5])}")
     os.makedirs(out, exist_ok=True)
-    dtype = tensors[names[0]][1]
-    hf = hf_entries(args)  # (Hugging Face name, ours, expert or None, layout change)
+    dtype = tensors[hf[0][1]][1]
     entries = [(name, tensors[ours][0][1:] if e is not None else tensors[ours][0], tensors[ours][1])
                for name, ours, e, _ in hf]  # fmt: skip
     read = functools.lru_cache(maxsize=1)(read)  # a grouped expert weight is read once for its experts
     write_safetensors(os.path.join(out, "model.safetensors"), entries,
                       lambda i: hf[i][3](read(hf[i][1]) if hf[i][2] is None else read(hf[i][1])[hf[i][2]]))  # fmt: skip
-    config_json = hf_config(args, str(dtype).removeprefix("torch."))
+    config_json = model.hf_config(str(dtype).removeprefix("torch."))
     Path(out, "config.json").write_text(json.dumps(config_json, indent=2))
     write_tokenizer(cfg, out)
-    return args
+    return config_json
 
 
 def merged(tensors: dict, read: Callable[[str], torch.Tensor], scaling: float) -> Callable[[str], torch.Tensor]:
@@ -166,18 +182,18 @@ def merged(tensors: dict, read: Callable[[str], torch.Tensor], scaling: float) -
     return read_merged
 
 
-def write_peft_adapter(cfg, out: str, tensors: dict, read: Callable[[str], torch.Tensor]) -> list[str]:
+def write_peft_adapter(cfg, out: str, tensors: dict, read: Callable[[str], torch.Tensor]) -> dict:
     """OUT/adapter_model.safetensors and OUT/adapter_config.json in PEFT's format: the adapters of
     a peft=lora llama under Hugging Face's module names (B's rows in its rotary layout, as W's).
-    Returns the adapted modules' Hugging Face names."""
+    Returns the base model's config.json (what the adapter applies to)."""
     if not enabled(cfg.get("peft")):
         raise ExportError("--format peft: the run trained no adapters (peft=none)")
-    args = llama_args_of(cfg, tensors)
+    model = hf_model_of(cfg, tensors)
     names = sorted(n for n in tensors if is_adapter(n))
     keys, transforms = [], []
     for name in names:
         stem, _, kind = name.partition(".lora_")
-        hf, transform = to_hf_name(f"{stem}.weight", args)
+        hf, transform = model.to_hf_name(f"{stem}.weight")
         keys.append(f"base_model.model.{hf.removesuffix('.weight')}.lora_{kind}")
         transforms.append(transform if kind.startswith("B") else (lambda t: t))
     os.makedirs(out, exist_ok=True)
@@ -191,18 +207,17 @@ def write_peft_adapter(cfg, out: str, tensors: dict, read: Callable[[str], torch
                    "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
                    "base_model_name_or_path": cfg.model.get("pretrained")}  # fmt: skip
     Path(out, "adapter_config.json").write_text(json.dumps(config_json, indent=2))
-    return modules
+    return model.hf_config(str(tensors[names[0]][1]).removeprefix("torch."))
 
 
-def export_hf(checkpoint: str, out: str, config: str | None = None, fmt: str = "hf") -> LlamaArgs:
-    """The CLI's export: streamed from a DCP checkpoint, one whole tensor in memory at a time."""
+def export_hf(checkpoint: str, out: str, config: str | None = None, fmt: str = "hf") -> dict:
+    """The CLI's export: streamed from a DCP checkpoint, one whole tensor in memory at a time.
+    Returns the (base) model's Hugging Face config.json."""
     cfg = run_config(checkpoint, config)
     tensors = checkpoint_tensors(checkpoint)
     read = lambda name: read_tensor(checkpoint, name, *tensors[name])  # noqa: E731
-    if fmt == "peft":
-        write_peft_adapter(cfg, out, tensors, read)
-        return llama_args_of(cfg, tensors)
-    return write_llama_hf(cfg, out, tensors, read)
+    write = write_peft_adapter if fmt == "peft" else write_model_hf
+    return write(cfg, out, tensors, read)
 
 
 def write_transformers_hf(cfg, out: str, state: dict[str, torch.Tensor]) -> None:
@@ -237,7 +252,7 @@ def export_at_end(cfg, run_dir: str, par, is_main: bool) -> str:
         write_transformers_hf(cfg, path, state)
     elif has_hf_layout(cfg):
         tensors = {k: (v.shape, v.dtype) for k, v in state.items()}
-        write_llama_hf(cfg, path, tensors, state.__getitem__)
+        write_model_hf(cfg, path, tensors, state.__getitem__)
         if enabled(cfg.get("peft")):
             write_peft_adapter(cfg, os.path.join(run_dir, "adapter"), tensors, state.__getitem__)
             written = (
@@ -293,21 +308,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: CHECKPOINT: {a.checkpoint} is not a complete checkpoint (no .metadata)", file=sys.stderr)
         return 2
     try:
-        args = export_hf(a.checkpoint, a.out, a.config, a.format)
+        config_json = export_hf(a.checkpoint, a.out, a.config, a.format)
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(
-        f"{a.out}: {written_kind(args, a.format)} ({args.n_layers} layers, dim {args.dim}, vocabulary {args.vocab_size})"
-    )
+    print(f"{a.out}: {written_kind(config_json, a.format)}")
     return 0
 
 
-def written_kind(args: LlamaArgs, fmt: str) -> str:
-    """What the CLI wrote, as its reader knows it: PEFT's adapter, or transformers' architecture."""
-    if fmt == "peft":
-        return "a PEFT LoRA adapter of a Hugging Face " + ("Mixtral" if args.moe.experts else "Llama")
-    return f"Hugging Face Mixtral ({args.moe.experts} experts)" if args.moe.experts else "Hugging Face Llama"
+def written_kind(config_json: dict, fmt: str) -> str:
+    """What the CLI wrote, as its reader knows it: transformers' architecture (or a PEFT adapter
+    of one) and its shape, from the config.json written."""
+    c = config_json
+    arch = (c.get("architectures") or [c.get("model_type", "a model")])[0]
+    shape = f"{c.get('num_hidden_layers')} layers, dim {c.get('hidden_size')}, vocabulary {c.get('vocab_size')}"
+    if c.get("num_local_experts"):
+        shape += f", {c['num_local_experts']} experts"
+    return ("a PEFT LoRA adapter of Hugging Face " if fmt == "peft" else "Hugging Face ") + f"{arch} ({shape})"
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from torch import nn
 from models.init import Rule, fill_
 from models.kv_cache import attend
 from models.llama_args import FLAVORS, LlamaArgs
-from models.llama_hf import args_from_hf_config, from_hf_name
+from models.llama_hf import args_from_hf_config, from_hf_name, hf_config, hf_entries, to_hf_name
 from models.moe import MoE, MoEArgs
 from models.swiglu import FeedForward
 
@@ -228,6 +228,19 @@ class Llama(nn.Module):
     def from_hf_name(self, name: str):
         """A Hugging Face checkpoint's tensor name -> (ours, the layout change): model.pretrained."""
         return from_hf_name(name, self.args)
+
+    # Hugging Face's files out (framework/export.py): LlamaForCausalLM's, or MixtralForCausalLM's
+    def to_hf_name(self, name: str):
+        """Our tensor name -> (Hugging Face's, the layout change): a LoRA adapter's module names."""
+        return to_hf_name(name, self.args)
+
+    def hf_entries(self):
+        """The checkpoint's tensors in order: (Hugging Face's name, ours, an expert's index or None, the layout change)."""
+        return hf_entries(self.args)
+
+    def hf_config(self, dtype: str = "float32") -> dict:
+        """Its config.json (transformers' LlamaConfig or MixtralConfig)."""
+        return hf_config(self.args, dtype)
 
     def planner_shape(self) -> dict[str, int]:
         """gpt-like dimensions for the planner's activation formula (framework/plan/model.py)."""

@@ -288,3 +288,14 @@ def test_models_have_no_import_circle():
 
     circles = sorted(m for m in graph if reaches(m, m))
     assert not circles, circles
+
+
+def test_export_asks_the_model_contract_and_imports_no_model():
+    """Hugging Face export reads the names, layout changes and config.json from what the model
+    declares (the contract's hf_entries, to_hf_name, hf_config): no model's module, name or class."""
+    source = (FRAMEWORK / "export.py").read_text()
+    tree = ast.parse(source)
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+    assert not [m for m in imported if m.split(".")[0] == "models"], sorted(imported)
+    assert not re.search(r"models\.llama|LlamaArgs|\bLlama\(", source)

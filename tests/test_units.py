@@ -334,10 +334,13 @@ def test_a_rank_threads_over_the_cores_it_may_use_not_the_machines():
 
 
 def test_the_export_cli_names_what_it_wrote():
-    """An adapter is PEFT's, a Llama with routed experts transformers' Mixtral (not "a Llama")."""
+    """An adapter is PEFT's, a Llama with routed experts transformers' Mixtral (not "a Llama"):
+    read from the config.json the model declares (the contract's hf_config)."""
     from framework.export import written_kind
-    from models.llama_args import FLAVORS
+    from models.llama import Llama
 
-    assert written_kind(FLAVORS["debug"], "hf") == "Hugging Face Llama"
-    assert written_kind(FLAVORS["debug_moe"], "hf") == "Hugging Face Mixtral (4 experts)"
-    assert written_kind(FLAVORS["debug"], "peft") == "a PEFT LoRA adapter of a Hugging Face Llama"
+    with torch.device("meta"):
+        dense, moe = Llama("debug").hf_config(), Llama("debug_moe").hf_config()
+    assert written_kind(dense, "hf") == "Hugging Face LlamaForCausalLM (6 layers, dim 256, vocabulary 256)"
+    assert written_kind(moe, "hf") == "Hugging Face MixtralForCausalLM (6 layers, dim 256, vocabulary 256, 4 experts)"
+    assert written_kind(dense, "peft").startswith("a PEFT LoRA adapter of Hugging Face LlamaForCausalLM (")
