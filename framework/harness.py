@@ -113,7 +113,8 @@ class HydradistLM(LM):
 
 def main(argv: list[str]) -> int:
     """lm_eval's command line, with `--model hydradist` built here first (lm_eval would build it
-    after indexing its tasks, and on its default device, CUDA, where there is none)."""
+    after indexing its tasks, and on its default device, CUDA, where there is none). The parser
+    is lm_eval's own (lm_eval._cli.harness, as in 0.4.13); its `run` takes a built model for `--model`."""
     from lm_eval._cli.harness import HarnessCLI
     from lm_eval.utils import setup_logging
 

@@ -35,6 +35,8 @@ DOOR_KEYS = {"launch.nproc_per_node": 1, "checkpoint.resume": None, "checkpoint.
 
 @dataclass(frozen=True)
 class DoorInput:
+    """What a door reads: the config, where the weights come from, how the data is read."""
+
     cfg: DictConfig  # validated and resolved, in struct mode: what a worker runs with
     checkpoint: str | None  # the checkpoint folder the weights come from; None: the model as built
     whole_file: bool  # data=text given data.path: the file scored whole
