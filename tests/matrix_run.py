@@ -37,6 +37,7 @@ SAVED_AT = 2  # a resumed cell's checkpoint: after this many steps, at another w
 # first, 12-90 s after 300)
 GROUP_CONFIGS = 40
 REVERSED = "-reversed"  # a floor's run whose every batch has its samples in reverse order
+HALVES = "-halves"  # a floor's run whose BatchNorm statistics are two halves' combined, as over 2 ranks
 
 
 def prepare(folder: Path) -> dict[str, str]:
@@ -120,7 +121,9 @@ def floor_runs(cell: Cell, folders: dict[str, str]) -> dict[str, list[str]]:
     precision += [s for p in precision for s in CHOICE_SETTINGS.get(p, ())]
     base = _fill([*cell.model.overrides, "parallel=none", *precision], folders)
     runs = {key_of(base): base, key_of(base) + REVERSED: base}
-    if cell.model.name.split("(")[0] not in BATCH_STATISTICS:
+    if cell.model.name.split("(")[0] in BATCH_STATISTICS:  # the ranks' statistics reduced: sync BatchNorm's order
+        runs[key_of(base) + HALVES] = base
+    else:
         runs[key_of([*base, "accumulation_steps=2"])] = [*base, "accumulation_steps=2"]
     return runs
 
@@ -167,6 +170,38 @@ def reversed_samples():
         yield
     finally:
         DataPipeline.prepare = prepare
+
+
+@contextmanager
+def statistics_in_halves():
+    """Every training BatchNorm's batch statistics taken over the batch's two halves, then combined
+    by their counts (the mean of the means, the variance with the means' spread): the order in
+    which data parallel's synchronized BatchNorm reduces them over 2 ranks, in one process."""
+    import torch
+    import torch.nn.functional as F
+
+    batch_norm = F.batch_norm
+
+    def halves(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+        if not training or x.size(0) < 2:
+            return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+        dims, shape = [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2)
+        parts = [(h.numel() // h.size(1), h.mean(dims), h.var(dims, unbiased=False)) for h in x.chunk(2)]
+        n = sum(c for c, _, _ in parts)
+        mean = sum(c * m for c, m, _ in parts) / n
+        var = sum(c * (v + (m - mean) ** 2) for c, m, v in parts) / n
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.lerp_(mean.detach(), momentum)
+                running_var.lerp_(var.detach() * n / (n - 1), momentum)
+        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps)
+        return out if weight is None else out * weight.view(shape) + bias.view(shape)
+
+    F.batch_norm = halves
+    try:
+        yield
+    finally:
+        F.batch_norm = batch_norm
 
 
 def key_of(overrides: list[str]) -> str:
@@ -233,7 +268,8 @@ def _train_batch(configs: dict[str, dict], out_dir: str, place: tuple[str, str])
         for name, config in configs.items():
             cfg, run_dir, started = OmegaConf.create(config), Path(out_dir) / name, time.perf_counter()
             torch.manual_seed(cfg.seed)
-            reorder = reversed_samples() if name.endswith(REVERSED) else nullcontext()
+            reorders = {REVERSED: reversed_samples, HALVES: statistics_in_halves}
+            reorder = next((r() for suffix, r in reorders.items() if name.endswith(suffix)), nullcontext())
             try:
                 with reorder, Guard(info, cfg.checkpoint.preempt_grace_s) as guard:
                     train(cfg, info, RunFiles(str(run_dir), info), {"parallel": cfg.parallel.name}, guard)
