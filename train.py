@@ -12,6 +12,7 @@ process instead of after it.
 import sys
 
 from framework.checkpoint.runlock import refuse_early
+from framework.machine import keyed_inductor_cache
 
 
 def interrupted(kind, value, traceback) -> None:
@@ -26,6 +27,7 @@ def interrupted(kind, value, traceback) -> None:
 if __name__ == "__main__":
     sys.excepthook = interrupted
     refuse_early(sys.argv[1:])  # a live run's folder is refused before seconds of imports
+    keyed_inductor_cache()  # before torch: forced ATen kernels compile into a cache of their own
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -98,6 +98,22 @@ def _end_unused_forkserver(pid: int | None) -> None:
         os.waitpid(pid, 0)
 
 
+def keyed_inductor_cache() -> None:
+    """A process whose ATen kernels are forced (`ATEN_CPU_CAPABILITY`) compiles into a cache of its
+    own. Inductor's cache keys leave the capability out: a kernel that a process on the CPU's own
+    capability compiled and cached is loaded by one forced below it, and computes NaNs (torch
+    2.14: cached under AVX-512, run under avx2). An explicit TORCHINDUCTOR_CACHE_DIR is kept. Called
+    before torch._dynamo is imported (train.py's first lines), which sets the default one; the
+    forkserver and the workers inherit it."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import getpass
+        import tempfile
+
+        folder = f"torchinductor_{getpass.getuser()}_aten_{capability}"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), folder)
+
+
 def launched_as_worker() -> bool:
     """True when an outside launcher (torchrun, srun, ...) started this process as one rank."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -186,6 +186,7 @@ def statistics_in_halves():
         if not training or x.size(0) < 2:
             return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
         dims, shape = [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2)
+        x, dtype = x.float(), x.dtype  # statistics in float32, as BatchNorm keeps them under autocast
         parts = [(h.numel() // h.size(1), h.mean(dims), h.var(dims, unbiased=False)) for h in x.chunk(2)]
         n = sum(c for c, _, _ in parts)
         mean = sum(c * m for c, m, _ in parts) / n
@@ -195,7 +196,7 @@ def statistics_in_halves():
                 running_mean.lerp_(mean.detach(), momentum)
                 running_var.lerp_(var.detach() * n / (n - 1), momentum)
         out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps)
-        return out if weight is None else out * weight.view(shape) + bias.view(shape)
+        return (out if weight is None else out * weight.view(shape) + bias.view(shape)).to(dtype)
 
     F.batch_norm = halves
     try:

@@ -73,6 +73,7 @@ def test_lstm_trains_under_cpu_bf16_autocast_a_batch_of_one_length():
     assert torch.backends.mkldnn.enabled
 
 
+@pytest.mark.parametrize("checkpoint_every", [0, 1, 2])
 def test_gpt_flops_per_token_match_flops_counted_on_a_real_training_step(checkpoint_every):
     """MFU's FLOPs (and HFU's, with the recomputation of checkpointed blocks) against what torch's
     FlopCounterMode counts in one forward + backward. Attention runs on SDPA's math path here:
