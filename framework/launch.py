@@ -237,16 +237,23 @@ def objective(summary: dict[str, Any], optimize: str) -> float:
 
 
 def check_best_exists(cfg: DictConfig, run_dir: str) -> None:
-    """checkpoint.resume=best needs a best checkpoint of this run (checkpoint.monitor saves one)."""
-    from framework.checkpoint.store import best_root, latest
+    """checkpoint.resume=best needs a best checkpoint of this run (checkpoint.monitor saves one); a checkpoint
+    resumed by name (best, a folder) needs steps after it (none was a worker's traceback, over the run's summary)."""
+    from framework.checkpoint.store import best_root, complete, latest, read_trainer_state
     from framework.run.run_files import checkpoint_root
 
-    if cfg.checkpoint.resume == "best":
-        where = best_root(checkpoint_root(cfg, run_dir))
-        if latest(where) is None:
-            raise ConfigError(
-                "checkpoint.resume", f"best: no best checkpoint under {where} (checkpoint.monitor=val_loss saves one)"
-            )
+    resume, where = cfg.checkpoint.resume, best_root(checkpoint_root(cfg, run_dir))
+    if resume == "best" and (resume := latest(where)) is None:
+        raise ConfigError(
+            "checkpoint.resume", f"best: no best checkpoint under {where} (checkpoint.monitor=val_loss saves one)"
+        )
+    try:  # a checkpoint whose state does not read is checkpoint.verify's to name, in the workers
+        step = read_trainer_state(resume).step if resume not in (None, "auto") and complete(resume) else None
+    except (OSError, ValueError, TypeError):
+        step = None
+    if step is not None and step >= cfg.steps:
+        raise ConfigError("checkpoint.resume", f"{cfg.checkpoint.resume}: {resume} is at step {step} and "
+                          f"steps={cfg.steps}: nothing left to train (set steps above {step})")  # fmt: skip
 
 
 def finished_summary(run_dir: str) -> Summary | None:

@@ -10,6 +10,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # benchmarks run by the tests write their tables here, not over docs/results
 os.environ.setdefault("HYDRADIST_RESULTS_DIR", tempfile.mkdtemp(prefix="hydradist-results-"))
+# the suite under forced ATen kernels (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU) compiles into a
+# cache of its own, set before anything imports torch._dynamo (framework/machine.py)
+from framework.machine import keyed_inductor_cache  # noqa: E402
+
+keyed_inductor_cache()
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite also runs where xdist is not installed
