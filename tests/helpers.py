@@ -298,3 +298,19 @@ def other_kernels() -> tuple[str, dict[str, str]]:
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return "AVX2", {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     return "MKL SSE2 path, oneDNN SSE 4.1", {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+
+
+def write_choice_task(folder: Path, task: str, questions: list[tuple[str, list[str], int]]) -> Path:
+    """A multiple-choice lm-eval task over `questions` (question, choices, answer index), written
+    into `folder`: its JSON-lines documents and FOLDER/tasks/tiny.yaml. Returns the --include_path."""
+
+    docs = folder / "choices.jsonl"
+    docs.write_text("\n".join(json.dumps({"question": q, "choices": c, "answer": a}) for q, c, a in questions))
+    (folder / "tasks").mkdir()
+    (folder / "tasks" / "tiny.yaml").write_text(
+        f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {docs}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    return folder / "tasks"

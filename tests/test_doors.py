@@ -213,15 +213,9 @@ def test_the_harness_command_runs_on_the_cpu_without_being_told(inputs, tmp_path
     InstantiationException (lm_eval's own default device is CUDA). Model overrides, no checkpoint:
     the accuracy is the share of questions whose answer transformers scores highest."""
     pytest.importorskip("lm_eval")
-    docs = tmp_path / "choices.jsonl"
-    docs.write_text("\n".join(json.dumps({"question": q, "choices": c, "answer": a}) for q, c, a in QUESTIONS))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "tiny.yaml").write_text(
-        "task: tiny_doors\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {docs}\ntest_split: test\noutput_type: multiple_choice\n"
-        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
-        "metric_list:\n  - metric: acc\n"
-    )
+    from tests.helpers import write_choice_task
+
+    write_choice_task(tmp_path, "tiny_doors", QUESTIONS)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "framework.harness", "--model", "hydradist", "--model_args",
                            f"model=llama,model.pretrained={inputs / 'hf'},data=text", "--tasks", "tiny_doors",

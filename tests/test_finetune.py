@@ -308,15 +308,9 @@ def test_lm_eval_runs_a_local_task_on_a_checkpoint_as_a_hand_computation_scores_
     run = train_cli(["experiment=smoke", "parallel=none", "steps=4", "checkpoint.every=4", "logger=none"],
                     tmp_path / "run")  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    docs = tmp_path / "choices.jsonl"
-    docs.write_text("\n".join(json.dumps({"question": q, "choices": c, "answer": a}) for q, c, a in QUESTIONS))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "tiny.yaml").write_text(
-        "task: tiny_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {docs}\ntest_split: test\noutput_type: multiple_choice\n"
-        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
-        "metric_list:\n  - metric: acc\n"
-    )
+    from tests.helpers import write_choice_task
+
+    write_choice_task(tmp_path, "tiny_choice", QUESTIONS)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "framework.harness", "--model", "hydradist", "--model_args",
                            f"checkpoint={tmp_path / 'run'}", "--device", "cpu", "--tasks", "tiny_choice", "--include_path",
