@@ -92,7 +92,7 @@ def test_a_damaged_newest_checkpoint_is_refused_by_name_and_auto_resumes_the_pre
     bad = run / "checkpoints" / "step-000010"
     before = tree_digests(bad)
 
-    proc = train_cli([*RUN, f"checkpoint.resume={bad}"], tmp_path / "explicit")
+    proc = train_cli([*RUN, "steps=12", f"checkpoint.resume={bad}"], tmp_path / "explicit")  # steps after it
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     lines = error_lines(proc)
