@@ -2,7 +2,7 @@
 
 Composes conf/ with Hydra, validates, then starts `launch.nproc_per_node` local workers through
 torch's elastic launcher, or, when a launcher such as torchrun already started this process as a
-worker (RANK/WORLD_SIZE set), trains directly. See framework/launch.py.
+worker (RANK/WORLD_SIZE set), trains directly. See framework/doors/launch.py.
 
 A plain run composes its config once, before torch is imported (framework/config/hydra_job.py):
 when it will start local workers, their forkserver starts then and imports torch beside this
@@ -40,7 +40,7 @@ register_resolvers()  # ${run_id:} in hydra.run.dir; ${data_vocab:}: a model's v
 
 
 def launch(cfg: DictConfig) -> float | None:
-    from framework.launch import main as launch_main  # torch: imported once the config is composed
+    from framework.doors.launch import main as launch_main  # torch: imported once the config is composed
 
     return launch_main(cfg)
 

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from framework.compose import compose_run  # noqa: E402
+from framework.doors.compose import compose_run  # noqa: E402
 from framework.run.sweep import run_configs  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import time
 import torch
 from common import run, table, write_result
 
-from framework.generate import Sampling, generate
+from framework.doors.generate import Sampling, generate
 from models.gpt import GPT
 from models.llama import Llama
 

@@ -24,8 +24,8 @@ from common import ROOT, config, run, table, write_result
 from omegaconf import OmegaConf
 
 from framework.config import compose
+from framework.doors.plan import best_per_layout
 from framework.plan import check, choose, predict
-from framework.plan.__main__ import best_per_layout
 from framework.plan.profile import machine_profile
 
 MODEL = ["experiment=smoke", "model.n_layer=4", "model.n_embd=256", "model.n_head=4", "data.seq_len=64",

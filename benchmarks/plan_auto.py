@@ -29,8 +29,8 @@ from common import table, write_result
 from plan_peak import outside_peak
 
 from framework.config import compose
+from framework.doors.plan import best_per_layout
 from framework.plan import choose
-from framework.plan.__main__ import best_per_layout
 from framework.plan.search import Ranked, merged
 
 MODEL = ["experiment=smoke", "logger=none", "device=cpu", "launch.nproc_per_node=2", "model.n_layer=4",

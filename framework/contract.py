@@ -32,7 +32,7 @@ declaration        meaning                                    without it
                    a Hugging Face checkpoint's tensors in     match as they are
                    (``model.pretrained``)
 ``hf_entries``     ``() -> [(hf name, ours, expert index |    no Hugging Face export (``model.pt``);
-``to_hf_name``     None, layout change)]``, ``(ours) ->       framework/export.py asks these, and
+``to_hf_name``     None, layout change)]``, ``(ours) ->       framework/checkpoint/export.py asks these, and
 ``hf_config``      (hf name, change)``, ``(dtype) -> dict``:  imports no model
                    the model out as transformers' files
 =================  =========================================  =========================================

@@ -69,8 +69,8 @@ def local_ranks(world: int, nodes: int, nproc_per_node: int | None, device: str)
 
 # Local workers fork from a forkserver that imported what a worker imports (torch, dynamo, the
 # trainer) once: a worker starts in milliseconds instead of re-importing torch for seconds, as
-# spawn does. framework.preload is that import list; it is only ever imported by the forkserver.
-PRELOAD = ["framework.preload"]
+# spawn does. framework.doors.preload is that import list; it is only ever imported by the forkserver.
+PRELOAD = ["framework.doors.preload"]
 LAUNCHER_PID = "HYDRADIST_LAUNCHER_PID"
 # the environment this process was started with; in a forkserver, the server's (see _as_launched)
 _STARTED_ENV = dict(os.environ)
@@ -79,7 +79,7 @@ _STARTED_ENV = dict(os.environ)
 def start_forkserver() -> None:
     """Start the forkserver now, so that its imports run beside the caller's own start-up (train.py
     calls it once the config says workers will start); later launches fork from it. It starts
-    with SIGINT and SIGTERM held, as under launch_local, until framework.preload holds them itself.
+    with SIGINT and SIGTERM held, as under launch_local, until framework.doors.preload holds them itself.
     Should no launch use it (the config is refused), it is ended at exit, mid-import or not."""
     from multiprocessing import forkserver
 
@@ -94,7 +94,7 @@ def start_forkserver() -> None:
 
 def _end_unused_forkserver(pid: int | None) -> None:
     if pid is not None and not _stop_forkserver_at_exit.cache_info().currsize:  # no launch_local
-        os.kill(pid, signal.SIGKILL)  # it holds SIGTERM (framework.preload)
+        os.kill(pid, signal.SIGKILL)  # it holds SIGTERM (framework.doors.preload)
         os.waitpid(pid, 0)
 
 
@@ -196,7 +196,7 @@ def _name_rendezvous_records_cheaply() -> None:
         dynamic_rendezvous.get_method_name = get_method_name
 
 
-# Held while the launcher starts the workers, and by the forkserver (framework.preload); a worker lifts them
+# Held while the launcher starts the workers, and by the forkserver (framework.doors.preload); a worker lifts them
 HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
@@ -208,7 +208,7 @@ def _start_workers_unsignalled() -> None:
     semaphores they are still unpickling (a FileNotFoundError traceback from multiprocessing's
     synchronize.py). Held until all are started, the signal arrives where torch stops them all.
     Held twice: by the signal mask, which the processes started meanwhile inherit (the forkserver,
-    until framework.preload holds it itself; a worker, until _as_launched), and by Python's
+    until framework.doors.preload holds it itself; a worker, until _as_launched), and by Python's
     handler, since the mask is this thread's only and another thread may take the signal."""
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
@@ -241,7 +241,7 @@ def _as_launched(caller: tuple[dict, list, str], fn: Callable[..., Any], args: t
     env, path, cwd = caller
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # start_method=fork: it had the launcher's
-    # held by the forkserver (framework.preload) or while the launcher started this worker: one sent
+    # held by the forkserver (framework.doors.preload) or while the launcher started this worker: one sent
     # meanwhile (the launcher stopping a start it was interrupted in) arrives now
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
     # what the launcher set for this worker (RANK, MASTER_PORT, ...): what differs from the

@@ -229,7 +229,7 @@ class Llama(nn.Module):
         """A Hugging Face checkpoint's tensor name -> (ours, the layout change): model.pretrained."""
         return from_hf_name(name, self.args)
 
-    # Hugging Face's files out (framework/export.py): LlamaForCausalLM's, or MixtralForCausalLM's
+    # Hugging Face's files out (framework/checkpoint/export.py): LlamaForCausalLM's, or MixtralForCausalLM's
     def to_hf_name(self, name: str):
         """Our tensor name -> (Hugging Face's, the layout change): a LoRA adapter's module names."""
         return to_hf_name(name, self.args)

@@ -31,7 +31,7 @@ def compose_config(overrides: list[str] | None = None):
 
 def world_config(overrides: list[str], world: int) -> dict[str, Any]:
     """Composed, validated and resolved for `world` local workers: what run_configs takes."""
-    from framework.compose import compose_run
+    from framework.doors.compose import compose_run
 
     return compose_run(on_cpu([*overrides, f"launch.nproc_per_node={world}"]))
 

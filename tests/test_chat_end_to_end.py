@@ -99,7 +99,7 @@ def test_evaluate_scores_the_run(chat_run):
 
 def test_the_harness_scores_an_answer_as_transformers_does_on_the_export(chat_run):
     pytest.importorskip("lm_eval")
-    from framework.harness import HydradistLM
+    from framework.doors.harness import HydradistLM
 
     hf = chat_run / "run" / "hf"
     tokenizer = load_hf_tokenizer(hf)
@@ -128,7 +128,7 @@ def test_a_tokenizer_is_a_tokenizer_json_or_its_folder(tmp_path):
     from framework.data.chat import ChatSequences
     from framework.data.tokenizer import load_tokenizer
     from framework.data.tokens import data_problem
-    from framework.generate import run_tokenizer
+    from framework.doors.generate import run_tokenizer
 
     chat_folder(tmp_path / "tok")
     folder, file = load_tokenizer(str(tmp_path / "tok")), load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
@@ -154,9 +154,9 @@ def test_text_and_token_runs_export_a_tokenizer_transformers_loads(tmp_path, dat
     with bpe shards: the export's tokenizer encodes as the run's did."""
     from omegaconf import OmegaConf
 
+    from framework.checkpoint.export import write_tokenizer
     from framework.data.prepare import main as prepare
     from framework.data.tokenizer import data_tokenizer
-    from framework.export import write_tokenizer
 
     chat_folder(tmp_path / "tok")
     (tmp_path / "bare").mkdir()
@@ -169,8 +169,9 @@ def test_text_and_token_runs_export_a_tokenizer_transformers_loads(tmp_path, dat
         cfg = OmegaConf.create({"data": {"name": "tokens", "path": str(tmp_path / "shards")}})
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    write_tokenizer(cfg, str(tmp_path / "out"))
-    ours, theirs = data_tokenizer(cfg.data), load_hf_tokenizer(tmp_path / "out")
+    ours = data_tokenizer(cfg.data)
+    write_tokenizer(ours, str(tmp_path / "out"))
+    theirs = load_hf_tokenizer(tmp_path / "out")
     text = "What is the capital of France? Rome, since 1871."
     assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert theirs.eos_token_id == ours.eos_id

@@ -17,6 +17,11 @@ MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 350
 MAX_PARAMETERS = 6  # self and cls not counted; a dataclass's generated __init__ is not in the source
 
+# The command paths users type (`python -m framework.evaluate`, ...): each only hands its argv to
+# its door in framework/doors/ (test_the_doors_live_in_their_wing)
+DOOR_SHIMS = ("framework.evaluate", "framework.generate", "framework.harness", "framework.report",
+              "framework.export", "framework.plan.__main__")  # fmt: skip
+
 # The layers, bottom first: a module may import its own layer's modules and those below.
 # A module's layer is that of the longest prefix listed.
 LAYERS: list[tuple[str, ...]] = [
@@ -49,7 +54,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("measure",),
     # the checkpoint wing: step folders, save and load, digests, resume, the run folder's lock;
     # export's library (a checkpoint to Hugging Face files), which the trainer calls at the end
-    ("checkpoint", "export"),
+    ("checkpoint",),
     # the parts, with their own checks (ParallelDims, the data checks)
     ("parallel", "data"),
     # validation, which asks the parts' checks
@@ -61,19 +66,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("callbacks",),
     # the run wing: one rank's run
     ("run",),
-    # launch and the front doors
-    ("launch", "compose", "evaluate", "generate", "harness", "report", "report_table", "plan.__main__", "preload"),
+    # the front doors' wing (train.py's launch, evaluate, generate, harness, plan, export, report;
+    # compose for tests and benchmarks, the forkserver's preload) and the command paths users type,
+    # each a shim of its door (DOOR_SHIMS)
+    ("doors", *(shim.removeprefix("framework.") for shim in DOOR_SHIMS)),
 ]
 
 # Exemptions: an edge or a size that must wait for a later change is named here, with the issue
 # that removes it.
-PENDING_UPWARD: set[tuple[str, str]] = {
-    # issue 53: export writes the run's tokenizer beside the weights (framework.data.tokenizer's
-    # data_tokenizer, as generate reads it); its command line moves to the doors' wing, and the
-    # trainer hands export_at_end the tokenizer
-    ("framework.export", "framework.data"),
-    ("framework.export", "framework.data.tokenizer"),
-}
+PENDING_UPWARD: set[tuple[str, str]] = set()
 PENDING_SIZE: set[str] = set()
 
 
@@ -181,7 +182,7 @@ def test_every_import_points_down_the_layers():
 def test_the_graph_sees_function_local_imports_and_package_inits():
     """The check itself: a deferred import is an edge, and importing a submodule runs its package."""
     graph = import_graph()
-    assert "framework.run.trainer" in graph["framework.launch"]  # launch imports the trainer inside a function
+    assert "framework.run.trainer" in graph["framework.doors.launch"]  # launch imports the trainer inside a function
     assert "framework.config" not in graph["framework.config.validate"]  # its own package: already running
     # importing framework.parallel.dims runs framework.parallel's __init__ first
     assert {"framework.parallel", "framework.parallel.dims"} <= graph["framework.config.validate"]
@@ -190,10 +191,11 @@ def test_the_graph_sees_function_local_imports_and_package_inits():
     two = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}}
     assert cycles(two) == [["a", "b"], ["c", "d", "e"]]  # counted one by one
     assert layer_of("framework.plan.profile") == layer_of("framework.plan") < layer_of("framework.plan.__main__")
+    assert layer_of("framework.plan.__main__") == layer_of("framework.doors.plan") == layer_of("framework.evaluate")
     # the wings: measure/ and checkpoint/ below the parts, run/ above the planner, the front doors on top
     assert layer_of("framework.measure.memory") < layer_of("framework.parallel") < layer_of("framework.run.trainer")
     assert layer_of("framework.checkpoint.store") < layer_of("framework.plan") < layer_of("framework.run.step")
-    assert layer_of("framework.run.sweep") < layer_of("framework.launch")
+    assert layer_of("framework.run.sweep") < layer_of("framework.doors.launch")
     assert upward_edges({"framework.dist": {"framework.run.trainer"}, "framework.run.trainer": {"framework.dist"}}) == {
         ("framework.dist", "framework.run.trainer")
     }
@@ -268,7 +270,7 @@ def test_the_run_files_name_no_feature():
                        r"patience|monitor|profiler|tqdm|progress|wandb|tensorboard|spikes?|stragglers?|checksums?|goodput|"
                        r"bitflip)\b", re.I)  # fmt: skip
     files = [ROOT / "framework" / "run" / f"{n}.py" for n in ("trainer", "step", "ledger", "summary", "build")]
-    files.append(ROOT / "framework" / "report_table.py")
+    files.append(ROOT / "framework" / "doors" / "report_table.py")
     found = {f.name: sorted({m.group(0).lower() for m in words.finditer(f.read_text())}) for f in files}
     assert not any(found.values()), found
 
@@ -293,9 +295,27 @@ def test_models_have_no_import_circle():
 def test_export_asks_the_model_contract_and_imports_no_model():
     """Hugging Face export reads the names, layout changes and config.json from what the model
     declares (the contract's hf_entries, to_hf_name, hf_config): no model's module, name or class."""
-    source = (FRAMEWORK / "export.py").read_text()
-    tree = ast.parse(source)
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    imported |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
-    assert not [m for m in imported if m.split(".")[0] == "models"], sorted(imported)
-    assert not re.search(r"models\.llama|LlamaArgs|\bLlama\(", source)
+    for path in (FRAMEWORK / "checkpoint" / "export.py", FRAMEWORK / "doors" / "export.py"):
+        tree = ast.parse(path.read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imported |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+        assert not [m for m in imported if m.split(".")[0] == "models"], (path.name, sorted(imported))
+        assert not re.search(r"models\.llama|LlamaArgs|\bLlama\(", path.read_text()), path.name
+    # the library reads no data either: the door (or the trainer) hands it the run's tokenizer
+    assert not {d for d in import_graph()["framework.checkpoint.export"] if d.startswith("framework.data")}
+
+
+def test_the_doors_live_in_their_wing():
+    """Every front door is in framework/doors/; a command path users type stays as a shim that
+    imports its own door and nothing else, so no door's code lives beside the wings. A module of
+    the top layer outside framework/doors/ is one of those shims."""
+    graph = import_graph()
+    top = max(layer_of(m) for m in graph)
+    for module, deps in graph.items():
+        if layer_of(module) != top or module.startswith("framework.doors"):
+            continue
+        assert module in DOOR_SHIMS, f"{module}: a door outside framework/doors/"
+        door = "framework.doors." + module.removeprefix("framework.").removesuffix(".__main__")
+        assert deps == {"framework.doors", door}, f"{module} imports {sorted(deps)}: a shim imports its door only"
+        assert _modules()[module].read_text().count("\n") <= 10, f"{module}: a shim, not a door"
+    assert all(layer_of(d) < top for m, deps in graph.items() if layer_of(m) < top for d in deps)

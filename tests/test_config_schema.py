@@ -215,7 +215,7 @@ def test_config_keeps_its_shape_and_its_layer():
 
 @pytest.mark.parametrize("key", ["parallel.comm_hook", "nonfinite", "memory.host_allocator", "checkpoint.verify"])
 def test_validate_checks_the_choices_of_a_config_made_from_a_dict(key):
-    """A worker's config and a saved run's (framework/evaluate.py) come from plain dicts, without the schema."""
+    """A worker's config and a saved run's (framework/doors/evaluate.py) come from plain dicts, without the schema."""
     from omegaconf import OmegaConf
 
     from framework.config import ConfigError

@@ -216,7 +216,7 @@ def newcomer(tmp_path_factory) -> Newcomer:
 def walk(doc: str, newcomer: Newcomer, monkeypatch, whole: bool) -> list[tuple[list[str], object]]:
     """Every command of `doc`'s quick start, in order: (the command as run, its process; the configs
     train.py would run for one composed; None for a door or tool of LONG the default tier leaves out)."""
-    from framework.compose import compose_run
+    from framework.doors.compose import compose_run
 
     monkeypatch.chdir(newcomer.home)  # where a composed command's relative paths resolve
     newcomer.run = None
@@ -352,7 +352,7 @@ def refused_at_best(run: Path) -> None:
     finished run's summary.json then said failed). launch's check, before any worker starts."""
     from framework.checkpoint.store import best_root, latest, step_of
     from framework.config import ConfigError
-    from framework.launch import check_best_exists
+    from framework.doors.launch import check_best_exists
     from tests.helpers import compose_config
 
     best = step_of(latest(best_root(str(run / "checkpoints"))))

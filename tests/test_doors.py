@@ -77,7 +77,7 @@ def printed_ids(stdout: str) -> list[int]:
 def test_generate_from_a_pretrained_folder_equals_transformers_greedy_generate(inputs, capsys):
     """`generate model=llama model.pretrained=DIR data=text` (it said `not an argument here`), as a
     user types it, and through `model=hf`: transformers' greedy tokens on the same folder."""
-    from framework.generate import main
+    from framework.doors.generate import main
 
     expected = greedy(inputs / "hf", PROMPT.encode(), 24)
     args = ["--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "24", "--print-ids"]
@@ -90,7 +90,7 @@ def test_generate_from_a_pretrained_folder_equals_transformers_greedy_generate(i
 
 
 def test_generate_on_a_checkpoint_equals_transformers_on_its_export(inputs, capsys):
-    from framework.generate import main
+    from framework.doors.generate import main
 
     args = ["--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "16", "--print-ids"]
     assert main([str(inputs / "run"), *args]) == 0
@@ -126,7 +126,7 @@ def test_evaluate_reads_every_lm_data_choice_as_transformers_scores_it(inputs, c
     """Every lm data choice, with or without a checkpoint (data=hf and data=chat ended in
     `ConfigKeyError: Key 'max_bytes'`: `data.path=` was read as a text file whatever the choice)."""
     from framework.data import build_dataset
-    from framework.evaluate import run
+    from framework.doors.evaluate import run
 
     data, folder = CHOICES[choice] if choice else ([], "hf")
     overrides = [o.format(root=inputs) for o in data] + ["data.batch_size=4"]
@@ -156,15 +156,15 @@ def test_evaluate_without_a_validation_split_says_so_in_one_line(inputs, tmp_pat
                            ([*pretrained, "data=hf", f"data.path={inputs / 'rows.jsonl'}", "data.streaming=true"],
                             "data.val_path")):  # fmt: skip
         with pytest.raises(ConfigError) as err:
-            from framework.evaluate import run
+            from framework.doors.evaluate import run
 
             run(None, overrides)
         assert err.value.key == key, err.value
 
 
 def test_bad_inputs_to_each_door_are_one_line_and_leave_nothing_behind(inputs, tmp_path, capsys):
-    from framework.evaluate import main as evaluate
-    from framework.generate import main as generate
+    from framework.doors.evaluate import main as evaluate
+    from framework.doors.generate import main as generate
 
     assert generate(["model=llama", f"model.pretrained={tmp_path / 'none'}", "--prompt", "x"]) == 2
     assert (
@@ -194,7 +194,7 @@ def test_the_harness_takes_model_overrides_on_the_machines_device(inputs):
     """`hydradist` given `model=llama,model.pretrained=DIR,...` (lm_eval types the values) builds
     the model on the config's device (the CPU where there is no GPU: lm_eval's default is CUDA)
     and scores a continuation as transformers does."""
-    from framework.harness import HydradistLM
+    from framework.doors.harness import HydradistLM
 
     lm = HydradistLM(**{"model": "llama", "model.pretrained": str(inputs / "hf"), "data": "text", "seed": 3,
                         "batch_size": 1})  # fmt: skip

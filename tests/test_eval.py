@@ -217,7 +217,7 @@ def test_evaluate_an_fsdp_checkpoint_as_one_process(world2, tmp_path):
     proc = module_cli("framework.evaluate", [str(out / "fsdp2"), f"data.path={text}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((out / "fsdp2" / "eval.json").read_text())
-    from framework.generate import open_lm
+    from framework.doors.generate import open_lm
 
     model, data = open_lm(str(out / "fsdp2"), [], "cpu")[0], text.read_bytes()
     windows = torch.tensor([list(data[i : i + 33]) for i in range(0, len(data) - 32, 32)])
@@ -232,7 +232,7 @@ def test_generate_is_greedy_and_deterministic_and_refuses_a_classifier(world2):
     first = module_cli("framework.generate", args)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.startswith("def ")
-    from framework.generate import open_lm
+    from framework.doors.generate import open_lm
 
     model = open_lm(str(out / "fsdp2"), [], "cpu")[0]
     tokens = list(b"def ")
@@ -256,8 +256,8 @@ def test_generate_is_greedy_and_deterministic_and_refuses_a_classifier(world2):
     ],
 )
 def test_bad_eval_settings_name_their_key(overrides, key):
-    from framework.compose import compose_run
     from framework.config import ConfigError
+    from framework.doors.compose import compose_run
 
     with pytest.raises(ConfigError) as err:
         compose_run(["experiment=smoke", "parallel=none", *overrides])

@@ -51,7 +51,7 @@ def test_a_pretrained_llama_is_evaluated_before_any_training_as_transformers_sco
 
 
 def test_under_fsdp_the_pretrained_loss_is_the_same(pretrained):
-    from framework.evaluate import run
+    from framework.doors.evaluate import run
 
     hf, text, overrides = pretrained
     got = run(None, [*overrides, "parallel=fsdp", "launch.nproc_per_node=2"])
@@ -60,7 +60,7 @@ def test_under_fsdp_the_pretrained_loss_is_the_same(pretrained):
 
 
 def test_without_a_checkpoint_a_misspelt_key_is_one_line(capsys):
-    from framework.evaluate import main
+    from framework.doors.evaluate import main
 
     assert main(["model=llama", "model.pretraind=/nowhere"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -122,7 +122,7 @@ def adapted_model(hf_folder: str, run_dir):
     """Our Llama with the run's adapters, its last checkpoint's weights loaded."""
     from omegaconf import OmegaConf
 
-    from framework.export import checkpoint_tensors, read_tensor
+    from framework.checkpoint.export import checkpoint_tensors, read_tensor
     from framework.peft import apply_peft
     from tests.test_llama import ours_from
 
@@ -302,7 +302,7 @@ def test_lm_eval_runs_a_local_task_on_a_checkpoint_as_a_hand_computation_scores_
     pytest.importorskip("lm_eval")
     import json
 
-    from framework.generate import open_lm
+    from framework.doors.generate import open_lm
     from tests.helpers import train_cli
 
     run = train_cli(["experiment=smoke", "parallel=none", "steps=4", "checkpoint.every=4", "logger=none"],
@@ -335,8 +335,8 @@ def test_lm_eval_runs_a_local_task_on_a_checkpoint_as_a_hand_computation_scores_
     # generate_until: greedy from the KV cache, cut at the first stop string
     from types import SimpleNamespace
 
-    from framework.generate import Sampling, generate
-    from framework.harness import HydradistLM
+    from framework.doors.generate import Sampling, generate
+    from framework.doors.harness import HydradistLM
 
     lm = HydradistLM(str(tmp_path / "run"), device="cpu")
     said = lm.generate_until([SimpleNamespace(args=("def ", {"until": ["\n"], "max_gen_toks": 12}))])[0]

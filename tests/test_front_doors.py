@@ -110,7 +110,7 @@ def test_a_value_that_does_not_resolve_is_named():
 def saved_run(tmp_path):
     """A run folder whose checkpoint files are stand-ins: what the config checks read (they refuse
     before any weight is loaded)."""
-    from framework.compose import compose_run
+    from framework.doors.compose import compose_run
 
     step = tmp_path / "checkpoints" / "step-000002"
     step.mkdir(parents=True)
@@ -125,7 +125,7 @@ def test_evaluate_takes_group_choices_as_train_py_does(saved_run, capsys):
     """`python -m framework.evaluate RUN parallel=ddp` (a group's choice) was an AttributeError in
     validate: the saved config got the string 'ddp' for its parallel section."""
     from framework.config.door import resolve_input
-    from framework.evaluate import main
+    from framework.doors.evaluate import main
 
     cfg = resolve_input(str(saved_run / "checkpoints" / "step-000002"), ["parallel=ddp", "eval.steps=2"]).cfg
     assert (cfg.parallel.name, cfg.logger.name, cfg.eval.steps) == ("ddp", "none", 2)
@@ -142,7 +142,7 @@ def test_generate_takes_overrides_and_refuses_what_it_cannot_run_in_one_line(sav
     """generate reads the run's config as evaluate does, overrides on top (it refused any before):
     a misspelt key and a strategy (one plain model on one process here) are one line, exit 2,
     before any weight is read; an unknown option too."""
-    from framework.generate import main
+    from framework.doors.generate import main
 
     for args, line in ((["parallel=ddp"], "error: parallel: the plain model runs on one process"),
                        (["eval.stepz=2"], "error: eval.stepz: no such key; did you mean 'eval.steps'?"),
@@ -159,7 +159,7 @@ def test_generate_takes_overrides_and_refuses_what_it_cannot_run_in_one_line(sav
 def test_the_planner_checks_its_overrides_and_has_help(capsys):
     """`python -m framework.plan plan.dry_runn=true` printed Hydra's traceback; --help was an
     OverrideParseException. The misspelt key is named, and the key it misses suggested."""
-    from framework.plan.__main__ import main
+    from framework.doors.plan import main
 
     assert main(["plan.dry_runn=true"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [

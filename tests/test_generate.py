@@ -1,4 +1,4 @@
-"""Generation with a KV cache (models/kv_cache.py, framework/generate.py): cached decoding equals
+"""Generation with a KV cache (models/kv_cache.py, framework/doors/generate.py): cached decoding equals
 running the whole sequence for every token, for the gpt and the Llama (grouped-query attention,
 llama3 rope scaling), equals transformers' own `generate` on the same weights, stops at the end of
 a document, and samples from the nucleus. One process, tiny models."""
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from framework.generate import Sampling, generate, sample
+from framework.doors.generate import Sampling, generate, sample
 from models.gpt import GPT
 from models.kv_cache import caching
 from models.llama import Llama

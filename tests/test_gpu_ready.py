@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from framework.compose import compose_run
 from framework.config import ConfigError
 from framework.config.resolve import assume_cuda_devices, cuda_device_count, resolve_device
+from framework.doors.compose import compose_run
 from tests.helpers import compose_config, count_syncs, world_config
 
 # --------------------------------------------------------------------------- devices

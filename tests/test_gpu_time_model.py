@@ -103,3 +103,13 @@ def test_megatrons_published_rows_are_forecast_within_15_percent():
         forecast, paper = row[-3], row[-2]
         assert abs(forecast / paper - 1) <= 0.15, row
         assert math.isfinite(row[6]) and row[6] < 80, row  # fits an 80 GB A100
+
+
+def test_the_parts_plan_gpu_accepts_are_the_parts_the_time_model_holds():
+    """validate checks plan.gpu against the datasheet's list (below the planner's layer); the list
+    and the time model's table are the same parts, and a CUDA device name of one is taken."""
+    from framework.measure.datasheet import PLANNED_PARTS, is_planned_part
+
+    assert set(PLANNED_PARTS) == set(SPECS)
+    assert all(map(is_planned_part, ("A100", "NVIDIA H100 80GB HBM3", "NVIDIA H200")))
+    assert not any(map(is_planned_part, ("Z100", "NVIDIA H100 PCIe", "L4")))

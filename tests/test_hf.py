@@ -84,7 +84,7 @@ def test_pretrained_loads_into_fsdp_shards_with_hf_first_loss(llama, tmp_path):
     # weights (the step's DCP checkpoint, gathered from the fsdp shards) bitwise
     from transformers import AutoModelForCausalLM
 
-    from framework.export import checkpoint_tensors, read_tensor
+    from framework.checkpoint.export import checkpoint_tensors, read_tensor
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "hf").state_dict()
     ckpt = str(tmp_path / "fsdp" / "checkpoints" / f"step-{STEPS:06d}")

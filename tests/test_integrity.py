@@ -236,7 +236,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_line(reference):
 
 HOLD = """
 import os, sys
-from framework.launch import hold_run_folder
+from framework.doors.launch import hold_run_folder
 from framework.checkpoint.runlock import FolderInUse
 try:
     lock = hold_run_folder(sys.argv[1])

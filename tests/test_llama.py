@@ -109,7 +109,7 @@ TINY = ["model=llama", "logger=none", "progress=false", "data.seq_len=32", "data
 
 def logits_of_checkpoint(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """The framework's model at the run's last checkpoint (read back from DCP)."""
-    from framework.export import checkpoint_tensors, read_tensor
+    from framework.checkpoint.export import checkpoint_tensors, read_tensor
 
     ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     state = {n: read_tensor(str(ckpt), n, *meta) for n, meta in checkpoint_tensors(str(ckpt)).items()}
@@ -131,7 +131,7 @@ def pretrained_fsdp_run(tmp_path_factory):
                    "steps=2", "checkpoint.every=2", "checkpoint.export=true"], run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
-    from framework.export import main as export_main
+    from framework.doors.export import main as export_main
 
     assert export_main([str(ckpt), str(root / "out"), "--format", "hf"]) == 0
     return root, hf, run
@@ -150,7 +150,7 @@ def test_pretrained_run_holds_the_hf_weights(tmp_path):
     with torch.no_grad():
         assert torch.allclose(logits_of_checkpoint(run, tokens), hf(tokens).logits, atol=1e-5, rtol=0)
     # import then export (framework.export from the run's checkpoint): every tensor bitwise
-    from framework.export import main as export_main
+    from framework.doors.export import main as export_main
 
     ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
     assert export_main([str(ckpt), str(tmp_path / "out"), "--format", "hf"]) == 0
@@ -172,7 +172,7 @@ def test_a_tied_pretrained_llama_trains_under_pp_with_one_head_and_exports_it(tm
     r = train_cli([*TINY, "parallel=pp", "launch.nproc_per_node=2", "data.batch_size=4", "steps=2",
                    f"model.pretrained={tmp_path / 'hf'}", "checkpoint.every=2", "checkpoint.export=true"], run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    from framework.export import checkpoint_tensors, read_tensor
+    from framework.checkpoint.export import checkpoint_tensors, read_tensor
 
     ckpt = str(sorted((run / "checkpoints").glob("step-*"))[-1])
     meta = checkpoint_tensors(ckpt)

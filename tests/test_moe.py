@@ -442,7 +442,7 @@ def test_a_mixtral_trained_under_expert_parallel_exports_what_transformers_reloa
     exported folder loads in transformers with the trained model's logits (read back from its
     last DCP checkpoint), and training moved them away from the pretrained ones."""
     transformers = pytest.importorskip("transformers")
-    from framework.export import checkpoint_tensors, read_tensor
+    from framework.checkpoint.export import checkpoint_tensors, read_tensor
 
     root, hf, _ = mixtral_ep
     ckpt = root / "ep/checkpoints/step-000006"
@@ -500,7 +500,7 @@ def test_a_sweep_report_shows_the_experts_load_and_all_to_all_where_runs_have_ex
     where a run has routed experts (the best marked), none in a sweep of dense runs."""
     import json
 
-    from framework.report import find_runs, markdown
+    from framework.doors.report import find_runs, markdown
 
     def job(root, num: int, parallel: str, moe: dict | None) -> None:
         run = root / str(num)

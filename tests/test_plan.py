@@ -382,7 +382,7 @@ def test_planner_md_example_prints_what_the_doc_shows(tmp_path, monkeypatch, cap
     import re
     import shlex
 
-    from framework.plan.__main__ import main
+    from framework.doors.plan import main
 
     doc = (ROOT / "docs" / "planner.md").read_text()
     example = re.search(r"```\n\$ (python -m framework\.plan .*?)\n(.*?)```", doc.replace("\\\n", ""), re.S)

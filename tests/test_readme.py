@@ -105,8 +105,8 @@ def test_the_strategy_examples_are_the_ones_checked_for_warnings():
 def test_the_shown_config_error_is_what_train_py_says():
     if torch.cuda.is_available():
         pytest.skip("backend=nccl is accepted where CUDA is")
-    from framework.compose import compose_run
     from framework.config import ConfigError
+    from framework.doors.compose import compose_run
 
     shown = README.split("$ python train.py backend=nccl\n", 1)[1].splitlines()[0]
     with pytest.raises(ConfigError) as err:
@@ -131,7 +131,7 @@ def run_tool(argv: list[str], first_run) -> None:
 
 
 def test_every_readme_command_runs(first_run, user_files):
-    from framework.compose import compose_run
+    from framework.doors.compose import compose_run
 
     composed, ran = 0, []
     for argv in bash_commands():
@@ -187,8 +187,8 @@ def test_the_own_model_examples_train_and_warn_of_nothing(user_files, tmp_path, 
 def test_tp_runs_sequence_parallel_where_the_plan_has_it(user_files, capsys):
     """parallel.sequence_parallel is auto: on for gpt and llama, off for plans without its entries
     (TinyLM's, a Hugging Face Llama's), resolved to a bool before any worker; an explicit true is refused."""
-    from framework.compose import compose_run
     from framework.config import ConfigError
+    from framework.doors.compose import compose_run
 
     resolved = {}
     for name, model in {"gpt": [], "llama": ["model=llama"], "TinyLM": ["model=custom", "model._target_=tiny.TinyLM"],

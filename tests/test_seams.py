@@ -128,8 +128,8 @@ class ScriptedLM(torch.nn.Module):
 
 def run_with_shards(tmp_path, monkeypatch, shards, script: list[int], vocab: int) -> ScriptedLM:
     """A run folder trained on data=tokens from `shards` (its checkpoint holds `model`)."""
-    import framework.generate as gen
-    from framework.compose import compose_run
+    import framework.doors.generate as gen
+    from framework.doors.compose import compose_run
 
     path = fake_checkpoint(tmp_path / "run" / "checkpoints", 4)
     config = compose_run(["model=llama", "data=tokens", f"data.path={shards}", "parallel=none", "device=cpu"])
@@ -140,7 +140,7 @@ def run_with_shards(tmp_path, monkeypatch, shards, script: list[int], vocab: int
 
 
 def test_generate_on_byte_token_shards_stops_at_the_end_of_document(tmp_path, monkeypatch, capsys):
-    from framework.generate import main
+    from framework.doors.generate import main
     from tests.test_tokens import prepare
 
     (tmp_path / "doc.txt").write_text("hello there")
@@ -154,7 +154,7 @@ def test_generate_on_byte_token_shards_stops_at_the_end_of_document(tmp_path, mo
 def test_generate_on_bpe_shards_speaks_bpe(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tokenizers")
     from framework.data.tokenizer import tokenizer_of_shards
-    from framework.generate import main
+    from framework.doors.generate import main
     from tests.test_tokens import prepare, text_folder
 
     text_folder(tmp_path / "in", 20, 800, seed=3)
@@ -180,7 +180,7 @@ def test_exporting_model_hf_follows_transformers_default_for_ties(tmp_path, mode
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from framework.export import write_transformers_hf
+    from framework.checkpoint.export import write_transformers_hf
     from tests.helpers import write_tiny_llama_config
 
     folder = write_tiny_llama_config(tmp_path / "config")

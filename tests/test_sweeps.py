@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from framework.dist import first_host
-from framework.launch import objective
-from framework.report import fastest, find_runs, markdown, write_report
+from framework.doors.launch import objective
+from framework.doors.report import fastest, find_runs, markdown, write_report
 from tests.helpers import (
     CONF,
     ROOT,

@@ -256,7 +256,7 @@ def test_text_corpus_reads_a_folder(tmp_path: Path):
 def test_backend_knobs_of_one_sweep_job_do_not_leak_into_the_next(monkeypatch):
     import os
 
-    from framework.launch import export_backend_env
+    from framework.doors.launch import export_backend_env
 
     monkeypatch.setenv("NCCL_DEBUG", "WARN")  # from the user's shell
     monkeypatch.delenv("NCCL_ALGO", raising=False)
@@ -337,7 +337,7 @@ def test_a_rank_threads_over_the_cores_it_may_use_not_the_machines():
 def test_the_export_cli_names_what_it_wrote():
     """An adapter is PEFT's, a Llama with routed experts transformers' Mixtral (not "a Llama"):
     read from the config.json the model declares (the contract's hf_config)."""
-    from framework.export import written_kind
+    from framework.doors.export import written_kind
     from models.llama import Llama
 
     with torch.device("meta"):

@@ -2,7 +2,7 @@
 config means on this machine (`resolve`), the command line's overrides checked before Hydra
 composes them (`overrides`, train.py) and the checks that run before any worker starts (`validate`).
 
-`compose(overrides)` composes conf/ as `python train.py OVERRIDES` would; `framework.compose.compose_run`
+`compose(overrides)` composes conf/ as `python train.py OVERRIDES` would; `framework.doors.compose.compose_run`
 (a front door above the planner) also validates and resolves it.
 """
 

@@ -44,7 +44,7 @@ def run_plain(argv: list[str], task: Callable[[Any], Any], app_file: str) -> boo
 
 
 def start_workers_early(cfg: Any) -> None:
-    """A run that will start local workers (framework.launch.start) starts their forkserver as soon
+    """A run that will start local workers (framework.doors.launch.start) starts their forkserver as soon
     as its config is composed: the workers' imports (torch, the trainer: seconds) then run beside
     this process's own (torch, the checks) instead of after them."""
     from framework.machine import launched_as_worker, slurm_task, start_forkserver

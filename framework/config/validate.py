@@ -91,6 +91,11 @@ def _check_values(cfg: DictConfig) -> None:
     _require(step_timeout is None or step_timeout > 0, "backend.step_timeout_s",
              f"got {step_timeout}; must be null or > 0 seconds")  # fmt: skip
     _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
+    from framework.measure.datasheet import PLANNED_PARTS, is_planned_part  # torch: once a config is checked
+
+    gpu = cfg.get("plan", {}).get("gpu")
+    _require(gpu is None or is_planned_part(gpu), "plan.gpu",
+             f"{gpu!r} is not a part the time model knows; one of {', '.join(PLANNED_PARTS)} (SXM)")  # fmt: skip
     version = cfg.parallel.get("version", 2)
     _require(version in (1, 2), "parallel.version", f"got {version!r}; allowed: 1, 2")
     if cfg.profile:

@@ -39,6 +39,8 @@ PEAKS: dict[str, dict[str, dict[str, float]]] = {
     "V100": {"": {"fp16": 125.0, "fp32": 15.7}},
 }
 FORMS = ("PCIE", "NVL")  # words of a device name that pick a form factor other than the default
+# the parts (SXM) whose every figure the planner's GPU time model holds (framework.plan.gpu.SPECS)
+PLANNED_PARTS = ("A100", "H100", "H200")
 
 _DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -75,3 +77,10 @@ def datasheet_tflops(name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool 
     if key == "tf32" and "tf32" not in table:
         key = "fp32"
     return table.get(key)
+
+
+def is_planned_part(name: str) -> bool:
+    """`name` is a part the planner's GPU time model knows (PLANNED_PARTS), or a CUDA device name
+    of one: what `plan.gpu` may name."""
+    found = part_of(str(name))
+    return found is not None and not found[1] and found[0] in PLANNED_PARTS

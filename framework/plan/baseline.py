@@ -2,7 +2,7 @@
 
 On CPU it is measured once per machine and cached with the other figures (framework.plan.profile):
 a fresh interpreter that imports what a worker imports (a run in this process, parallel=none),
-or a worker forked from the forkserver that did (framework.preload), which holds only the pages
+or a worker forked from the forkserver that did (framework.doors.preload), which holds only the pages
 of torch it touches. A local launch measures it before its workers start, where no cache holds it yet.
 """
 
@@ -67,7 +67,7 @@ def _baseline_key(device: str, forked: bool) -> str:
 def _worker_rss() -> int:
     """A forked worker's resident bytes once it has run a step: a tiny block's forward, backward
     and AdamW update touch the pages of torch's kernels, autograd and the optimizer that any run
-    touches (the forkserver imported them, framework.preload; a worker maps them as it uses them)."""
+    touches (the forkserver imported them, framework.doors.preload; a worker maps them as it uses them)."""
     import framework.measure.memory as m
 
     block = torch.nn.Sequential(

@@ -75,14 +75,6 @@ SPECS = {
 }
 
 
-def check_part(name: str | None) -> None:
-    """`plan.gpu` names a part the time model knows (or is unset): checked before any worker starts."""
-    if name is not None and gpu_spec(str(name)) is None:
-        from framework.config import ConfigError
-
-        raise ConfigError("plan.gpu", f"{name!r} is not a part the time model knows; one of {', '.join(SPECS)}")
-
-
 def gpu_spec(name: str) -> GpuSpec | None:
     """The spec of a part ("A100") or CUDA device name ("NVIDIA A100-SXM4-80GB"), or None."""
     from framework.measure.datasheet import part_of

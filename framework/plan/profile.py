@@ -257,9 +257,11 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
 def gpu_profile(cfg: DictConfig, part: str) -> Profile:
     """The profile of a GPU cluster from the part's published figures (framework.plan.gpu), on any
     machine: no probe, no cache; `plan.*` figures still come first."""
-    from framework.plan.gpu import check_part
+    from framework.config import ConfigError
+    from framework.measure.datasheet import PLANNED_PARTS, is_planned_part
 
-    check_part(part)
+    if not is_planned_part(part):  # validate says the same of plan.gpu; a device's own name lands here
+        raise ConfigError("plan.gpu", f"{part!r} is not a part the time model knows; one of {', '.join(PLANNED_PARTS)}")
     spec = gpu_spec(part)
     plan = cfg.plan
     kernels = _gpu_kernels(cfg, spec)

@@ -13,11 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.callbacks.build import build_callbacks
 from framework.checkpoint import store as checkpoint
+from framework.checkpoint.export import export_at_end
 from framework.checkpoint.integrity import CheckpointError
 from framework.checkpoint.store import Checkpointer, TrainerState
 from framework.config import resolve_backend, resolve_device
+from framework.data.tokenizer import data_tokenizer
 from framework.dist import DistInfo, all_gather_object, destroy_distributed, init_distributed
-from framework.export import export_at_end
 from framework.figures import Figure
 from framework.hooks import Callbacks, Control, Rollback, Run, Timings
 from framework.measure.memory import (
@@ -47,8 +48,7 @@ from framework.run.step import (
 )
 from framework.run.summary import Given, RunStats, Segment, report, summarize
 
-# The loop's own figures, riding the step's all-reduce: any rank's signal or callback request is
-# every rank's (framework.hooks)
+# The loop's own figures, on the step's all-reduce: any rank's signal or callback request is every rank's
 STOP, SAVE = "control/stop", "control/save"
 LOOP_FIGURES = [Figure(name, log=False, summary=()) for name in (SIGNAL, STOP, SAVE)]
 
@@ -184,7 +184,7 @@ class Trainer:
                                "failed_saves": self.saver.failed}  # fmt: skip
         if cfg.checkpoint.export:
             with self.timings.timed("export"):
-                export_at_end(cfg, self.files.run_dir, parts.par, info.is_main)
+                export_at_end(cfg, self.files.run_dir, parts.par, info.is_main, data_tokenizer(cfg.data))
         figures = summarize(cfg, info, parts, stats, self.measure, self.figures) | {"stopped": self.stopped}
         summary = Summary("ok", choices, figures=figures)
         if info.is_main:  # the closing lines (the callbacks' own after them: W&B's folder)

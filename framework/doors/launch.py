@@ -136,10 +136,7 @@ def admit(cfg: DictConfig, run_dir: str, choices: dict[str, str]) -> dict[str, A
         choices["parallel"], auto = cfg.parallel.name, choice.record
         if int(os.environ.get("RANK", 0)) == 0:
             print(choice.line(), flush=True)
-    validate(cfg)
-    from framework.plan.gpu import check_part
-
-    check_part(cfg.plan.gpu)  # the planner's closing forecast would only warn of it, after the run
+    validate(cfg)  # plan.gpu too: the planner's closing forecast would only warn of it, after the run
     check_best_exists(cfg, run_dir)
     if launched_as_worker() and Strategy.of(cfg.parallel).one_process and int(os.environ["WORLD_SIZE"]) != 1:
         raise ConfigError(
