@@ -143,6 +143,21 @@ def test_evaluate_reads_every_lm_data_choice_as_transformers_scores_it(inputs, c
     assert got["terms"] == terms and got["loss"] == pytest.approx(loss, rel=1e-5)
 
 
+def test_evaluate_reads_no_training_data(inputs, tmp_path):
+    """A training corpus smaller than one batch (here 40 bytes: one window of 32) was build_data's
+    ValueError traceback: evaluation builds the model and reads only its own split."""
+    from framework.doors.evaluate import run
+
+    (tmp_path / "train.txt").write_text("x" * 40)
+    val = (inputs / "text.txt").read_text()[:150]
+    (tmp_path / "val.txt").write_text(val)
+    overrides = ["model=llama", f"model.pretrained={inputs / 'hf'}", "data=text", f"data.path={tmp_path / 'train.txt'}",
+                 f"data.val_path={tmp_path / 'val.txt'}", "data.batch_size=4"]  # fmt: skip
+    got = run(None, overrides)
+    seq_len = resolve_input(None, overrides).cfg.data.seq_len
+    assert got["data"] == "the validation split" and got["terms"] == (len(val.encode()) - 1) // seq_len * seq_len
+
+
 def test_evaluate_without_a_validation_split_says_so_in_one_line(inputs, tmp_path):
     """Before any worker starts (was a worker's ValueError traceback): the keys that make one."""
     pretrained = ["model=llama", f"model.pretrained={inputs / 'hf'}"]

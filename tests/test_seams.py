@@ -227,6 +227,35 @@ def test_prepare_rerun_with_other_settings_rebuilds_instead_of_reading_old_shard
     assert "rebuilding" not in capsys.readouterr().err
 
 
+def test_prepare_rerun_with_a_changed_tokenizer_folder_rebuilds(tmp_path, capsys):
+    """--tokenizer FOLDER was recorded by its path: another tokenizer saved into the same folder
+    reused shards of the old ids. Its files' content is recorded now."""
+    pytest.importorskip("tokenizers")
+    import json
+
+    from tokenizers import Tokenizer
+
+    from tests.test_finetune import chat_folder
+    from tests.test_tokens import decoded_docs, prepare, text_folder
+
+    docs = text_folder(tmp_path / "in", 12, 600, seed=5)
+    chat_folder(tmp_path / "tok")
+    flags = ["--tokenizer", str(tmp_path / "tok"), "--shard-mb", "0.001"]
+    assert prepare(tmp_path / "in", tmp_path / "out", *flags) == 0
+    first = json.loads((tmp_path / "out" / "index.json").read_text())
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    tok.add_special_tokens(["<|another|>"])  # another tokenizer, saved over the first
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    capsys.readouterr()
+    assert prepare(tmp_path / "in", tmp_path / "out", *flags) == 0
+    assert "rebuilding them" in capsys.readouterr().err
+    second = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert second["vocab_size"] == first["vocab_size"] + 1 and decoded_docs(tmp_path / "out") == docs
+    assert second["tokenizer_digest"] != first["tokenizer_digest"]
+    assert prepare(tmp_path / "in", tmp_path / "out", *flags) == 0  # unchanged: nothing rebuilt
+    assert "rebuilding" not in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- a full disk
 
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from framework.checkpoint.store import Checkpointer, best_root, write_config
 from framework.contract import logits_of
-from framework.data import build_dataset, to_device
+from framework.data import build_dataset, to_device, transforms_on_device
 from framework.data.images import DeviceAugment
 from framework.dist import DistInfo, all_reduce_sum
 from framework.hooks import Run
@@ -78,7 +78,7 @@ def build_eval_data(cfg: DictConfig, setup: Parts, device: torch.device, dataset
     batches, repeats = eval_batches(len(dataset), par.dp_rank, par.dp_size, batch_size)
     # its own generator: iterating a loader draws a seed, never from the global (training) one
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=dataset.collate, generator=torch.Generator())
-    transform = DeviceAugment(False, 0, device) if setup.data.device_transform is not None else None
+    transform = DeviceAugment(False, 0, device) if transforms_on_device(cfg.data) else None
     return EvalData(dataset, loader, repeats, transform)
 
 

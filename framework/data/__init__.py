@@ -233,6 +233,12 @@ def build_sampler(cfg: DictConfig, dataset: Dataset, dp_rank: int, dp_size: int,
     return distributed_sampler(order, dp_size, dp_rank, sizes, cfg.drop_last)
 
 
+def transforms_on_device(cfg: DictConfig) -> bool:
+    """Images preprocessed in batches on the training device (data.transforms_on=device), in
+    training and in evaluation alike."""
+    return cfg.name == "images" and cfg.source != "synthetic" and cfg.transforms_on == "device"
+
+
 def build_data(cfg: DictConfig, dp: tuple[int, int], device: torch.device, seed: int, task: str = "classify",
                accumulation: int = 1) -> DataPipeline:  # fmt: skip
     """Dataset -> distributed sampler -> DataLoader.
@@ -265,8 +271,7 @@ def build_data(cfg: DictConfig, dp: tuple[int, int], device: torch.device, seed:
         generator=torch.Generator(),  # seeded per epoch by DataPipeline.batches
         **batching,
     )
-    on_device = cfg.name == "images" and cfg.source != "synthetic" and cfg.transforms_on == "device"
-    transform = DeviceAugment(cfg.augment, seed + dp_rank, device) if on_device else None
+    transform = DeviceAugment(cfg.augment, seed + dp_rank, device) if transforms_on_device(cfg) else None
     lengths = tuple((int(step), int(n)) for step, n in cfg.get("seq_len_schedule") or ())
     return DataPipeline(
         dataset, sampler, loader, seed + dp_rank, transform, BatchSizes(0, lengths) if lengths else None

@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -201,11 +202,23 @@ def settings_of(args: argparse.Namespace, units: list[Unit]) -> dict:
             st = os.stat(f)
             files.update(f"{os.path.abspath(f)}:{u.start}:{u.end}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     tokenizer = args.tokenizer
-    if tokenizer not in ("bytes", "bpe") and os.path.isfile(tokenizer):  # a tokenizer.json: its content
-        tokenizer = "sha256:" + hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+    if tokenizer not in ("bytes", "bpe"):  # a tokenizer.json or its folder: their content, not their path
+        tokenizer = tokenizer_content(tokenizer) or tokenizer
     return {"input": os.path.abspath(args.input), "input_files": files.hexdigest()[:16], "tokenizer": tokenizer,
             "vocab_size": args.vocab_size if args.tokenizer == "bpe" else None, "field": args.field,
             "shard_mb": args.shard_mb, "dtype": args.dtype}  # fmt: skip
+
+
+def tokenizer_content(path: str) -> str | None:
+    """The digest of what a tokenizer.json holds, or a folder's tokenizer.json and
+    tokenizer_config.json (whose end-of-document token may be added to it); None if neither is there."""
+    if os.path.isfile(path):
+        return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    found = [Path(path, n) for n in ("tokenizer.json", "tokenizer_config.json") if Path(path, n).is_file()]
+    digest = hashlib.sha256()
+    for f in found:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return "sha256:" + digest.hexdigest() if found else None
 
 
 def owned_files(out: str) -> list[Path]:
@@ -297,9 +310,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    made = not os.path.exists(args.out)
     try:
         m = prepare(args)
     except (PrepareError, FileNotFoundError) as err:
+        if made:  # a folder this run made is not left behind; one that was there keeps what it held
+            shutil.rmtree(args.out, ignore_errors=True)
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{args.out}: {len(m['shards'])} shards, {m['docs']} documents, {m['tokens']} tokens ({m['dtype']}), "

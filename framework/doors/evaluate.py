@@ -58,7 +58,7 @@ def evaluate_rank(config: dict[str, Any], path: str | None, whole_file: bool) ->
     backend = resolve_backend(cfg) if Strategy.of(cfg.parallel).needs_backend else None
     info = init_distributed(resolve_device(cfg), backend, cfg.backend.timeout_s, cfg.backend.init_method)
     try:
-        setup = build(cfg, info)
+        setup = build(cfg, info, train_data=False)
         if path is not None:
             load_model(path, setup.par.module)
         dataset = build_dataset(cfg.data, cfg.seed, setup.task, "train") if whole_file else None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from framework.config import ConfigError, world_size_of
+from omegaconf import DictConfig, open_dict
+
+from framework.config import ConfigError, validate, world_size_of
 from framework.config.overrides import compose_checked
 from framework.plan.profile import Profile
 from framework.plan.search import Ranked, choose
@@ -81,6 +83,16 @@ def _latency(profile: Profile) -> str:
     )
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """What train.py checks of the config (model, data, optimizer, adapters, paths, plan.gpu) but
+    its layout: the planner ranks every layout itself, as if on one process here (the dry run
+    checks the layout it is given, role by role)."""
+    probe = cfg.copy()
+    with open_dict(probe):
+        probe.parallel.name, probe.launch.nproc_per_node = "none", 1
+    validate(probe)
+
+
 def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
@@ -88,6 +100,8 @@ def main(argv: list[str]) -> int:
     try:  # the overrides composed and checked as train.py does: a typo is one line naming the key
         cfg = compose_checked(argv)
         world = cfg.plan.world_size or world_size_of(cfg)
+        if not cfg.plan.dry_run:
+            check_settings(cfg)
         if cfg.plan.dry_run:
             from framework.plan.dry_run import report
 

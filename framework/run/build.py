@@ -40,8 +40,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(cfg: DictConfig, info: DistInfo) -> Parts:
-    """This rank's parts (before `resume` loads a checkpoint into them)."""
+def build(cfg: DictConfig, info: DistInfo, train_data: bool = True) -> Parts:
+    """This rank's parts (before `resume` loads a checkpoint into them); `train_data=False`: no
+    training data (to evaluate, which reads its own split: the training one may be smaller than a batch)."""
     seed_everything(cfg.seed)
     meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
     spec = spec_of(meta, cfg.model)
@@ -52,12 +53,14 @@ def build(cfg: DictConfig, info: DistInfo) -> Parts:
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, par.decay)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
+    if not train_data:
+        return Parts(flops, par, optimizer, scheduler, None, precision, spec, n_blocks)
     data = build_data(cfg.data, (par.dp_rank, par.dp_size), info.device, cfg.seed, spec.task, cfg.accumulation_steps)
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
         if note := getattr(data.dataset, "note", None):  # e.g. data=hf's rows left out
             print(note, flush=True)
-    precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
     return Parts(flops, par, optimizer, scheduler, data, precision, spec, n_blocks)
 
 
