@@ -42,7 +42,7 @@ def seed_everything(seed: int) -> None:
 
 def build(cfg: DictConfig, info: DistInfo, train_data: bool = True) -> Parts:
     """This rank's parts (before `resume` loads a checkpoint into them); `train_data=False`: no
-    training data (to evaluate, which reads its own split: the training one may be smaller than a batch)."""
+    training data (a front door that reads a split of its own: the training one may be smaller than a batch)."""
     seed_everything(cfg.seed)
     meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
     spec = spec_of(meta, cfg.model)

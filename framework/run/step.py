@@ -32,7 +32,7 @@ class Parts:
     par: Parallelized  # the module to run, its gradient-sync switch, its data-parallel coordinates
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    data: DataPipeline | None  # None: built to evaluate only (framework.evaluate reads no training data)
+    data: DataPipeline | None  # None: built without training data (a front door reading a split of its own)
     precision: Precision
     spec: ModelSpec  # what the model declares (framework/contract.py): task, blocks, ...
     n_blocks: int = 0  # the whole model's blocks (a pipeline stage holds some of them)
