@@ -55,8 +55,8 @@ LAYERS: list[tuple[str, ...]] = [
     # the checkpoint wing: step folders, save and load, digests, resume, the run folder's lock;
     # export's library (a checkpoint to Hugging Face files), which the trainer calls at the end
     ("checkpoint",),
-    # the parts, with their own checks (ParallelDims, the data checks)
-    ("parallel", "data"),
+    # the parts, with their own checks (ParallelDims, the data checks); the memory levers parallelize applies
+    ("parallel", "data", "levers"),
     # validation, which asks the parts' checks
     ("config",),
     # the planner: a pure function of the config, the model's shapes and the machine

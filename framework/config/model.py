@@ -101,10 +101,10 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError("data", f"{cfg.model._target_} trains on data={'|'.join(trains_on)}, got data={data}")
     if spec.task == "lm" and data in LM_DATA and cfg.data.get("seq_len") is not None:
         _check_sequence(cfg, model)
-    if cfg.memory.name == "checkpoint" and not blocks_of(model, spec):
+    if cfg.memory.name in ("checkpoint", "selective", "offload_activations") and not blocks_of(model, spec):
         raise ConfigError(
             "memory",
-            f"checkpointing wraps a model's blocks; {type(model).__name__} has none found "
+            f"memory={cfg.memory.name} works on a model's blocks; {type(model).__name__} has none found "
             "(declare blocks_path or set model.blocks=<path>). Use memory=none",
         )
     _check_peft(cfg, model, spec.blocks)

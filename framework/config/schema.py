@@ -124,6 +124,16 @@ class CheckpointMemoryConfig(MemoryConfig):
 
 
 @dataclass
+class SelectiveMemoryConfig(CheckpointMemoryConfig):
+    """Selective checkpointing (framework/levers/selective.py): in every k-th block, what the named
+    operators output is kept and the rest (norms, activations, adds) recomputed in backward."""
+
+    name: MemoryName = MemoryName.selective
+    # matmul | attention | collectives, or an aten operator's name (aten.mm)
+    save_ops: list[str] = field(default_factory=lambda: ["matmul", "attention"])
+
+
+@dataclass
 class OptimConfig:
     name: OptimName = MISSING
     lr: float = 1e-3
@@ -301,7 +311,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "hybrid": HybridConfig,
     },
     "precision": {"base": PrecisionConfig, "amp": AmpConfig},
-    "memory": {"base": MemoryConfig, "checkpoint": CheckpointMemoryConfig},
+    "memory": {"base": MemoryConfig, "checkpoint": CheckpointMemoryConfig, "selective": SelectiveMemoryConfig},
     "peft": {"base": PeftConfig, "lora": LoraConfig},
     "data": DATA_SCHEMAS,
     "model": {

@@ -16,6 +16,7 @@ from framework.config.callback_checks import check_callbacks
 from framework.config.choices import Choice
 from framework.config.data_checks import check_data_plan, check_val_split
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
+from framework.config.memory_checks import check_memory
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 
 
@@ -41,7 +42,7 @@ def validate(cfg: DictConfig) -> None:
     The model is paired with its data before a strategy's check builds it (its keys may point into data)."""
     check_mandatory(cfg)
     for check in (_check_choices, _check_values, _check_loader, _check_device_and_backend, _check_world, _check_model_and_data,
-                  _check_strategy, _check_memory, _check_batching, check_data_plan, _check_paths, _check_eval, check_callbacks):  # fmt: skip
+                  _check_strategy, check_memory, _check_batching, check_data_plan, _check_paths, _check_eval, check_callbacks):  # fmt: skip
         with resolution_named():
             check(cfg)
 
@@ -82,8 +83,6 @@ def _check_values(cfg: DictConfig) -> None:
                      ("backend.trace_buffer", 0), ("metrics.log_every", 1), ("metrics.sample_every", 0),
                      ("memory.empty_cache_every", 0), ("optim.warmup_steps", 0)):  # fmt: skip
         _at_least(cfg, key, low)
-    if cfg.memory.name == "checkpoint":
-        _at_least(cfg, "memory.checkpoint_every", 1)
     if cfg.launch.nproc_per_node is not None:
         _at_least(cfg, "launch.nproc_per_node", 1)
     grace, step_timeout = cfg.checkpoint.preempt_grace_s, cfg.backend.step_timeout_s
@@ -192,22 +191,6 @@ def _check_world(cfg: DictConfig) -> None:
             nproc <= cuda_device_count(),
             "launch.nproc_per_node",
             f"got {nproc} workers but only {cuda_device_count()} GPUs are visible",
-        )
-
-
-def _check_memory(cfg: DictConfig) -> None:
-    """CPU offload and activation checkpointing where they apply."""
-    if cfg.memory.name == "offload":
-        _require(
-            cfg.parallel.name in ("fsdp", "hybrid", "cp"),
-            "memory",
-            f"CPU offload is an FSDP feature; got parallel={cfg.parallel.name}. Use parallel=fsdp",
-        )
-        _require(
-            resolve_device(cfg) == "cuda",
-            "memory",
-            "FSDP CPU offload moves shards between GPU and CPU memory and needs CUDA; none here. "
-            "Use memory=none or memory=checkpoint",
         )
 
 

@@ -13,6 +13,7 @@ import resource
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -87,6 +88,25 @@ def model_state_bytes(
     return state
 
 
+# The meters measuring now: a memory lever that keeps tensors for backward outside autograd
+# (selective checkpointing's cache) reports them; one whose saved-tensor hooks stand in front of
+# the meter's (activation offload) hands the tensors it leaves on the device to the meter's hooks
+_MEASURING: list[Callable[[torch.Tensor], None]] = []
+_HOOKS: list[tuple[Callable, Callable]] = []
+
+
+def kept_for_backward(t: torch.Tensor) -> None:
+    """Count `t` in every meter measuring now, until its measurement ends (the saved bytes peak at
+    the turn from forward to backward, which it spans)."""
+    for keep in _MEASURING:
+        keep(t)
+
+
+def meter_hooks() -> tuple[Callable, Callable] | None:
+    """The (pack, unpack) saved-tensor hooks of the innermost meter measuring now, or None."""
+    return _HOOKS[-1] if _HOOKS else None
+
+
 def lives_on(t: torch.Tensor, device: torch.device) -> bool:
     """Whether (the local part of) `t` is held in `device`'s memory: what that device's memory
     reading (the CUDA allocator's, or the process RSS for the CPU) contains."""
@@ -151,21 +171,27 @@ class SavedActivationMeter:
             # counted, for the rest of the run. Autograd restores the grad_fn as it unpacks.
             return _Saved(t.detach(), [ptr for ptr, _ in ptrs], release) if ptrs else t
 
+        def kept_by_a_lever(t: torch.Tensor) -> None:  # held until the measurement ends
+            for ptr, nbytes in self._counted(t):
+                hold(ptr, nbytes)
+                kept.append(ptr)
+
         def checkpointed_input(module, args):
             for t in args:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    for storage in _storages(t, self._fake):
-                        key = self._key(storage)
-                        hold(key, storage.nbytes())
-                        kept.append(key)
+                    kept_by_a_lever(t)
 
         kept: list[int] = []
         hooks = [m.register_forward_pre_hook(checkpointed_input) for m in self._model.modules()
                  if isinstance(m, CheckpointWrapper)]  # fmt: skip
+        _MEASURING.append(kept_by_a_lever)
+        _HOOKS.append((pack, _unpack))
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
                 yield
         finally:
+            _MEASURING.remove(kept_by_a_lever)
+            _HOOKS.remove((pack, _unpack))
             for h in hooks:
                 h.remove()
             for ptr in kept:

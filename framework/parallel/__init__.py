@@ -34,7 +34,7 @@ from torch import nn
 from framework import peft
 from framework.contract import ModelSpec, blocks_of, build_model
 from framework.dist import DistInfo
-from framework.measure.memory import apply_activation_checkpointing
+from framework.levers import apply_memory_lever
 from framework.modules import map_blocks, materialize_model
 from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split
@@ -146,8 +146,7 @@ def _checkpoint_and_compile(module: nn.Module, spec: ModelSpec, cfg: DictConfig)
     """Steps 3 and 4 of the order, in place: activation checkpointing, then torch.compile of each
     block (`nn.Module.compile`: the module keeps its type and parameter names, so FSDP units,
     state dicts and checkpoints are unchanged), or of the whole module for models without blocks."""
-    if cfg.memory.name == "checkpoint":
-        apply_activation_checkpointing(module, spec.blocks, cfg.memory.checkpoint_every)
+    apply_memory_lever(module, spec.blocks, cfg)  # memory=checkpoint, selective, offload_activations
     if cfg.compile:
 
         def compiled(block: nn.Module) -> nn.Module:

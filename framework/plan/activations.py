@@ -27,8 +27,41 @@ def tokens_per_rank(cfg: DictConfig, layout: Layout) -> int:
 
 
 def checkpoint_every(cfg: DictConfig) -> int:
-    """Every k-th block is checkpointed (0: none)."""
-    return cfg.memory.checkpoint_every if cfg.memory.name == "checkpoint" else 0
+    """Every k-th block is checkpointed, whole or selectively (0: none)."""
+    return cfg.memory.checkpoint_every if cfg.memory.name in ("checkpoint", "selective") else 0
+
+
+def offloaded(cfg: DictConfig) -> bool:
+    """memory=offload_activations on a GPU: the blocks' saved tensors are in host memory (on the
+    CPU the host is the device: they count as they are)."""
+    from framework.config import resolve_device
+
+    return cfg.memory.name == "offload_activations" and (
+        cfg.plan.get("gpu") is not None or resolve_device(cfg) == "cuda"
+    )
+
+
+def selected_bytes(tokens: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float | None:
+    """What memory=selective keeps of a block beyond its input, for `tokens` positions on a rank:
+    the outputs of the named operators (framework/levers/selective.py). Matmuls: column-parallel
+    outputs split 1/tp, row-parallel ones whole (partial sums before their collective), in 16 bits
+    unless fp32; attention: SDPA's output (1/tp) and its fp32 log-sum-exp; collectives: tensor
+    parallel's outputs. None where the planner cannot tell (a routed MLP, an aten operator by name)."""
+    names, tp, D = set(cfg.memory.save_ops), layout.tp, g.n_embd
+    if names - {"matmul", "attention", "collectives"} or getattr(g, "moe_experts", 0):
+        return None
+    m = 4 if cfg.precision.name == "fp32" else 2
+    kept = 0.0
+    if "matmul" in names:
+        if getattr(g, "ffn_hidden", None):  # Llama: wq, wk, wv, w1, w3 split; wo, w2 whole
+            kept += m * ((D + 2 * g.kv_width + 2 * g.ffn_hidden) / tp + 2 * D)
+        else:  # gpt: q, k, v, fc split; the two projections whole
+            kept += m * (7 * D / tp + 2 * D)
+    if "attention" in names:
+        kept += m * D / tp + 4 * g.n_head / tp
+    if "collectives" in names and tp > 1:  # two per block: gathers to whole, or reductions
+        kept += 2 * m * (D + (D / tp if layout.sequence_parallel else 0))
+    return tokens * kept
 
 
 def micro_batch(cfg: DictConfig, layout: Layout) -> int:
@@ -52,8 +85,8 @@ def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: 
     u = b * T * g.n_embd  # elements of the residual stream
     tp, seq_split = layout.tp, (layout.tp if layout.sequence_parallel else 1)
     e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
-    if checkpointed:
-        return e * u / seq_split  # the block's input, kept for the recomputation
+    if checkpointed:  # the block's input, kept for the recomputation; selective's kept outputs
+        return e * u / seq_split + (selected_bytes(b * T, g, cfg, layout) or 0 if cfg.memory.name == "selective" else 0)
     if getattr(g, "ffn_hidden", None):
         return _llama_block_bytes(b * T, g, e, layout)
     small = e * 4 * b * T / seq_split + 4 * b * g.n_head * T / tp  # two norms' mean and rstd; logsumexp
@@ -144,11 +177,14 @@ def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | N
         return None
     b, g = micro_batch(cfg, layout), SimpleNamespace(**shapes.gpt)
     every = checkpoint_every(cfg)
+    if cfg.memory.name == "selective" and selected_bytes(1, g, cfg, layout) is None:
+        return None
     per_rank: dict[int, float] = defaultdict(float)
     for stage, layers in enumerate(shapes.stage_layers):
-        kept = len(layers[::every]) if every else 0  # checkpointed blocks keep their input only
+        kept = len(layers[::every]) if every else 0  # checkpointed blocks keep their input (and selected outputs)
         saved = kept * block_activation_bytes(b, g, cfg, layout, True)
-        saved += (len(layers) - kept) * block_activation_bytes(b, g, cfg, layout, False)
+        if not offloaded(cfg):  # offloaded: the other blocks' saved tensors are in host memory
+            saved += (len(layers) - kept) * block_activation_bytes(b, g, cfg, layout, False)
         if stage == 0:
             saved += 8 * b * tokens_per_rank(cfg, layout) + 8 * tokens_per_rank(
                 cfg, layout

@@ -1,0 +1,39 @@
+"""The memory choices' checks: where FSDP CPU offload applies, and the levers' own settings
+(checkpointing every k-th block, selective checkpointing's operators, activation offload)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from framework.config.errors import ConfigError
+from framework.config.resolve import resolve_device
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """What each `memory` choice needs; ConfigError naming the key otherwise."""
+    memory = cfg.memory
+    if memory.name == "offload":
+        if cfg.parallel.name not in ("fsdp", "hybrid", "cp"):
+            raise ConfigError("memory", f"CPU offload is an FSDP feature; got parallel={cfg.parallel.name}. "
+                              "Use parallel=fsdp")  # fmt: skip
+        if resolve_device(cfg) != "cuda":
+            raise ConfigError("memory", "FSDP CPU offload moves shards between GPU and CPU memory and needs CUDA; "
+                              "none here. Use memory=none, checkpoint, selective or offload_activations")  # fmt: skip
+    if memory.name in ("checkpoint", "selective") and memory.checkpoint_every < 1:
+        raise ConfigError("memory.checkpoint_every", f"got {memory.checkpoint_every}; must be an integer >= 1")
+    if memory.name == "selective":
+        _check_save_ops(memory.save_ops)
+    if memory.name == "offload_activations" and cfg.compile:
+        raise ConfigError("memory", "offload_activations moves saved tensors in hooks around each block, which "
+                          "compile=true does not trace; use memory=selective or checkpoint with compile")  # fmt: skip
+
+
+def _check_save_ops(names) -> None:
+    from framework.levers.selective import saved_ops  # torch: once a config is checked
+
+    if not names:
+        raise ConfigError("memory.save_ops", "got []; name what to keep (matmul, attention), or use memory=checkpoint")
+    try:
+        saved_ops(names)
+    except ValueError as err:
+        raise ConfigError("memory.save_ops", str(err)) from None
