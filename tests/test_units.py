@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from framework.config.schema import AdamWConfig, AmpConfig, OptimConfig, PrecisionConfig
 from framework.data.datasets import VarlenSequences, VarlenShape
 from framework.data.samplers import BatchSizes, distributed_sampler, permutation
-from framework.measure.memory import SavedActivationMeter, apply_activation_checkpointing, model_state_bytes
+from framework.levers import apply_activation_checkpointing
+from framework.measure.memory import SavedActivationMeter, model_state_bytes
 from framework.optim import build_optimizer, lr_factor
 from framework.precision import build_precision
 from models import GPT, MLP, LSTMClassifier, ResNet

@@ -1,13 +1,24 @@
-"""Memory levers beyond checkpointing whole blocks, each in its own file with its own config
-(conf/memory/): selective checkpointing (selective.py) and activation offload (offload.py).
+"""Memory levers, each with its own config (conf/memory/): checkpointing every k-th block (here),
+selective checkpointing (selective.py) and activation offload (offload.py).
 parallelize() applies the run's lever at one point of its order, where checkpointing goes."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-from framework.measure.memory import apply_activation_checkpointing
+from framework.modules import map_blocks
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: str | None, every: int = 1) -> int:
+    """Recompute every `every`-th block (the container at path `blocks`) in backward instead of
+    keeping its activations: non-reentrant torch.utils.checkpoint. Returns how many were wrapped."""
+    wrap = lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
+    try:
+        return map_blocks(model, blocks, wrap, every)
+    except ValueError as err:
+        raise ValueError(f"memory=checkpoint: {err} to checkpoint") from None
 
 
 def apply_memory_lever(module: nn.Module, blocks: str | None, cfg: DictConfig) -> None:

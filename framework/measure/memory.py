@@ -1,4 +1,4 @@
-"""Activation checkpointing and memory accounting.
+"""Memory accounting (the levers that save memory are framework/levers/).
 
 Accounting counts the bytes a rank really holds, from the tensors themselves (local shards for
 sharded tensors), never from a formula.
@@ -19,24 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-from framework.modules import map_blocks
-
-
-def apply_activation_checkpointing(model: nn.Module, blocks: str | None, every: int = 1) -> int:
-    """Recompute every `every`-th block (the container at path `blocks`) in backward instead of
-    keeping its activations: non-reentrant torch.utils.checkpoint. Returns how many were wrapped."""
-    wrap = lambda b: checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
-    try:
-        return map_blocks(model, blocks, wrap, every)
-    except ValueError as err:
-        raise ValueError(f"memory=checkpoint: {err} to checkpoint") from None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -91,20 +75,19 @@ def model_state_bytes(
 # The meters measuring now: a memory lever that keeps tensors for backward outside autograd
 # (selective checkpointing's cache) reports them; one whose saved-tensor hooks stand in front of
 # the meter's (activation offload) hands the tensors it leaves on the device to the meter's hooks
-_MEASURING: list[Callable[[torch.Tensor], None]] = []
-_HOOKS: list[tuple[Callable, Callable]] = []
+_MEASURING: list[tuple[Callable, Callable, Callable]] = []  # (keep, pack, unpack) of each
 
 
 def kept_for_backward(t: torch.Tensor) -> None:
     """Count `t` in every meter measuring now, until its measurement ends (the saved bytes peak at
     the turn from forward to backward, which it spans)."""
-    for keep in _MEASURING:
+    for keep, _, _ in _MEASURING:
         keep(t)
 
 
 def meter_hooks() -> tuple[Callable, Callable] | None:
     """The (pack, unpack) saved-tensor hooks of the innermost meter measuring now, or None."""
-    return _HOOKS[-1] if _HOOKS else None
+    return _MEASURING[-1][1:] if _MEASURING else None
 
 
 def lives_on(t: torch.Tensor, device: torch.device) -> bool:
@@ -184,14 +167,12 @@ class SavedActivationMeter:
         kept: list[int] = []
         hooks = [m.register_forward_pre_hook(checkpointed_input) for m in self._model.modules()
                  if isinstance(m, CheckpointWrapper)]  # fmt: skip
-        _MEASURING.append(kept_by_a_lever)
-        _HOOKS.append((pack, _unpack))
+        _MEASURING.append(measuring := (kept_by_a_lever, pack, _unpack))
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
                 yield
         finally:
-            _MEASURING.remove(kept_by_a_lever)
-            _HOOKS.remove((pack, _unpack))
+            _MEASURING.remove(measuring)
             for h in hooks:
                 h.remove()
             for ptr in kept:
