@@ -97,3 +97,32 @@ def test_an_aten_operator_by_name_is_a_setting():
     import torch
 
     assert torch.ops.aten.addmm in saved_ops(["aten.addmm"]) and torch.ops.aten.mm in saved_ops(["matmul"])
+
+
+def test_parallel_auto_searches_selective_checkpointing_and_picks_it_where_it_wins():
+    """The search varies whole and selective checkpointing beside the layouts and micro-batches;
+    under a budget that rules out the faster lever-free knobs, it picks selective, which keeps the
+    expensive operators' outputs and so costs less time than checkpointing whole blocks."""
+    from framework.plan.profile import machine_profile
+    from framework.plan.search import memory_budget_bytes, rank
+    from tests.test_plan import LINK
+
+    cfg = compose_config(["experiment=smoke", "logger=none", "model.n_layer=4", "model.n_embd=256", "model.n_head=4",
+                          *LINK, "data.seq_len=512", "data.batch_size=8", "plan.peak_tflops=0.05",
+                          "plan.op_overhead_us=20", "launch.nproc_per_node=1", "parallel=auto"])  # fmt: skip
+    profile = machine_profile(cfg, 1, "config")
+    ample = rank(cfg, 1, profile, memory_budget_bytes(cfg, 1))
+    selective = [r for r in ample if r.knobs.selective]
+    assert selective and all("memory=selective" in r.overrides for r in selective)
+    whole = {(r.candidate.overrides, r.knobs.checkpoint_every, r.knobs.batch_size): r for r in ample
+             if r.knobs.checkpoint_every and not r.knobs.selective}  # fmt: skip
+    for r in selective:  # less time than whole blocks, more memory
+        twin = whole[(r.candidate.overrides, r.knobs.checkpoint_every, r.knobs.batch_size)]
+        assert r.prediction["step_time_s"] < twin.prediction["step_time_s"]
+        assert r.prediction["memory"]["activation_bytes"] > twin.prediction["memory"]["activation_bytes"]
+    # the budget of the fastest selective choice: every faster choice holds more
+    pick = min(selective, key=lambda r: r.prediction["step_time_s"])
+    faster = [r for r in ample if r.prediction["step_time_s"] < pick.prediction["step_time_s"]]
+    budget = min([pick.footprint(), *(r.footprint() - 1 for r in faster)])
+    best = rank(cfg, 1, profile, budget)[0]
+    assert best.fits and best.knobs.selective, best

@@ -1,6 +1,7 @@
 """The memory knobs the search behind `parallel=auto` varies on each layout: activation
-checkpointing (none, every k-th or every block), the micro-batch against accumulation with the
-global batch kept, and a pipeline's micro-batch count."""
+checkpointing (none, every k-th or every block, each whole or selective: memory=selective keeps the
+matmuls' and attention's outputs), the micro-batch against accumulation with the global batch
+kept, and a pipeline's micro-batch count."""
 
 from __future__ import annotations
 
@@ -18,13 +19,18 @@ class Knobs:
     batch_size: int  # micro-batch of one data-parallel rank
     accumulation_steps: int
     n_microbatches: int | None = None  # pipelines only
+    selective: bool = False  # the checkpointed blocks keep their matmuls' and attention's outputs
+
+    @property
+    def memory(self) -> str:
+        return ("selective" if self.selective else "checkpoint") if self.checkpoint_every else "none"
 
     def overrides(self, base: DictConfig) -> list[str]:
         """What selects these knobs on the command line, beside the layout's."""
         out = []
         if self.checkpoint_every:
-            out += ["memory=checkpoint", f"memory.checkpoint_every={self.checkpoint_every}"]
-        elif base.memory.name == "checkpoint":
+            out += [f"memory={self.memory}", f"memory.checkpoint_every={self.checkpoint_every}"]
+        elif base.memory.name in ("checkpoint", "selective"):
             out.append("memory=none")
         if self.batch_size != base.data.batch_size:
             out.append(f"data.batch_size={self.batch_size}")
@@ -36,9 +42,9 @@ class Knobs:
 
     def apply(self, cfg: DictConfig) -> None:
         """Set these knobs in `cfg` (in place; a trial copy, or the run's config once chosen)."""
-        name = "checkpoint" if self.checkpoint_every else "none"  # each with its own schema's keys
-        keep = {k: v for k, v in cfg.memory.items() if k not in ("name", "checkpoint_every")}
-        memory = OmegaConf.merge(OmegaConf.structured(group_schema("memory", name)), keep)
+        schema = OmegaConf.structured(group_schema("memory", self.memory))  # each with its own schema's keys
+        keep = {k: v for k, v in cfg.memory.items() if k != "name" and k in schema and k != "checkpoint_every"}
+        memory = OmegaConf.merge(schema, keep)
         if self.checkpoint_every:
             memory.checkpoint_every = self.checkpoint_every
         cfg.memory = memory
@@ -49,7 +55,7 @@ class Knobs:
 
 def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> list[Knobs]:
     """The knob combinations of one layout (`trial`: its config) with the global batch kept."""
-    every = [base.memory.checkpoint_every if base.memory.name == "checkpoint" else 0]
+    every = [base.memory.checkpoint_every if base.memory.name in ("checkpoint", "selective") else 0]
     if n_layer:
         every = sorted({0, *(k for k in (4, 2, 1) if k <= n_layer), *every})
     local = trial.data.batch_size * base.accumulation_steps  # samples per data-parallel rank per step
@@ -60,10 +66,11 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
         if "ZeroBubble" in trial.parallel.schedule:  # one round: what the activations model forecasts
             ms = [m for m in ms if m == least]
         ms = sorted({*ms[:2], *ms[-1:], *[m for m in ms if m == trial.parallel.n_microbatches]})
-        return [Knobs(k, local, 1, m) for k in every for m in ms]
+        return [Knobs(k, local, 1, m, s) for k in every for s in (False, True)[: 1 + bool(k)] for m in ms]
     sizes = [b for b in range(1, local + 1) if local % b == 0 and local // b <= 8]
     sizes = [trial.data.batch_size] if base.data.rank_batch_sizes else sizes
     for k in every:
         for b in sizes:
-            out.append(Knobs(k, b, local // b if b != trial.data.batch_size else base.accumulation_steps))
+            accumulation = local // b if b != trial.data.batch_size else base.accumulation_steps
+            out += [Knobs(k, b, accumulation, None, s) for s in (False, True)[: 1 + bool(k)]]
     return out

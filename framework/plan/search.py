@@ -203,7 +203,8 @@ def _order(r: Ranked) -> tuple:
 
 
 def _frugal(grid: list[Knobs]) -> Knobs:
-    return min(grid, key=lambda k: (-(k.checkpoint_every == 1), k.batch_size, -(k.n_microbatches or 0)))
+    whole = lambda k: k.checkpoint_every == 1 and not k.selective  # noqa: E731
+    return min(grid, key=lambda k: (-whole(k), k.batch_size, -(k.n_microbatches or 0)))
 
 
 @dataclass
@@ -222,6 +223,8 @@ class Search:
         for knobs in grid:
             knobs.apply(trial)
             p = predict(trial, self.world, self.profile, self.facts)
+            if knobs.selective and p["memory"]["activation_bytes"] is None:
+                continue  # what selective keeps is not forecast for this model (routed experts): not chosen blind
             r = Ranked(c, p, False, knobs, merged(c.overrides, knobs.overrides(c.cfg)))
             r.fits = r.footprint() <= self.budget
             out.append(r)

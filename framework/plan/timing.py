@@ -11,6 +11,7 @@ a collective = calls x latency + wire bytes / bandwidth (within a node, or acros
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from omegaconf import DictConfig
@@ -74,8 +75,9 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
             if isinstance(key, tuple):
                 if key[0] not in mine:
                     continue
-                again = every and block_keys.index(key[0]) % every == 0  # recomputed in backward
-                seconds += _region_s(region, key[1], layout, kernels, profile, forwards=1 + again)
+                seconds += _region_s(region, key[1], layout, kernels, profile)
+                if every and block_keys.index(key[0]) % every == 0:  # recomputed in backward
+                    seconds += _recomputed_s(region, key[1], layout, kernels, profile, cfg)
             elif (key == "pre" and rank == 0) or (key == "post" and rank == layout.pp - 1):
                 seconds += _region_s(region, "post" if layout.loss_parallel else key, layout, kernels, profile)
         per_rank.append(seconds)
@@ -83,6 +85,17 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
     update = local_params * kernels.optimizer_s_per_param + _grad_copies_s(shapes, layout, kernels)
     scale = kernels.in_situ  # the operators as a real step runs them (framework.plan.calibrate)
     return scale * (micro * max(per_rank) + update), scale * (micro * sum(per_rank) / len(per_rank) + update)
+
+
+def _recomputed_s(region: Region, kind: str, layout: Layout, kernels, profile, cfg: DictConfig) -> float:
+    """Checkpointing's second forward of a block's region: all of it, or under memory=selective
+    what it does not keep (the matmuls and attention it keeps do not run again)."""
+    if cfg.memory.name == "selective":
+        saved = set(cfg.memory.save_ops)
+        region = dataclasses.replace(region, matmuls=[] if "matmul" in saved else region.matmuls,
+                                     attention=[] if "attention" in saved else region.attention)  # fmt: skip
+    once = _region_s(region, kind, layout, kernels, profile, forwards=1)
+    return _region_s(region, kind, layout, kernels, profile, forwards=2) - once
 
 
 def _block_order(name: str) -> tuple:
