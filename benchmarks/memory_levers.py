@@ -59,7 +59,7 @@ def main() -> None:
     for layout, (world, args) in LAYOUTS.items():
         summaries = run(LEVERS, world, [*MODEL, *args, f"steps={a.steps}"])
         rows += rows_of(layout, summaries)
-        print(f"{layout}: done", flush=True)
+        print(f"{layout}: done", file=sys.stderr, flush=True)
     print(f"\n4-block gpt, n_embd 256, sequence 256, 8 samples a step, fp32, {a.steps} steps; step time: "
           "median of the unsampled steps, as a ratio to no lever in the same layout\n")  # fmt: skip
     heads = ["layout", "lever", "activations MB (measured)", "forecast MB", "forecast error", "saved vs none",
