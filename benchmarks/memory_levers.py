@@ -44,7 +44,9 @@ def rows_of(layout: str, summaries: dict[str, dict]) -> list[list]:
     for name, s in summaries.items():
         measured, predicted = (s["plan"][k]["activation_bytes"] for k in ("measured", "predicted"))
         error = s["plan"]["error"]["activation_bytes"]
-        same = "bitwise" if s["final_loss"] == plain["final_loss"] else f"{s['final_loss'] / plain['final_loss'] - 1:+.1e}"
+        same = (
+            "bitwise" if s["final_loss"] == plain["final_loss"] else f"{s['final_loss'] / plain['final_loss'] - 1:+.1e}"
+        )
         out.append([layout, name, measured / MB, predicted / MB, f"{error:+.2%}" if error is not None else "-",
                     f"{1 - measured / plain['plan']['measured']['activation_bytes']:.0%}",
                     s["step_time_s"] / plain["step_time_s"], same])  # fmt: skip
