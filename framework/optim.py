@@ -28,10 +28,16 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, decay: set[str] | None = 
     groups = [g for g in groups if g["params"]]
     fused = fuses([p for _, p in named])
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
-    raise ValueError(f"optim: unknown optimizer {cfg.name!r}")
+        make = lambda gs: torch.optim.AdamW(gs, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)  # noqa: E731
+    elif cfg.name == "sgd":
+        make = lambda gs: torch.optim.SGD(gs, lr=cfg.lr, momentum=cfg.momentum, fused=fused)  # noqa: E731
+    else:
+        raise ValueError(f"optim: unknown optimizer {cfg.name!r}")
+    if cfg.get("in_backward"):  # each parameter's update in its gradient's hook (framework/optim_backward.py)
+        from framework.optim_backward import InBackwardOptimizer
+
+        return InBackwardOptimizer(groups, make)
+    return make(groups)
 
 
 def fuses(params: list[torch.Tensor]) -> bool | None:

@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
         "moe",
         "hf",
         "optim",
+        "optim_backward",  # the optimizer step in backward (optim.in_backward)
         "figures",
         "hooks",  # the callbacks' contract: hooks, Control, Run (validation reads it)
         "convert",  # model converters (peft=lora), applied at one point of the build

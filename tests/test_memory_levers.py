@@ -1,7 +1,9 @@
-"""The memory levers (framework/levers/): selective checkpointing and activation offload leave fp32
-training exact, alone and under fsdp x2; the activation meter sees what each keeps, and the
-planner forecasts it (summary.json `plan`, the run's own check); selective keeps less than no
-checkpointing and more than full checkpointing; bad settings are one line naming the key."""
+"""The memory levers (framework/levers/, framework/optim_backward.py): selective checkpointing,
+activation offload and the optimizer step in backward leave fp32 training exact, alone and under
+fsdp x2; the activation meter sees what each keeps, and the planner forecasts it (summary.json
+`plan`, the run's own check); selective keeps less than no checkpointing and more than full
+checkpointing; the step in backward holds one parameter's gradient at a time; parallel=auto
+searches them; bad settings are one line naming the key."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 
 from framework.config import ConfigError, validate
 from framework.run.sweep import run_configs
-from tests.helpers import compose_config, losses, world_config
+from tests.helpers import compose_config, losses, read_metrics, train_cli, world_config
 
 BASE = ["experiment=smoke", "logger=none", "steps=5", "model.n_layer=4"]
 LLAMA = ["experiment=smoke", "logger=none", "steps=5", "model=llama", "model.n_layers=2", "model.dim=64",
@@ -20,7 +22,10 @@ LEVERS = {
     "selective": ["memory=selective"],
     "selective_matmul_every_2": ["memory=selective", "memory.save_ops=[matmul]", "memory.checkpoint_every=2"],
     "offload_activations": ["memory=offload_activations"],
+    "no_clipping": ["optim.grad_clip=0"],  # the reference of the step in backward, which cannot clip
+    "in_backward": ["optim.grad_clip=0", "optim.in_backward=true"],
 }
+REFERENCE = {"in_backward": "no_clipping"}
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +50,14 @@ def fsdp2(tmp_path_factory):
 @pytest.mark.parametrize("runs", ["one_process", "fsdp2"])
 def test_each_lever_leaves_fp32_training_exact(request, runs):
     out, summaries = request.getfixturevalue(runs)
-    plain = losses(out / "none")
-    assert len(plain) == 5 and plain[-1] < plain[0]
     for name in LEVERS:
-        if name in summaries and name != "none":
-            got = losses(out / name)
+        if name in summaries and name not in ("none", *REFERENCE.values()):
+            got, plain = losses(out / name), losses(out / REFERENCE.get(name, "none"))
+            assert len(plain) == 5 and plain[-1] < plain[0]
             assert max(abs(a - b) / abs(b) for a, b in zip(got, plain, strict=True)) <= 1e-6, (name, got, plain)
+    norms = [[m["grad_norm"] for m in read_metrics(out / name)] for name in ("in_backward", "no_clipping")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # still reported, summed as they are freed
+    assert summaries["in_backward"]["memory"]["grad_bytes"] == 0 < summaries["no_clipping"]["memory"]["grad_bytes"]
 
 
 @pytest.mark.parametrize("runs", ["one_process", "fsdp2"])
@@ -82,6 +89,14 @@ def test_selective_keeps_less_than_nothing_and_more_than_checkpointing(one_proce
         (["memory=selective", "memory.checkpoint_every=0"], "memory.checkpoint_every", "must be an integer >= 1"),
         (["memory=offload_activations", "compile=true"], "memory", "compile=true does not trace"),
         (["memory=selective", "model=lstm", "data=varlen"], "memory", "works on a model's blocks"),
+        (["optim.in_backward=true"], "optim.in_backward", "set optim.grad_clip=0"),
+        (["optim.in_backward=true", "optim.grad_clip=0", "accumulation_steps=2"], "optim.in_backward", "first micro"),
+        (["optim.in_backward=true", "optim.grad_clip=0", "parallel=ddp"], "optim.in_backward", "parallel=ddp"),
+        (
+            ["optim.in_backward=true", "optim.grad_clip=0", "precision=amp", "parallel=none"],
+            "optim.in_backward",
+            "loss scaler",
+        ),
     ],
 )
 def test_bad_lever_settings_are_one_line(overrides, key, says):
@@ -126,3 +141,72 @@ def test_parallel_auto_searches_selective_checkpointing_and_picks_it_where_it_wi
     budget = min([pick.footprint(), *(r.footprint() - 1 for r in faster)])
     best = rank(cfg, 1, profile, budget)[0]
     assert best.fits and best.knobs.selective, best
+
+
+def test_the_step_in_backward_holds_one_parameters_gradient_at_a_time():
+    """Measured in the gradient hooks of a 4-block gpt: with the step in backward the gradients
+    alive at once never pass the largest parameter's (so never one block's); without it they
+    grow to the whole model's."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from framework.contract import build_model
+    from framework.optim import build_optimizer
+
+    def most_alive(in_backward: bool) -> tuple[int, int]:
+        cfg = OmegaConf.create(world_config([*BASE, "parallel=none", "optim.grad_clip=0",
+                                             f"optim.in_backward={str(in_backward).lower()}"], 1))  # fmt: skip
+        torch.manual_seed(0)
+        model = build_model(cfg.model, "cpu")
+        params = [p for p in model.parameters() if p.requires_grad]
+        alive = []
+        for p in params:  # before the optimizer's own hooks: they run after these
+            p.register_post_accumulate_grad_hook(
+                lambda _: alive.append(
+                    sum(q.grad.nelement() * q.grad.element_size() for q in params if q.grad is not None)
+                )
+            )
+        optimizer = build_optimizer(model, cfg.optim)
+        tokens = torch.randint(0, cfg.model.vocab_size, (4, 32))
+        model(tokens).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        block = sum(p.nelement() * p.element_size() for p in model.blocks[0].parameters())
+        return max(alive), block
+
+    held, block = most_alive(True)
+    whole, _ = most_alive(False)
+    assert held <= block < whole, (held, block, whole)
+
+
+def test_a_run_stepping_in_backward_resumes_bitwise(tmp_path):
+    """Its optimizer state (shared with the one-parameter optimizers) saves and loads: 4 steps
+    with a checkpoint at 2, resumed from 2, equal the uninterrupted run."""
+    args = [*BASE, "steps=4", "optim.grad_clip=0", "optim.in_backward=true", "parallel=fsdp"]
+    whole = tmp_path / "whole"
+    assert train_cli([*args, "checkpoint.every=2"], whole).returncode == 0
+    resumed = tmp_path / "resumed"
+    proc = train_cli([*args, f"checkpoint.resume={whole / 'checkpoints' / 'step-000002'}"], resumed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(resumed)[-2:] == losses(whole)[-2:]
+
+
+def test_parallel_auto_steps_in_backward_under_a_budget_no_other_lever_meets():
+    """With clipping off (the step in backward cannot clip), a budget below every combination of
+    the other knobs (checkpointing whole or selective, smaller micro-batches): the search picks
+    the step in backward, whose freed gradients make it fit."""
+    from framework.plan.profile import machine_profile
+    from framework.plan.search import memory_budget_bytes, rank
+    from tests.test_plan import LINK
+
+    cfg = compose_config(["experiment=smoke", "logger=none", "model.n_layer=4", "model.n_embd=512", "model.n_head=4",
+                          *LINK, "data.seq_len=64", "data.batch_size=8", "optim.grad_clip=0",
+                          "launch.nproc_per_node=1", "parallel=auto"])  # fmt: skip
+    profile = machine_profile(cfg, 1, "config")
+    ample = rank(cfg, 1, profile, memory_budget_bytes(cfg, 1))
+    old = min(r.footprint() for r in ample if not r.knobs.in_backward)
+    new = min(r.footprint() for r in ample if r.knobs.in_backward)
+    assert new < old
+    best = rank(cfg, 1, profile, (old + new) / 2)[0]
+    assert best.fits and best.knobs.in_backward and "optim.in_backward=true" in best.overrides
+    clipped = compose_config(["experiment=smoke", *LINK, "launch.nproc_per_node=1", "parallel=auto"])
+    assert not any(r.knobs.in_backward for r in rank(clipped, 1, machine_profile(clipped, 1, "config"), 2**40))

@@ -23,6 +23,8 @@ def check_memory(cfg: DictConfig) -> None:
         raise ConfigError("memory.checkpoint_every", f"got {memory.checkpoint_every}; must be an integer >= 1")
     if memory.name == "selective":
         _check_save_ops(memory.save_ops)
+    if cfg.optim.get("in_backward"):
+        _check_in_backward(cfg)
     if memory.name == "offload_activations" and cfg.compile:
         raise ConfigError("memory", "offload_activations moves saved tensors in hooks around each block, which "
                           "compile=true does not trace; use memory=selective or checkpoint with compile")  # fmt: skip
@@ -37,3 +39,24 @@ def _check_save_ops(names) -> None:
         saved_ops(names)
     except ValueError as err:
         raise ConfigError("memory.save_ops", str(err)) from None
+
+
+def _check_in_backward(cfg: DictConfig) -> None:
+    """optim.in_backward updates each parameter as its gradient is ready: only where that gradient
+    is the step's whole one (framework/optim_backward.py)."""
+    why = None
+    if cfg.optim.grad_clip > 0:
+        why = f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {cfg.optim.grad_clip})"
+    elif cfg.accumulation_steps > 1:
+        why = f"with accumulation_steps={cfg.accumulation_steps} the update would run on the first micro-batch's gradients"
+    elif cfg.parallel.name not in ("none", "fsdp") or cfg.parallel.get("tp", 1) > 1 or cfg.parallel.get("ep", 1) > 1:
+        why = (
+            f"parallel={cfg.parallel.name}: the gradient a hook sees is not yet the step's (DDP reduces buckets "
+            "after it, a pipeline runs micro-batches, tensor parallel's are partial); use parallel=none or fsdp"
+        )
+    elif cfg.precision.name == "amp":
+        why = "amp's loss scaler unscales and checks the whole gradient first; use precision=bf16 or fp32"
+    elif cfg.get("nonfinite") == "skip":
+        why = "nonfinite=skip decides after the whole backward, when the update has run; use nonfinite=stop"
+    if why:
+        raise ConfigError("optim.in_backward", why)

@@ -1,11 +1,11 @@
 """The memory knobs the search behind `parallel=auto` varies on each layout: activation
 checkpointing (none, every k-th or every block, each whole or selective: memory=selective keeps the
 matmuls' and attention's outputs), the micro-batch against accumulation with the global batch
-kept, and a pipeline's micro-batch count."""
+kept, a pipeline's micro-batch count, and the optimizer step in backward where it is exact."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,6 +20,7 @@ class Knobs:
     accumulation_steps: int
     n_microbatches: int | None = None  # pipelines only
     selective: bool = False  # the checkpointed blocks keep their matmuls' and attention's outputs
+    in_backward: bool = False  # optim.in_backward: each update in backward, its gradient freed
 
     @property
     def memory(self) -> str:
@@ -38,6 +39,8 @@ class Knobs:
             out.append(f"accumulation_steps={self.accumulation_steps}")
         if self.n_microbatches is not None:
             out.append(f"parallel.n_microbatches={self.n_microbatches}")
+        if self.in_backward != bool(base.optim.get("in_backward")):
+            out.append(f"optim.in_backward={str(self.in_backward).lower()}")
         return out
 
     def apply(self, cfg: DictConfig) -> None:
@@ -51,6 +54,7 @@ class Knobs:
         cfg.data.batch_size, cfg.accumulation_steps = self.batch_size, self.accumulation_steps
         if self.n_microbatches is not None:
             cfg.parallel.n_microbatches = self.n_microbatches
+        cfg.optim.in_backward = self.in_backward
 
 
 def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> list[Knobs]:
@@ -73,4 +77,13 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
         for b in sizes:
             accumulation = local // b if b != trial.data.batch_size else base.accumulation_steps
             out += [Knobs(k, b, accumulation, None, s) for s in (False, True)[: 1 + bool(k)]]
-    return out
+    return out + [replace(k, in_backward=True) for k in out if in_backward_applies(base, trial, k)]
+
+
+def in_backward_applies(base: DictConfig, trial: DictConfig, knobs: Knobs) -> bool:
+    """The optimizer step in backward is exact for this run and layout (config/memory_checks.py):
+    no clipping, no accumulation, one process or FSDP alone, no loss scaler, no skipped steps."""
+    p = trial.parallel
+    alone = p.name in ("none", "fsdp") and p.get("tp", 1) == 1 and p.get("ep", 1) == 1
+    return (alone and base.optim.grad_clip == 0 and knobs.accumulation_steps == 1 and base.precision.name != "amp"
+            and base.get("nonfinite") != "skip")  # fmt: skip

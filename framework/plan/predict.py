@@ -58,6 +58,8 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
     model = facts[0] if facts else meta_model(cfg)
     key = ("state", id(model), layout, cfg.data.get("seq_len"), cfg.optim.name, cfg.optim.get("momentum"))
     memory = dict(_cached(key, model, lambda: state_bytes(shapes, layout, cfg)))
+    if cfg.optim.get("in_backward"):  # each gradient freed as its update runs in backward
+        memory["grad_bytes"] = 0
     memory["activation_bytes"] = activation_bytes(shapes, cfg, layout)
     memory["gathered_bytes"] = gathered_bytes(shapes, cfg, layout)
     ranks = traffic(shapes, cfg, layout)
