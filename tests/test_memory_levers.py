@@ -35,7 +35,8 @@ def one_process(tmp_path_factory):
     configs |= {
         f"llama_{name}": world_config([*LLAMA, "parallel=none", *LEVERS[name]], 1) for name in ("none", "selective")
     }
-    configs["llama_selective_bf16"] = world_config([*LLAMA, "parallel=none", "memory=selective", "precision=bf16"], 1)
+    for name in ("none", "selective"):  # under autocast: 16-bit copies beside fp32 weights
+        configs[f"llama_{name}_bf16"] = world_config([*LLAMA, "parallel=none", *LEVERS[name], "precision=bf16"], 1)
     return out, run_configs(configs, 1, str(out))
 
 
@@ -63,7 +64,8 @@ def test_each_lever_leaves_fp32_training_exact(request, runs):
 @pytest.mark.parametrize("runs", ["one_process", "fsdp2"])
 def test_the_planner_forecasts_what_each_lever_keeps(request, runs):
     """Saved-activation bytes, measured by the meter, within 5% of the forecast (observed: 0.0%
-    for the gpt, 0.01-0.02% for the Llama, fp32 and bf16)."""
+    for the gpt, within 0.13% for the Llama, fp32 and bf16; its block without checkpointing under
+    autocast was forecast 35% over before its own term)."""
     _, summaries = request.getfixturevalue(runs)
     for name, summary in summaries.items():
         plan = summary["plan"]

@@ -88,7 +88,7 @@ def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: 
     if checkpointed:  # the block's input, kept for the recomputation; selective's kept outputs
         return e * u / seq_split + (selected_bytes(b * T, g, cfg, layout) or 0 if cfg.memory.name == "selective" else 0)
     if getattr(g, "ffn_hidden", None):
-        return _llama_block_bytes(b * T, g, e, layout)
+        return _llama_block_bytes(b * T, g, e, layout, _casts(cfg, layout))
     small = e * 4 * b * T / seq_split + 4 * b * g.n_head * T / tp  # two norms' mean and rstd; logsumexp
     if not _casts(cfg, layout):
         # split 1/tp: q, k, v, attention's output, the MLP's hidden before and after GELU (12);
@@ -100,7 +100,7 @@ def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: 
     return 4 * u * 2 / seq_split + 2 * u * 12 / tp + casts + small
 
 
-def _llama_block_bytes(tokens: int, g: SimpleNamespace, e: int, layout: Layout) -> float:
+def _llama_block_bytes(tokens: int, g: SimpleNamespace, e: int, layout: Layout, casts: bool = False) -> float:
     """A Llama block (models/llama.py: RMSNorm in fp32, rotary embeddings, GQA, SwiGLU), per token,
     as autograd saves it: each norm its fp32 input, its normalised e-byte value (both local under
     sequence parallel) and its output, which the linears take whole; attention the rotated q, the
@@ -109,11 +109,30 @@ def _llama_block_bytes(tokens: int, g: SimpleNamespace, e: int, layout: Layout) 
     linear also keeps a 16-bit copy of its weight."""
     tp, D, F = layout.tp, g.n_embd, g.ffn_hidden
     seq_split = tp if layout.sequence_parallel else 1
+    if casts:  # autocast over fp32 weights: _llama_autocast_bytes
+        return _llama_autocast_bytes(tokens, g, layout)
     norms = 2 * ((4 + e) * D / seq_split + e * D + 4 / seq_split)
     attention = 5 * e * D / tp + 4 * g.n_head / tp
     mlp = 4 * e * F / tp if not getattr(g, "moe_experts", 0) else _routed_bytes(g, e, layout)
     weights = 2 * (2 * D * D + 2 * D * g.kv_width + 3 * D * F) / tp if e == 2 and layout.fsdp == 0 else 0
     return tokens * (norms + attention + mlp) + weights
+
+
+def _llama_autocast_bytes(tokens: int, g: SimpleNamespace, layout: Layout) -> float:
+    """A Llama block under autocast (16-bit compute over fp32 weights), per token, as autograd
+    saves it (traced on models/llama.py): each norm's fp32 input and normalised value and its
+    reciprocal RMS; each linear's own 16-bit copy of its input (q, k, v, w1 and w3 take the
+    norms' whole outputs, wo the attention's 1/tp) and of its weight; SDPA's q, repeated k and
+    v and output in 16 bits, its fp32 log-sum-exp; the MLP's two projections, silu's output and
+    their product in 16 bits."""
+    tp, D, F = layout.tp, g.n_embd, g.ffn_hidden
+    seq_split = tp if layout.sequence_parallel else 1
+    norms = (16 * D + 8) / seq_split
+    inputs = 2 * 5 * D + 2 * D / tp
+    attention = (8 * D + 4 * g.n_head) / tp
+    mlp = 8 * F / tp if not getattr(g, "moe_experts", 0) else _routed_bytes(g, 2, layout)
+    weights = 2 * (2 * D * D + 2 * D * g.kv_width + 3 * D * F) / tp
+    return tokens * (norms + inputs + attention + mlp) + weights
 
 
 def _routed_bytes(g: SimpleNamespace, e: int, layout: Layout) -> float:
