@@ -198,7 +198,7 @@ def newcomer(tmp_path_factory) -> Newcomer:
 
     home = tmp_path_factory.mktemp("newcomer")
     hf_model(home / "path" / "to" / "hf_folder", tie=False)
-    text = (ROOT / "framework" / "evaluate.py").read_text()
+    text = (ROOT / "framework" / "doors" / "evaluate.py").read_text()
     (home / "my.txt").write_text(text[:4096])
     (home / "some.txt").write_text(text[4096:6144])
     rows = [{"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)} for i in range(40)]

@@ -212,3 +212,34 @@ def test_parallel_auto_steps_in_backward_under_a_budget_no_other_lever_meets():
     assert best.fits and best.knobs.in_backward and "optim.in_backward=true" in best.overrides
     clipped = compose_config(["experiment=smoke", *LINK, "launch.nproc_per_node=1", "parallel=auto"])
     assert not any(r.knobs.in_backward for r in rank(clipped, 1, machine_profile(clipped, 1, "config"), 2**40))
+
+
+def test_on_a_gpu_plan_offload_is_priced_and_chosen_where_only_it_fits():
+    """plan.gpu=A100: offload leaves only the head's activations on the device and pays its PCIe
+    copies where the step's arithmetic does not hide them; under a budget below every
+    checkpointing combination, parallel=auto offloads."""
+    from framework.plan.predict import predict
+    from framework.plan.profile import machine_profile
+    from framework.plan.search import rank
+
+    base = ["experiment=smoke", "logger=none", "model=llama", "model.n_layers=8", "model.dim=512", "model.n_heads=8",
+            "model.n_kv_heads=8", "data.seq_len=16384", "data.batch_size=1", "precision=bf16", "plan.gpu=A100",
+            "launch.nproc_per_node=1"]  # fmt: skip
+    plans = {}
+    for memory in ("none", "offload_activations", "checkpoint"):
+        cfg = compose_config([*base, "parallel=fsdp", f"memory={memory}"])
+        plans[memory] = predict(cfg, 1, machine_profile(cfg, 1, "config"))
+    kept = {m: p["memory"]["activation_bytes"] for m, p in plans.items()}
+    assert kept["offload_activations"] < kept["checkpoint"] < kept["none"]
+    assert plans["offload_activations"]["step_time_s"] > plans["none"]["step_time_s"]  # 2 x 2.4 GB over PCIe
+    cfg = compose_config([*base, "parallel=auto"])
+    profile = machine_profile(cfg, 1, "config")
+    ample = rank(cfg, 1, profile, 2**40)
+    old = min(r.footprint() for r in ample if not r.knobs.offload)
+    new = min(r.footprint() for r in ample if r.knobs.offload)
+    best = rank(cfg, 1, profile, (old + new) / 2)[0]
+    assert new < old and best.fits and best.knobs.offload and "memory=offload_activations" in best.overrides
+    # on this CPU the host is the device: nothing to offload to, and the search does not offer it
+    cpu = compose_config(["experiment=smoke", "launch.nproc_per_node=1", "parallel=auto", "plan.latency_us=100",
+                          "plan.intra_node_gbps=1"])  # fmt: skip
+    assert not any(r.knobs.offload for r in rank(cpu, 1, machine_profile(cpu, 1, "config"), 2**40))

@@ -229,3 +229,16 @@ def gathered_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
     if layout.reshard:
         return size * sum(sorted(units.values())[-2:])
     return size * sum(units.values()) // layout.pp
+
+
+def offloaded_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
+    """What memory=offload_activations copies to the host and back per step on the busiest rank:
+    its blocks' saved tensors, each micro-batch's (0 where nothing leaves the device)."""
+    if not offloaded(cfg) or shapes.gpt is None:
+        return 0.0
+    b, g = micro_batch(cfg, layout), SimpleNamespace(**shapes.gpt)
+    per_rank: dict[int, float] = defaultdict(float)
+    for stage, layers in enumerate(shapes.stage_layers):
+        per_rank[stage_rank(stage, layout)] += len(layers) * block_activation_bytes(b, g, cfg, layout, False)
+    micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
+    return micro * max(per_rank.values())

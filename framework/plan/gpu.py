@@ -27,6 +27,8 @@ Sources of the constants (none fitted to the tables the planner is checked again
 - NVLink: NCCL's maintainer in NVIDIA/nccl-tests#212: "450GB/s is the line rate. With the
   protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" (H100), a
   share of 370/450 applied to every part (A100 reports in nccl-tests#149 and #178: 200-208 GB/s).
+- PCIe to the host (activation offload's copies): 80% of line rate, what pinned copies reach in
+  CUDA's bandwidthTest (about 25 GB/s of an A100's gen4 x16, about 50 of an H100's gen5 x16).
 - InfiniBand: 90% of line rate (NVIDIA/nccl-tests#119: 85-96 of 100 GB/s per node of 4 HDR NICs).
 - Latency: NCCL's tuning model (src/graph/tuning.cc, ring, Simple protocol): 8.4 us a call,
   3.4 us a step over NVLink, 14 us over the network.
@@ -42,6 +44,7 @@ import torch
 HBM_SHARE = 0.88
 NVLINK_SHARE = 370 / 450
 NIC_SHARE = 0.90
+HOST_SHARE = 0.8  # pinned copies over PCIe (CUDA's bandwidthTest: about 25 of gen4's 31.5 GB/s)
 ATTENTION_SHARE = 0.6
 TILE = (256, 128)  # an output tile per SM (cuBLAS's largest for 16-bit GEMMs on these parts)
 SPLIT_K_DEPTH = 512  # the least of the reduction a split-K slice keeps
@@ -61,6 +64,7 @@ class GpuSpec:
     nic_gb_s: float  # per GPU across nodes, line rate (one NIC per GPU)
     mamf_tflops: float  # the best dense 16-bit matmul rate measured
     memory_gb: float  # HBM per GPU
+    host_gb_s: float = 31.5  # PCIe to the host, per direction, line rate (gen4 x16; gen5: 63)
 
     def link_bytes_per_s(self) -> tuple[float, float]:
         """(within a node, across nodes) bytes per second a collective's ring moves per GPU."""
@@ -70,8 +74,8 @@ class GpuSpec:
 # SXM parts of DGX/HGX nodes: A100 80GB (HDR 200 Gb/s per GPU), H100 and H200 (NDR 400 Gb/s)
 SPECS = {
     "A100": GpuSpec("A100", 108, 2.039, 300.0, 25.0, 267.9, 80.0),
-    "H100": GpuSpec("H100", 132, 3.35, 450.0, 50.0, 792.1, 80.0),
-    "H200": GpuSpec("H200", 132, 4.8, 450.0, 50.0, 792.1, 141.0),
+    "H100": GpuSpec("H100", 132, 3.35, 450.0, 50.0, 792.1, 80.0, 63.0),
+    "H200": GpuSpec("H200", 132, 4.8, 450.0, 50.0, 792.1, 141.0, 63.0),
 }
 
 

@@ -21,18 +21,21 @@ class Knobs:
     n_microbatches: int | None = None  # pipelines only
     selective: bool = False  # the checkpointed blocks keep their matmuls' and attention's outputs
     in_backward: bool = False  # optim.in_backward: each update in backward, its gradient freed
+    offload: bool = False  # memory=offload_activations (no checkpointing): the blocks' saved tensors on the host
 
     @property
     def memory(self) -> str:
-        return ("selective" if self.selective else "checkpoint") if self.checkpoint_every else "none"
+        if self.checkpoint_every:
+            return "selective" if self.selective else "checkpoint"
+        return "offload_activations" if self.offload else "none"
 
     def overrides(self, base: DictConfig) -> list[str]:
         """What selects these knobs on the command line, beside the layout's."""
         out = []
         if self.checkpoint_every:
             out += [f"memory={self.memory}", f"memory.checkpoint_every={self.checkpoint_every}"]
-        elif base.memory.name in ("checkpoint", "selective"):
-            out.append("memory=none")
+        elif self.memory != base.memory.name:
+            out.append(f"memory={self.memory}")
         if self.batch_size != base.data.batch_size:
             out.append(f"data.batch_size={self.batch_size}")
         if self.accumulation_steps != base.accumulation_steps:
@@ -48,6 +51,7 @@ class Knobs:
         schema = OmegaConf.structured(group_schema("memory", self.memory))  # each with its own schema's keys
         keep = {k: v for k, v in cfg.memory.items() if k != "name" and k in schema and k != "checkpoint_every"}
         memory = OmegaConf.merge(schema, keep)
+        memory.name = self.memory  # a schema shared by several choices names none of them
         if self.checkpoint_every:
             memory.checkpoint_every = self.checkpoint_every
         cfg.memory = memory
@@ -77,7 +81,16 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
         for b in sizes:
             accumulation = local // b if b != trial.data.batch_size else base.accumulation_steps
             out += [Knobs(k, b, accumulation, None, s) for s in (False, True)[: 1 + bool(k)]]
+    out += [replace(k, offload=True) for k in out if not k.checkpoint_every and offload_applies(base)]
     return out + [replace(k, in_backward=True) for k in out if in_backward_applies(base, trial, k)]
+
+
+def offload_applies(base: DictConfig) -> bool:
+    """Activation offload saves device memory where there is a host apart from the device: a plan
+    for a GPU (plan.gpu) or a run on CUDA, not compiled (its hooks are not traced)."""
+    from framework.config import resolve_device
+
+    return not base.compile and (base.plan.get("gpu") is not None or resolve_device(base) == "cuda")
 
 
 def in_backward_applies(base: DictConfig, trial: DictConfig, knobs: Knobs) -> bool:

@@ -27,7 +27,15 @@ from omegaconf import DictConfig
 from framework.machine import cpu_name, local_ranks, usable_cores
 from framework.plan.baseline import baseline_bytes, forks_workers
 from framework.plan.cache import read_cache, write_cache
-from framework.plan.gpu import NCCL_BASE_S, NCCL_NET_STEP_S, NCCL_NVLINK_STEP_S, GpuKernels, gpu_kernels, gpu_spec
+from framework.plan.gpu import (
+    HOST_SHARE,
+    NCCL_BASE_S,
+    NCCL_NET_STEP_S,
+    NCCL_NVLINK_STEP_S,
+    GpuKernels,
+    gpu_kernels,
+    gpu_spec,
+)
 from framework.plan.kernels import Kernels, probe_kernels
 from framework.plan.link import probe_link
 from framework.plan.ops import BACKWARD_OPS, count_ops
@@ -59,6 +67,7 @@ class Profile:
     op_latency_s: dict = None  # collective -> seconds a call, back to back as training issues them (probed)
     op_bytes_per_s: dict = None  # collective -> its own wire bytes per second within a node (probed)
     step_latency_s: tuple[float, float] = (0.0, 0.0)  # per ring step (within a node, across nodes)
+    host_bytes_per_s: float = 0.0  # pinned copies to and from the host (0: the host is the device)
 
     def latency_of(self, op: str) -> float:
         """Seconds a call of `op` ("all_gather", or "fsdp:all_gather" as FSDP issues it) takes
@@ -283,6 +292,7 @@ def gpu_profile(cfg: DictConfig, part: str) -> Profile:
     return Profile(
         kernels.peak_flops, intra, inter, latency, overlap, f"gpu: {spec.part} (published figures)", 0,
         NOMINAL_SLACK["cuda"], 0, where, overhead, kernels, 1.0, None, None, (NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S),
+        spec.host_gb_s * 1e9 * HOST_SHARE,
     )  # fmt: skip
 
 

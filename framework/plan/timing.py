@@ -16,7 +16,7 @@ import math
 
 from omegaconf import DictConfig
 
-from framework.plan.activations import checkpoint_every
+from framework.plan.activations import checkpoint_every, offloaded_bytes
 from framework.plan.model import Layout, Shapes, stage_rank
 from framework.plan.ops import BACKWARD_ATTENTION, BACKWARD_BYTES, BACKWARD_OPS, Region, Trace
 
@@ -160,7 +160,16 @@ def step_time(
     pipeline rank idle in its bubble then lends its core to the others, instead of stretching."""
     slowest, mean = compute_s(cfg, layout, shapes, profile, trace)
     busy = max(slowest / (1 - bubble(layout)), mean / profile.share)
-    return busy + comm_s(cfg, layout, ranks, profile, busy)
+    return busy + comm_s(cfg, layout, ranks, profile, busy) + host_copies_s(cfg, layout, shapes, profile, busy)
+
+
+def host_copies_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, busy: float) -> float:
+    """Activation offload's copies out (during the forward) and back (during the backward), on a
+    side stream: what `busy` seconds of arithmetic do not hide of them."""
+    copies = offloaded_bytes(shapes, cfg, layout)
+    if not copies or not profile.host_bytes_per_s:
+        return 0.0
+    return max(0.0, 2 * copies / profile.host_bytes_per_s - profile.overlap * busy)
 
 
 def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 0.0) -> float:
