@@ -6,13 +6,15 @@ the backward waits for it before reading it back). On the CPU the host is the de
 stay where they are and the meter counts them, as it counts any saved tensor there.
 
 Parameters (and views of them, the transposed weight a linear saves) are model state and stay;
-only activations move.
+only activations move. A DTensor (tensor or sequence parallel) stays too: its local shard would
+need its layout back.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from framework.measure.memory import is_weight, meter_hooks
 from framework.modules import map_blocks
@@ -22,13 +24,16 @@ class ActivationOffload:
     """The pack and unpack hooks of one model's blocks, with the side stream their copies share."""
 
     def __init__(self):
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.stream: torch.cuda.Stream | None = None  # made at the first CUDA tensor (a CPU run makes none)
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or is_weight(t) or t.device.type != "cuda":
-            meter = meter_hooks()  # stays on the device (on the CPU the host is the device): the meter's to count
+        weight = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or is_weight(t)
+        if weight or t.device.type != "cuda" or is_traceable_wrapper_subclass(t):
+            # stays on the device (on the CPU the host is the device; a DTensor keeps its layout): the meter's to count
+            meter = meter_hooks()
             return (None, meter, meter[0](t)) if meter is not None else t
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+        self.stream = self.stream or torch.cuda.Stream(t.device)
         self.stream.wait_stream(torch.cuda.current_stream(t.device))  # after the op that made it
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)

@@ -31,14 +31,13 @@ def checkpoint_every(cfg: DictConfig) -> int:
     return cfg.memory.checkpoint_every if cfg.memory.name in ("checkpoint", "selective") else 0
 
 
-def offloaded(cfg: DictConfig) -> bool:
+def offloaded(cfg: DictConfig, layout: Layout) -> bool:
     """memory=offload_activations on a GPU: the blocks' saved tensors are in host memory (on the
-    CPU the host is the device: they count as they are)."""
+    CPU the host is the device: they count as they are; tensor parallel's DTensors stay)."""
     from framework.config import resolve_device
 
-    return cfg.memory.name == "offload_activations" and (
-        cfg.plan.get("gpu") is not None or resolve_device(cfg) == "cuda"
-    )
+    on_gpu = cfg.plan.get("gpu") is not None or resolve_device(cfg) == "cuda"
+    return cfg.memory.name == "offload_activations" and on_gpu and layout.tp == 1
 
 
 def selected_bytes(tokens: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float | None:
@@ -202,7 +201,7 @@ def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | N
     for stage, layers in enumerate(shapes.stage_layers):
         kept = len(layers[::every]) if every else 0  # checkpointed blocks keep their input (and selected outputs)
         saved = kept * block_activation_bytes(b, g, cfg, layout, True)
-        if not offloaded(cfg):  # offloaded: the other blocks' saved tensors are in host memory
+        if not offloaded(cfg, layout):  # offloaded: the other blocks' saved tensors are in host memory
             saved += (len(layers) - kept) * block_activation_bytes(b, g, cfg, layout, False)
         if stage == 0:
             saved += 8 * b * tokens_per_rank(cfg, layout) + 8 * tokens_per_rank(
@@ -234,7 +233,7 @@ def gathered_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
 def offloaded_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
     """What memory=offload_activations copies to the host and back per step on the busiest rank:
     its blocks' saved tensors, each micro-batch's (0 where nothing leaves the device)."""
-    if not offloaded(cfg) or shapes.gpt is None:
+    if not offloaded(cfg, layout) or shapes.gpt is None:
         return 0.0
     b, g = micro_batch(cfg, layout), SimpleNamespace(**shapes.gpt)
     per_rank: dict[int, float] = defaultdict(float)
