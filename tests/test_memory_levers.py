@@ -91,6 +91,12 @@ def test_selective_keeps_less_than_nothing_and_more_than_checkpointing(one_proce
         (["memory=selective", "memory.checkpoint_every=0"], "memory.checkpoint_every", "must be an integer >= 1"),
         (["memory=offload_activations", "compile=true"], "memory", "compile=true does not trace"),
         (["memory=selective", "model=lstm", "data=varlen"], "memory", "works on a model's blocks"),
+        (["memory=selective", "parallel=cp"], "memory", "ring attention updates its outputs in place"),
+        (
+            ["memory=selective", "parallel=pp", "parallel.schedule=ZBVZeroBubble", "model.n_layer=4"],
+            "memory",
+            "runs each block's backward twice",
+        ),
         (["optim.in_backward=true"], "optim.in_backward", "set optim.grad_clip=0"),
         (["optim.in_backward=true", "optim.grad_clip=0", "accumulation_steps=2"], "optim.in_backward", "first micro"),
         (["optim.in_backward=true", "optim.grad_clip=0", "parallel=ddp"], "optim.in_backward", "parallel=ddp"),

@@ -23,6 +23,7 @@ def check_memory(cfg: DictConfig) -> None:
         raise ConfigError("memory.checkpoint_every", f"got {memory.checkpoint_every}; must be an integer >= 1")
     if memory.name == "selective":
         _check_save_ops(memory.save_ops)
+        _check_selective_layout(cfg)
     if cfg.optim.get("in_backward"):
         _check_in_backward(cfg)
     if memory.name == "offload_activations" and cfg.compile:
@@ -60,3 +61,15 @@ def _check_in_backward(cfg: DictConfig) -> None:
         why = "nonfinite=skip decides after the whole backward, when the update has run; use nonfinite=stop"
     if why:
         raise ConfigError("optim.in_backward", why)
+
+
+def _check_selective_layout(cfg: DictConfig) -> None:
+    """Where torch's selective-checkpoint cache cannot go (found by the matrix, torch 2.14)."""
+    p = cfg.parallel
+    if p.name == "cp" or p.get("cp", 1) > 1:
+        raise ConfigError("memory", "memory=selective: context parallel's ring attention updates its outputs in "
+                          "place, which the selective-checkpoint cache refuses; use memory=checkpoint with cp")  # fmt: skip
+    if "ZeroBubble" in str(p.get("schedule", "")):
+        raise ConfigError("memory", f"memory=selective: parallel.schedule={p.schedule} runs each block's backward "
+                          "twice (input, then weight gradients), and the selective-checkpoint cache allows one; "
+                          "use memory=checkpoint or a 1F1B/GPipe schedule")  # fmt: skip
