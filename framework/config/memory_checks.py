@@ -69,7 +69,7 @@ def _check_selective_layout(cfg: DictConfig) -> None:
     if p.name == "cp" or p.get("cp", 1) > 1:
         raise ConfigError("memory", "memory=selective: context parallel's ring attention updates its outputs in "
                           "place, which the selective-checkpoint cache refuses; use memory=checkpoint with cp")  # fmt: skip
-    if "ZeroBubble" in str(p.get("schedule", "")):
+    if "ZeroBubble" in str(p.get("schedule")):
         raise ConfigError("memory", f"memory=selective: parallel.schedule={p.schedule} runs each block's backward "
                           "twice (input, then weight gradients), and the selective-checkpoint cache allows one; "
                           "use memory=checkpoint or a 1F1B/GPipe schedule")  # fmt: skip
