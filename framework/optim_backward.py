@@ -6,7 +6,8 @@ parameters whose backward is running: about one block's, not the model's.
 `InBackwardOptimizer` is what the run sees as its optimizer: the param groups the scheduler
 sets the learning rate in, the state checkpoints save and load (shared with the one-parameter
 optimizers that step in the hooks), and a `step` with nothing left to do. It adds up the squares
-of the gradients as it frees them, so the step's gradient norm is still reported.
+of the gradients as it frees them and reports their norm (`applied_grad_norm`, which the run asks
+any optimizer whose update has already run for).
 
 Exact where the update does not wait for the whole gradient: no clipping (it needs the global
 norm first), no accumulation (the update would run on the first micro-batch's gradients), no
@@ -25,8 +26,6 @@ import torch.distributed as dist
 
 class InBackwardOptimizer(torch.optim.Optimizer):
     """One `make([group])` optimizer per parameter, stepped in that parameter's gradient hook."""
-
-    stepped_in_backward = True  # framework.run.step: the update has run; report grad_norm()
 
     def __init__(self, groups: list[dict], make: Callable[[list[dict]], torch.optim.Optimizer]):
         template = make(groups)
@@ -60,8 +59,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 one.param_groups[0]["lr"] = self.param_groups[index]["lr"]
                 one.step()
 
-    def grad_norm(self) -> torch.Tensor:
-        """The global norm of the gradients this step freed (sharded ones summed over the ranks)."""
+    def applied_grad_norm(self) -> torch.Tensor:
+        """The global norm of the gradients this step applied and freed (sharded ones summed over
+        the ranks): what the run reports as the step's gradient norm (framework.run.step)."""
         squares, self._squares = self._squares, None
         if squares is None:
             return torch.zeros(())

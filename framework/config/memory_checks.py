@@ -43,24 +43,29 @@ def _check_save_ops(names) -> None:
 
 
 def _check_in_backward(cfg: DictConfig) -> None:
-    """optim.in_backward updates each parameter as its gradient is ready: only where that gradient
-    is the step's whole one (framework/optim_backward.py)."""
-    why = None
-    if cfg.optim.grad_clip > 0:
-        why = f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {cfg.optim.grad_clip})"
-    elif cfg.accumulation_steps > 1:
-        why = f"with accumulation_steps={cfg.accumulation_steps} the update would run on the first micro-batch's gradients"
-    elif cfg.parallel.name not in ("none", "fsdp") or cfg.parallel.get("tp", 1) > 1 or cfg.parallel.get("ep", 1) > 1:
-        why = (
-            f"parallel={cfg.parallel.name}: the gradient a hook sees is not yet the step's (DDP reduces buckets "
-            "after it, a pipeline runs micro-batches, tensor parallel's are partial); use parallel=none or fsdp"
-        )
-    elif cfg.precision.name == "amp":
-        why = "amp's loss scaler unscales and checks the whole gradient first; use precision=bf16 or fp32"
-    elif cfg.get("nonfinite") == "skip":
-        why = "nonfinite=skip decides after the whole backward, when the update has run; use nonfinite=stop"
+    why = in_backward_refusal(cfg, cfg.parallel, cfg.accumulation_steps)
     if why:
         raise ConfigError("optim.in_backward", why)
+
+
+def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int) -> str | None:
+    """Why optim.in_backward cannot be exact for `cfg` under `parallel` with `accumulation`
+    micro-batches (the hook's gradient must be the step's whole one: framework/optim_backward.py),
+    or None. parallel=auto's search asks it of each layout it tries."""
+    if cfg.optim.grad_clip > 0:
+        return f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {cfg.optim.grad_clip})"
+    if accumulation > 1:
+        return f"with accumulation_steps={accumulation} the update would run on the first micro-batch's gradients"
+    if parallel.name not in ("none", "fsdp") or parallel.get("tp", 1) > 1 or parallel.get("ep", 1) > 1:
+        return (
+            f"parallel={parallel.name}: the gradient a hook sees is not yet the step's (DDP reduces buckets "
+            "after it, a pipeline runs micro-batches, tensor parallel's are partial); use parallel=none or fsdp"
+        )
+    if cfg.precision.name == "amp":
+        return "amp's loss scaler unscales and checks the whole gradient first; use precision=bf16 or fp32"
+    if cfg.get("nonfinite") == "skip":
+        return "nonfinite=skip decides after the whole backward, when the update has run; use nonfinite=stop"
+    return None
 
 
 def _check_selective_layout(cfg: DictConfig) -> None:

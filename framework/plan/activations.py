@@ -31,13 +31,18 @@ def checkpoint_every(cfg: DictConfig) -> int:
     return cfg.memory.checkpoint_every if cfg.memory.name in ("checkpoint", "selective") else 0
 
 
-def offloaded(cfg: DictConfig, layout: Layout) -> bool:
-    """memory=offload_activations on a GPU: the blocks' saved tensors are in host memory (on the
-    CPU the host is the device: they count as they are; tensor parallel's DTensors stay)."""
+def host_apart(cfg: DictConfig) -> bool:
+    """A host memory apart from the device's: a plan for a GPU (plan.gpu) or a run on CUDA."""
     from framework.config import resolve_device
 
-    on_gpu = cfg.plan.get("gpu") is not None or resolve_device(cfg) == "cuda"
-    return cfg.memory.name == "offload_activations" and on_gpu and layout.tp == 1
+    return cfg.plan.get("gpu") is not None or resolve_device(cfg) == "cuda"
+
+
+def offloaded(cfg: DictConfig, layout: Layout) -> bool:
+    """memory=offload_activations where the host is apart: the blocks' saved tensors are in host
+    memory (on the CPU the host is the device: they count as they are; tensor parallel's
+    DTensors stay)."""
+    return cfg.memory.name == "offload_activations" and host_apart(cfg) and layout.tp == 1
 
 
 def selected_bytes(tokens: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float | None:

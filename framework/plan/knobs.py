@@ -86,17 +86,16 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
 
 
 def offload_applies(base: DictConfig) -> bool:
-    """Activation offload saves device memory where there is a host apart from the device: a plan
-    for a GPU (plan.gpu) or a run on CUDA, not compiled (its hooks are not traced)."""
-    from framework.config import resolve_device
+    """Activation offload saves device memory where there is a host apart from the device, not
+    compiled (its hooks are not traced)."""
+    from framework.plan.activations import host_apart
 
-    return not base.compile and (base.plan.get("gpu") is not None or resolve_device(base) == "cuda")
+    return not base.compile and host_apart(base)
 
 
 def in_backward_applies(base: DictConfig, trial: DictConfig, knobs: Knobs) -> bool:
-    """The optimizer step in backward is exact for this run and layout (config/memory_checks.py):
-    no clipping, no accumulation, one process or FSDP alone, no loss scaler, no skipped steps."""
-    p = trial.parallel
-    alone = p.name in ("none", "fsdp") and p.get("tp", 1) == 1 and p.get("ep", 1) == 1
-    return (alone and base.optim.grad_clip == 0 and knobs.accumulation_steps == 1 and base.precision.name != "amp"
-            and base.get("nonfinite") != "skip")  # fmt: skip
+    """The optimizer step in backward is exact for this run, layout and accumulation (the config's
+    own check says so)."""
+    from framework.config.memory_checks import in_backward_refusal
+
+    return in_backward_refusal(base, trial.parallel, knobs.accumulation_steps) is None

@@ -185,8 +185,9 @@ def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool,
     alike) or where a device bool holds, decided on the device (framework.optim.step_unless).
     The norm is global, so every rank decides the same. Under amp, "applied" is a device bool (the
     scale did not drop): `get_scale()` would be a host sync."""
-    if getattr(parts.optimizer, "stepped_in_backward", False):  # optim.in_backward: the updates ran
-        return parts.optimizer.grad_norm(), True
+    applied = getattr(parts.optimizer, "applied_grad_norm", None)  # an optimizer whose update already ran
+    if applied is not None:
+        return applied(), True
     scaler = parts.precision.scaler
     scaler.unscale_(parts.optimizer)
     norm = parts.par.clip_grad_norm(grad_clip if grad_clip > 0 else float("inf"))
