@@ -9,10 +9,11 @@ when it will start local workers, their forkserver starts then and imports torch
 process instead of after it.
 """
 
+import signal
 import sys
 
 from framework.checkpoint.runlock import refuse_early
-from framework.machine import keyed_inductor_cache
+from framework.machine import interrupt_outside_imports, keyed_inductor_cache
 
 
 def interrupted(kind, value, traceback) -> None:
@@ -26,6 +27,7 @@ def interrupted(kind, value, traceback) -> None:
 
 if __name__ == "__main__":
     sys.excepthook = interrupted
+    signal.signal(signal.SIGINT, interrupt_outside_imports)  # not a traceback from the middle of an import
     refuse_early(sys.argv[1:])  # a live run's folder is refused before seconds of imports
     keyed_inductor_cache()  # before torch: forced ATen kernels compile into a cache of their own
 

@@ -5,15 +5,17 @@ probes, the sweeps and the tests all start workers through it."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import multiprocessing
 import os
 import platform
 import signal
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -164,7 +166,8 @@ def launch_local(nproc: int, fn: Callable[..., Any], *args: Any, **launch: Any) 
     _start_workers_unsignalled()
     _name_rendezvous_records_cheaply()
     caller = (dict(os.environ) | {LAUNCHER_PID: str(os.getpid())}, list(sys.path), os.getcwd())
-    return elastic_launch(local_launch_config(nproc, **launch), _as_launched)(caller, fn, args)
+    with _held_until_started():
+        return elastic_launch(local_launch_config(nproc, **launch), _as_launched)(caller, fn, args)
 
 
 @functools.cache
@@ -196,8 +199,68 @@ def _name_rendezvous_records_cheaply() -> None:
         dynamic_rendezvous.get_method_name = get_method_name
 
 
+def interrupt_outside_imports(signum: int, frame: Any) -> None:
+    """SIGINT's handler while a launcher or a worker starts up: Python's KeyboardInterrupt, except
+    in the middle of an import, where it surfaces as another error (a class body's `__set_name__`
+    wraps it in a RuntimeError) or inside C++ called back from Python (pybind11 ends the process:
+    "terminate called ... KeyboardInterrupt"). There it is sent again once the import is done."""
+    if not _importing(frame):
+        raise KeyboardInterrupt
+    if not _redelivering.locked():
+        threading.Thread(target=_redeliver_after_import, args=(signum,), daemon=True).start()
+
+
+_redelivering = threading.Lock()
+
+
+def _importing(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver_after_import(signum: int) -> None:
+    main = threading.main_thread().ident
+    with _redelivering:
+        while _importing(sys._current_frames().get(main)):
+            time.sleep(0.01)
+        signal.pthread_kill(main, signum)
+
+
 # Held while the launcher starts the workers, and by the forkserver (framework.doors.preload); a worker lifts them
 HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+_held: list[int] = []  # signals that arrived while the workers were starting
+
+
+def _hold(signum: int, frame: Any) -> None:
+    _held.append(signum)
+
+
+def _deliver_held() -> None:
+    if _held:
+        signum = _held[0]
+        _held.clear()
+        signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
+def _held_until_started() -> Iterator[None]:
+    """From the launch until the workers are started (the rendezvous too: a KeyboardInterrupt in
+    the middle of it leaves torch's shutdown joining a thread it never started), a signal waits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _hold) for sig in HELD_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _deliver_held()  # the launch ended before it started any worker
 
 
 @functools.cache
@@ -215,8 +278,7 @@ def _start_workers_unsignalled() -> None:
     start = MultiprocessContext._start
 
     def start_unsignalled(self) -> None:
-        caught: list[int] = []
-        torch_handlers = {sig: signal.signal(sig, lambda signum, _: caught.append(signum)) for sig in HELD_SIGNALS}
+        torch_handlers = {sig: signal.signal(sig, _hold) for sig in HELD_SIGNALS}
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
         try:
             start(self)
@@ -224,8 +286,7 @@ def _start_workers_unsignalled() -> None:
             for sig, handler in torch_handlers.items():
                 signal.signal(sig, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one sent to this thread arrives now, to torch's
-        if caught:
-            signal.raise_signal(caught[0])  # torch's handler: the context now stops every worker
+        _deliver_held()  # to torch's handler: the context now stops every worker
 
     MultiprocessContext._start = start_unsignalled
 
@@ -240,7 +301,7 @@ def launcher_pid() -> int | None:
 def _as_launched(caller: tuple[dict, list, str], fn: Callable[..., Any], args: tuple) -> Any:
     env, path, cwd = caller
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # start_method=fork: it had the launcher's
+    signal.signal(signal.SIGINT, interrupt_outside_imports)  # start_method=fork: it had the launcher's
     # held by the forkserver (framework.doors.preload) or while the launcher started this worker: one sent
     # meanwhile (the launcher stopping a start it was interrupted in) arrives now
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)

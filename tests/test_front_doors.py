@@ -195,6 +195,32 @@ def _forkserver_started(pid: int, deadline: float) -> None:
         time.sleep(0.02)
 
 
+def test_ctrl_c_in_the_middle_of_an_import_arrives_once_it_is_done(tmp_path, monkeypatch):
+    """Raised mid-import, a KeyboardInterrupt came out of a class body as a RuntimeError traceback
+    (dataclasses' __set_name__), or from C++ torch calls back into as "terminate called": the
+    start-up handler sends it again once the import is done."""
+    from framework.machine import interrupt_outside_imports
+
+    (tmp_path / "interrupted_module.py").write_text(
+        "import dataclasses, signal\n"
+        "signal.raise_signal(signal.SIGINT)\n"
+        "@dataclasses.dataclass\n"
+        "class Row:\n"
+        "    x: int = dataclasses.field(default=1)\n"
+        "DONE = True\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    previous = signal.signal(signal.SIGINT, interrupt_outside_imports)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            import interrupted_module  # noqa: F401
+
+            time.sleep(10)  # where it arrives
+        assert sys.modules["interrupted_module"].DONE
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("when", ["importing", "starting workers"])
 def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     """Ctrl-C (SIGINT to the process group) while train.py imports, or while the launcher starts
