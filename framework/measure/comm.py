@@ -146,6 +146,14 @@ class CommCounter(TorchDispatchMode):
     the torch.distributed level instead, and counted there only when the mode is not active on
     the issuing thread: each collective is counted once, on whichever thread it runs."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled regions run compiled under it, not eager (dynamo skips them under a mode that
+        would see their operators): a sampled step of a compile=true run measured eager's saved
+        activations and time. No compiled region holds a collective (FSDP's and DDP's run in
+        hooks outside them; compile refuses tensor, context and expert parallel)."""
+        return True
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
