@@ -1,8 +1,8 @@
 """The memory levers (framework/levers/, framework/optim_backward.py): selective checkpointing,
-activation offload and the optimizer step in backward leave fp32 training exact, alone and under
-fsdp x2; the activation meter sees what each keeps, and the planner forecasts it (summary.json
-`plan`, the run's own check); selective keeps less than no checkpointing and more than full
-checkpointing; the step in backward holds one parameter's gradient at a time; parallel=auto
+activation offload, the compiler's activation budget and the optimizer step in backward leave fp32
+training exact, alone and under fsdp x2; the activation meter sees what each keeps, and the
+planner forecasts it (summary.json `plan`, the run's own check); selective and the budget keep
+less than no checkpointing and more than full checkpointing; the step in backward holds one parameter's gradient at a time; parallel=auto
 searches them; bad settings are one line naming the key."""
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ LEVERS = {
     "offload_activations": ["memory=offload_activations"],
     "no_clipping": ["optim.grad_clip=0"],  # the reference of the step in backward, which cannot clip
     "in_backward": ["optim.grad_clip=0", "optim.in_backward=true"],
+    "compiled": ["compile=true"],  # the reference of the compiler's budget
+    "budget": ["compile=true", "memory=budget", "memory.activation_budget=0.3"],
 }
-REFERENCE = {"in_backward": "no_clipping"}
+REFERENCE = {"in_backward": "no_clipping", "budget": "compiled"}
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +75,14 @@ def test_the_planner_forecasts_what_each_lever_keeps(request, runs):
         assert error is not None and abs(error) <= 0.05, (name, plan["predicted"], plan["measured"])
 
 
-def test_selective_keeps_less_than_nothing_and_more_than_checkpointing(one_process):
+def test_selective_and_the_budget_keep_less_than_nothing_and_more_than_checkpointing(one_process):
     _, summaries = one_process
     kept = {name: s["plan"]["measured"]["activation_bytes"] for name, s in summaries.items()}
     assert kept["checkpoint"] < kept["selective_matmul_every_2"] < kept["none"]
     assert kept["checkpoint"] < kept["selective"] < kept["none"]
     assert kept["llama_selective"] < kept["llama_none"]
+    # the compiler's budget, measured on a sampled step (which must run compiled to show it)
+    assert kept["checkpoint"] < kept["budget"] < 0.5 * kept["compiled"]
     # on the CPU the host is the device: offloaded tensors stay, and count, where they were
     assert kept["offload_activations"] == kept["none"]
 
@@ -97,6 +101,9 @@ def test_selective_keeps_less_than_nothing_and_more_than_checkpointing(one_proce
             "memory",
             "runs each block's backward twice",
         ),
+        (["memory=budget", "compile=true", "memory.activation_budget=0"], "memory.activation_budget", "in (0, 1]"),
+        (["memory=budget", "compile=true", "memory.activation_budget=1.5"], "memory.activation_budget", "in (0, 1]"),
+        (["memory=budget"], "memory", "set compile=true"),
         (["optim.in_backward=true"], "optim.in_backward", "set optim.grad_clip=0"),
         (["optim.in_backward=true", "optim.grad_clip=0", "accumulation_steps=2"], "optim.in_backward", "first micro"),
         (["optim.in_backward=true", "optim.grad_clip=0", "parallel=ddp"], "optim.in_backward", "parallel=ddp"),

@@ -1,5 +1,6 @@
 """The memory choices' checks: where FSDP CPU offload applies, and the levers' own settings
-(checkpointing every k-th block, selective checkpointing's operators, activation offload)."""
+(checkpointing every k-th block, selective checkpointing's operators, activation offload, the
+compiler's activation budget)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def check_memory(cfg: DictConfig) -> None:
         _check_selective_layout(cfg)
     if cfg.optim.get("in_backward"):
         _check_in_backward(cfg)
+    if memory.name == "budget":
+        _check_budget(cfg)
     if memory.name == "offload_activations" and cfg.compile:
         raise ConfigError("memory", "offload_activations moves saved tensors in hooks around each block, which "
                           "compile=true does not trace; use memory=selective or checkpoint with compile")  # fmt: skip
@@ -78,3 +81,13 @@ def _check_selective_layout(cfg: DictConfig) -> None:
         raise ConfigError("memory", f"memory=selective: parallel.schedule={p.schedule} runs each block's backward "
                           "twice (input, then weight gradients), and the selective-checkpoint cache allows one; "
                           "use memory=checkpoint or a 1F1B/GPipe schedule")  # fmt: skip
+
+
+def _check_budget(cfg: DictConfig) -> None:
+    budget = cfg.memory.activation_budget
+    if not 0 < budget <= 1:
+        raise ConfigError("memory.activation_budget", f"got {budget}; the share of activations kept, in (0, 1] "
+                          "(for none beyond each block's input use memory=checkpoint)")  # fmt: skip
+    if not cfg.compile:
+        raise ConfigError("memory", "memory=budget is the compiler's: its partitioner chooses what to recompute; "
+                          "set compile=true, or use memory=selective or checkpoint without compile")  # fmt: skip

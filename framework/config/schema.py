@@ -18,10 +18,8 @@ from omegaconf import MISSING
 from framework.config.choices import (
     BackendName,
     Device,
-    HostAllocator,
     LoggerName,
     LRSchedule,
-    MemoryName,
     Monitor,
     Nonfinite,
     OnError,
@@ -34,6 +32,12 @@ from framework.config.choices import (
     WandbMode,
 )
 from framework.config.data_schema import DATA_SCHEMAS
+from framework.config.memory_schema import (
+    BudgetMemoryConfig,
+    CheckpointMemoryConfig,
+    MemoryConfig,
+    SelectiveMemoryConfig,
+)
 from framework.config.model_schema import (
     GPTConfig,
     HFConfig,
@@ -101,36 +105,6 @@ class AmpConfig(PrecisionConfig):
     name: PrecisionName = PrecisionName.amp
     init_scale: float = 65536.0  # GradScaler's starting loss scale
     growth_interval: int = 2000
-
-
-@dataclass
-class MemoryConfig:
-    """none, offload (FSDP CPU offload: sharded parameters, gradients and optimizer state in CPU
-    memory) and what every choice has."""
-
-    name: MemoryName = MemoryName.none
-    empty_cache_every: int = 0  # release the accelerator's cached blocks every N steps (0: never)
-    # glibc malloc policy (framework.measure.memory.set_host_allocator); auto: lean under fsdp, hybrid and
-    # cp, steady elsewhere
-    host_allocator: HostAllocator = HostAllocator.auto
-
-
-@dataclass
-class CheckpointMemoryConfig(MemoryConfig):
-    """Activation checkpointing around transformer blocks."""
-
-    name: MemoryName = MemoryName.checkpoint
-    checkpoint_every: int = 1  # checkpoint every k-th transformer block (1: all of them)
-
-
-@dataclass
-class SelectiveMemoryConfig(CheckpointMemoryConfig):
-    """Selective checkpointing (framework/levers/selective.py): in every k-th block, what the named
-    operators output is kept and the rest (norms, activations, adds) recomputed in backward."""
-
-    name: MemoryName = MemoryName.selective
-    # matmul | attention | collectives, or an aten operator's name (aten.mm)
-    save_ops: list[str] = field(default_factory=lambda: ["matmul", "attention"])
 
 
 @dataclass
@@ -312,7 +286,12 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "hybrid": HybridConfig,
     },
     "precision": {"base": PrecisionConfig, "amp": AmpConfig},
-    "memory": {"base": MemoryConfig, "checkpoint": CheckpointMemoryConfig, "selective": SelectiveMemoryConfig},
+    "memory": {
+        "base": MemoryConfig,
+        "checkpoint": CheckpointMemoryConfig,
+        "selective": SelectiveMemoryConfig,
+        "budget": BudgetMemoryConfig,
+    },  # fmt: skip
     "peft": {"base": PeftConfig, "lora": LoraConfig},
     "data": DATA_SCHEMAS,
     "model": {

@@ -1,6 +1,7 @@
 """Memory levers, each with its own config (conf/memory/): checkpointing every k-th block (here),
-selective checkpointing (selective.py) and activation offload (offload.py).
-parallelize() applies the run's lever at one point of its order, where checkpointing goes."""
+selective checkpointing (selective.py), activation offload (offload.py) and the compiler's activation
+budget (budget.py). parallelize() applies the run's lever at one point of its order, where
+checkpointing goes, and compiles each block through compile_block."""
 
 from __future__ import annotations
 
@@ -34,3 +35,16 @@ def apply_memory_lever(module: nn.Module, blocks: str | None, cfg: DictConfig) -
         from framework.levers.offload import apply_activation_offload
 
         apply_activation_offload(module, blocks)
+
+
+def compile_block(module: nn.Module, cfg: DictConfig) -> nn.Module:
+    """torch.compile of one block (or a whole model without blocks) in place: `nn.Module.compile`,
+    so its type and parameter names stay (FSDP units, state dicts, checkpoints); under
+    memory=budget with the partitioner's activation budget (budget.py)."""
+    if cfg.memory.name == "budget":
+        from framework.levers.budget import budget_compiled
+
+        budget_compiled(module, cfg.memory.activation_budget)
+    else:
+        module.compile()
+    return module

@@ -34,7 +34,7 @@ from torch import nn
 from framework import peft
 from framework.contract import ModelSpec, blocks_of, build_model
 from framework.dist import DistInfo
-from framework.levers import apply_memory_lever
+from framework.levers import apply_memory_lever, compile_block
 from framework.modules import map_blocks, materialize_model
 from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split
@@ -148,15 +148,11 @@ def _checkpoint_and_compile(module: nn.Module, spec: ModelSpec, cfg: DictConfig)
     state dicts and checkpoints are unchanged), or of the whole module for models without blocks."""
     apply_memory_lever(module, spec.blocks, cfg)  # memory=checkpoint, selective, offload_activations
     if cfg.compile:
-
-        def compiled(block: nn.Module) -> nn.Module:
-            block.compile()
-            return block
-
+        torch._dynamo.reset()  # compiled anew: a sweep's worker ran other configs (another budget, shape)
         if blocks_of(module, spec):
-            map_blocks(module, spec.blocks, compiled)
+            map_blocks(module, spec.blocks, lambda block: compile_block(block, cfg))
         else:
-            module.compile()
+            compile_block(module, cfg)
 
 
 def _parallelize_on_mesh(

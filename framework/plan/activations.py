@@ -12,6 +12,7 @@ at once.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -68,6 +69,28 @@ def selected_bytes(tokens: int, g: SimpleNamespace, cfg: DictConfig, layout: Lay
     return tokens * kept
 
 
+def budgeted_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float | None:
+    """What memory=budget keeps of a gpt block (framework/levers/budget.py): below a budget of 1,
+    the block's input and, of what the partitioner may keep beyond it (q, k, v, attention's output
+    with its log-sum-exp, the mid-block residual, the MLP's 4x-wide hidden: the outputs of the
+    matmuls and attention, which FLOPs make costly to recompute), the most bytes that fit in the
+    budget's share of the gap between compile's own set and the input: torch's knapsack fills
+    whole tensors. None where the planner cannot tell (a Llama block, routed experts, autocast's
+    copies)."""
+    if getattr(g, "ffn_hidden", None) or getattr(g, "moe_experts", 0) or _casts(cfg, layout):
+        return None
+    budget, full = cfg.memory.activation_budget, _all_kept_bytes(b, g, cfg, layout)
+    if budget >= 1:
+        return full
+    tokens = b * tokens_per_rank(cfg, layout)
+    e = 4 if cfg.precision.name == "fp32" else 2
+    items = [e * g.n_embd] * 4 + [e * g.n_embd + 4 * g.n_head, 4 * e * g.n_embd]  # per token
+    floor = e * g.n_embd * tokens
+    room = budget * (full - floor) / tokens
+    fits = (sum(c) for r in range(len(items) + 1) for c in itertools.combinations(items, r) if sum(c) <= room)
+    return floor + tokens * max(fits)
+
+
 def micro_batch(cfg: DictConfig, layout: Layout) -> int:
     """Samples per micro-batch on one rank (a pipeline cuts the local batch into micro-batches)."""
     batch = max(cfg.data.rank_batch_sizes or [cfg.data.batch_size])
@@ -86,11 +109,23 @@ def _casts(cfg: DictConfig, layout: Layout) -> bool:
 def block_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout, checkpointed: bool) -> float:
     """Bytes one gpt block (dims `g`: the model's planner_shape) saves for backward for a micro-batch of `b` samples."""
     T = tokens_per_rank(cfg, layout)
+    seq_split = layout.tp if layout.sequence_parallel else 1
+    e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
+    if checkpointed:  # the block's input, kept for the recomputation; selective's kept outputs
+        return e * b * T * g.n_embd / seq_split + (
+            selected_bytes(b * T, g, cfg, layout) or 0 if cfg.memory.name == "selective" else 0
+        )
+    if cfg.memory.name == "budget" and cfg.compile:
+        return budgeted_bytes(b, g, cfg, layout) or 0.0
+    return _all_kept_bytes(b, g, cfg, layout)
+
+
+def _all_kept_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
+    """A block with no lever, as autograd saves it (compile's partitioner keeps as much)."""
+    T = tokens_per_rank(cfg, layout)
     u = b * T * g.n_embd  # elements of the residual stream
     tp, seq_split = layout.tp, (layout.tp if layout.sequence_parallel else 1)
     e = 4 if cfg.precision.name == "fp32" or _casts(cfg, layout) else 2  # the residual stream's bytes
-    if checkpointed:  # the block's input, kept for the recomputation; selective's kept outputs
-        return e * u / seq_split + (selected_bytes(b * T, g, cfg, layout) or 0 if cfg.memory.name == "selective" else 0)
     if getattr(g, "ffn_hidden", None):
         return _llama_block_bytes(b * T, g, e, layout, _casts(cfg, layout))
     small = e * 4 * b * T / seq_split + 4 * b * g.n_head * T / tp  # two norms' mean and rstd; logsumexp
@@ -201,6 +236,8 @@ def activation_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int | N
     b, g = micro_batch(cfg, layout), SimpleNamespace(**shapes.gpt)
     every = checkpoint_every(cfg)
     if cfg.memory.name == "selective" and selected_bytes(1, g, cfg, layout) is None:
+        return None
+    if cfg.memory.name == "budget" and cfg.compile and budgeted_bytes(1, g, cfg, layout) is None:
         return None
     per_rank: dict[int, float] = defaultdict(float)
     for stage, layers in enumerate(shapes.stage_layers):
