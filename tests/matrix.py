@@ -66,9 +66,9 @@ DATA_SHAPES = {
 FLOOR_MULTIPLE = 20
 FLOOR_AT_LEAST = 2.0**-24
 BATCH_STATISTICS = {"resnet"}  # BatchNorm: half a batch's statistics are another model, not another order
-# a choice's settings in every cell and its reference, where its defaults are not exact (none:
-# every choice runs as conf/ gives it)
-CHOICE_SETTINGS: dict[str, tuple[str, ...]] = {}
+# a choice's settings in every cell, where it needs more than itself (its defaults otherwise, as
+# conf/ gives them): the compiler's budget is compile's (the one-process reference runs eager)
+CHOICE_SETTINGS: dict[str, tuple[str, ...]] = {"memory=budget": ("compile=true",)}
 
 
 @dataclass(frozen=True)

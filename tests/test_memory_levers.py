@@ -256,3 +256,36 @@ def test_on_a_gpu_plan_offload_is_priced_and_chosen_where_only_it_fits():
     cpu = compose_config(["experiment=smoke", "launch.nproc_per_node=1", "parallel=auto", "plan.latency_us=100",
                           "plan.intra_node_gbps=1"])  # fmt: skip
     assert not any(r.knobs.offload for r in rank(cpu, 1, machine_profile(cpu, 1, "config"), 2**40))
+
+
+def test_parallel_auto_searches_the_compilers_budget_under_compile():
+    """Under compile=true the search tries memory=budget beside the other knobs (not without
+    compile): each budget keeps less than the lever-free knob and costs its recomputed matmuls;
+    under a memory limit that the faster choices miss, it picks the fastest budget that fits."""
+    from framework.plan.profile import machine_profile
+    from framework.plan.search import rank
+    from tests.test_plan import LINK
+
+    args = ["experiment=smoke", "logger=none", "model.n_layer=4", "model.n_embd=256", "model.n_head=4", *LINK,
+            "data.seq_len=512", "data.batch_size=8", "plan.peak_tflops=0.05", "plan.op_overhead_us=20",
+            "launch.nproc_per_node=1", "parallel=auto"]  # fmt: skip
+    plain = compose_config(args)
+    assert not any(r.knobs.budget for r in rank(plain, 1, machine_profile(plain, 1, "config"), 2**40))
+    cfg = compose_config([*args, "compile=true"])
+    profile = machine_profile(cfg, 1, "config")
+    ample = rank(cfg, 1, profile, 2**40)
+    budgeted = [r for r in ample if r.knobs.budget]
+    assert budgeted and all("memory=budget" in r.overrides for r in budgeted)
+    bare = {(r.candidate.overrides, r.knobs.batch_size): r for r in ample
+            if r.knobs.memory == "none" and not r.knobs.in_backward}  # fmt: skip
+    for r in budgeted:
+        if r.knobs.in_backward:
+            continue
+        twin = bare[(r.candidate.overrides, r.knobs.batch_size)]
+        assert r.prediction["memory"]["activation_bytes"] < twin.prediction["memory"]["activation_bytes"]
+        assert r.prediction["step_time_s"] > twin.prediction["step_time_s"]
+    pick = min(budgeted, key=lambda r: r.prediction["step_time_s"])
+    faster = [r for r in ample if r.prediction["step_time_s"] < pick.prediction["step_time_s"]]
+    limit = min([pick.footprint(), *(r.footprint() - 1 for r in faster)])
+    best = rank(cfg, 1, profile, limit)[0]
+    assert best.fits and best.knobs.budget, best

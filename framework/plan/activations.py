@@ -83,12 +83,26 @@ def budgeted_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) 
     if budget >= 1:
         return full
     tokens = b * tokens_per_rank(cfg, layout)
-    e = 4 if cfg.precision.name == "fp32" else 2
-    items = [e * g.n_embd] * 4 + [e * g.n_embd + 4 * g.n_head, 4 * e * g.n_embd]  # per token
-    floor = e * g.n_embd * tokens
-    room = budget * (full - floor) / tokens
+    floor, items = _budget_items(g, cfg)
+    room = budget * (full / tokens - floor)
     fits = (sum(c) for r in range(len(items) + 1) for c in itertools.combinations(items, r) if sum(c) <= room)
-    return floor + tokens * max(fits)
+    return tokens * (floor + max(fits))
+
+
+def budget_kept_share(g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
+    """The share of memory=budget's candidates (the matmuls' and attention's outputs) it keeps:
+    the rest runs again in backward (1 under compile alone)."""
+    kept = budgeted_bytes(1, g, cfg, layout)
+    if kept is None or cfg.memory.activation_budget >= 1:
+        return 1.0
+    floor, items = _budget_items(g, cfg)
+    return (kept / tokens_per_rank(cfg, layout) - floor) / sum(items)
+
+
+def _budget_items(g: SimpleNamespace, cfg: DictConfig) -> tuple[float, list[float]]:
+    """Per token: a gpt block's input, and what the partitioner may keep beyond it."""
+    e = 4 if cfg.precision.name == "fp32" else 2
+    return e * g.n_embd, [e * g.n_embd] * 4 + [e * g.n_embd + 4 * g.n_head, 4 * e * g.n_embd]
 
 
 def micro_batch(cfg: DictConfig, layout: Layout) -> int:

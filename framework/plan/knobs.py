@@ -1,7 +1,8 @@
 """The memory knobs the search behind `parallel=auto` varies on each layout: activation
 checkpointing (none, every k-th or every block, each whole or selective: memory=selective keeps the
 matmuls' and attention's outputs), the micro-batch against accumulation with the global batch
-kept, a pipeline's micro-batch count, and the optimizer step in backward where it is exact."""
+kept, a pipeline's micro-batch count, the compiler's activation budget under compile=true, and the
+optimizer step in backward where it is exact."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config.schema import group_schema
 from framework.parallel.pipeline import least_microbatches, stages_per_rank
+
+BUDGETS = (0.25, 0.5)  # memory=budget's shares the search tries (compile=true)
 
 
 @dataclass(frozen=True)
@@ -22,11 +25,14 @@ class Knobs:
     selective: bool = False  # the checkpointed blocks keep their matmuls' and attention's outputs
     in_backward: bool = False  # optim.in_backward: each update in backward, its gradient freed
     offload: bool = False  # memory=offload_activations (no checkpointing): the blocks' saved tensors on the host
+    budget: float | None = None  # memory=budget (compile=true): the share of activations the compiler keeps
 
     @property
     def memory(self) -> str:
         if self.checkpoint_every:
             return "selective" if self.selective else "checkpoint"
+        if self.budget is not None:
+            return "budget"
         return "offload_activations" if self.offload else "none"
 
     def overrides(self, base: DictConfig) -> list[str]:
@@ -36,6 +42,8 @@ class Knobs:
             out += [f"memory={self.memory}", f"memory.checkpoint_every={self.checkpoint_every}"]
         elif self.memory != base.memory.name:
             out.append(f"memory={self.memory}")
+        if self.budget is not None and self.budget != base.memory.get("activation_budget"):
+            out.append(f"memory.activation_budget={self.budget}")
         if self.batch_size != base.data.batch_size:
             out.append(f"data.batch_size={self.batch_size}")
         if self.accumulation_steps != base.accumulation_steps:
@@ -54,6 +62,8 @@ class Knobs:
         memory.name = self.memory  # a schema shared by several choices names none of them
         if self.checkpoint_every:
             memory.checkpoint_every = self.checkpoint_every
+        if self.budget is not None:
+            memory.activation_budget = self.budget
         cfg.memory = memory
         cfg.data.batch_size, cfg.accumulation_steps = self.batch_size, self.accumulation_steps
         if self.n_microbatches is not None:
@@ -81,7 +91,9 @@ def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> li
         for b in sizes:
             accumulation = local // b if b != trial.data.batch_size else base.accumulation_steps
             out += [Knobs(k, b, accumulation, None, s) for s in (False, True)[: 1 + bool(k)]]
-    out += [replace(k, offload=True) for k in out if not k.checkpoint_every and offload_applies(base)]
+    bare = [k for k in out if not k.checkpoint_every]
+    out += [replace(k, offload=True) for k in bare if offload_applies(base)]
+    out += [replace(k, budget=b) for k in bare if base.compile and n_layer for b in BUDGETS]
     return out + [replace(k, in_backward=True) for k in out if in_backward_applies(base, trial, k)]
 
 

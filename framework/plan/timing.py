@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
-from framework.plan.activations import checkpoint_every, offloaded_bytes
+from framework.plan.activations import budget_kept_share, checkpoint_every, offloaded_bytes, tokens_per_rank
 from framework.plan.model import Layout, Shapes, stage_rank
 from framework.plan.ops import BACKWARD_ATTENTION, BACKWARD_BYTES, BACKWARD_OPS, Region, Trace
 
@@ -60,11 +61,14 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
     probed machine: the FLOPs at the profile's peak, plus a dispatch overhead per estimated operator."""
     kernels = profile.kernels
     if trace is None or kernels is None:
-        flops = shapes.hardware_flops_per_token * step_tokens(cfg, layout) / max(layout.world, 1)
+        flops = shapes.hardware_flops_per_token + _budget_recomputed_flops(shapes, cfg, layout)
+        flops *= step_tokens(cfg, layout) / max(layout.world, 1)
         seconds = flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s
         return seconds, seconds * profile.share  # the profile's peak is already a rank's share of the cores
     micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
-    every = checkpoint_every(cfg)
+    every, redo = checkpoint_every(cfg), _redo(shapes, cfg, layout)
+    if not redo.elementwise:  # memory=budget: every block runs again what its knapsack did not keep
+        every = 1
     block_keys = sorted({k[0] for k in trace.regions if isinstance(k, tuple)}, key=_block_order)
     stage_layers = shapes.stage_layers or [list(range(len(block_keys)))]
     per_rank = []
@@ -77,7 +81,7 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
                     continue
                 seconds += _region_s(region, key[1], layout, kernels, profile)
                 if every and block_keys.index(key[0]) % every == 0:  # recomputed in backward
-                    seconds += _recomputed_s(region, key[1], layout, kernels, profile, cfg)
+                    seconds += _recomputed_s(region, key[1], layout, kernels, profile, redo)
             elif (key == "pre" and rank == 0) or (key == "post" and rank == layout.pp - 1):
                 seconds += _region_s(region, "post" if layout.loss_parallel else key, layout, kernels, profile)
         per_rank.append(seconds)
@@ -87,15 +91,50 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
     return scale * (micro * max(per_rank) + update), scale * (micro * sum(per_rank) / len(per_rank) + update)
 
 
-def _recomputed_s(region: Region, kind: str, layout: Layout, kernels, profile, cfg: DictConfig) -> float:
-    """Checkpointing's second forward of a block's region: all of it, or under memory=selective
-    what it does not keep (the matmuls and attention it keeps do not run again)."""
+@dataclasses.dataclass(frozen=True)
+class Redo:
+    """What a recomputed block runs again in backward: shares of its matmuls and attention, and
+    whether its elementwise work (the compiler's partitioner recomputes that anyway)."""
+
+    matmuls: float
+    attention: float
+    elementwise: bool = True
+
+
+def _redo(shapes: Shapes, cfg: DictConfig, layout: Layout) -> Redo:
+    """Checkpointing: all of a block; memory=selective: none of what it keeps; memory=budget: the
+    matmuls and attention whose outputs its knapsack leaves (in the planner's count of bytes)."""
     if cfg.memory.name == "selective":
         saved = set(cfg.memory.save_ops)
-        region = dataclasses.replace(region, matmuls=[] if "matmul" in saved else region.matmuls,
-                                     attention=[] if "attention" in saved else region.attention)  # fmt: skip
-    once = _region_s(region, kind, layout, kernels, profile, forwards=1)
-    return _region_s(region, kind, layout, kernels, profile, forwards=2) - once
+        return Redo(float("matmul" not in saved), float("attention" not in saved))
+    if cfg.memory.name == "budget" and cfg.compile:
+        redo = 1 - budget_kept_share(SimpleNamespace(**shapes.gpt), cfg, layout) if shapes.gpt else 0.0
+        return Redo(redo, redo, elementwise=False)
+    return Redo(1.0, 1.0)
+
+
+def _budget_recomputed_flops(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:
+    """memory=budget, per token: the matmuls and attention (a gpt block's 24·D² + 4·T·D forward
+    FLOPs) that its knapsack leaves to run again, in every block."""
+    redo = _redo(shapes, cfg, layout)
+    if redo.elementwise or not shapes.gpt:
+        return 0.0
+    D, T = shapes.gpt["n_embd"], tokens_per_rank(cfg, layout)
+    return redo.matmuls * shapes.gpt["n_layer"] * (24 * D * D + 4 * T * D)
+
+
+def _recomputed_s(region: Region, kind: str, layout: Layout, kernels, profile, redo: Redo) -> float:
+    """A block's second forward, as much of it as runs again (`redo`)."""
+
+    def again(part: Region) -> float:
+        return _region_s(part, kind, layout, kernels, profile, forwards=2) - _region_s(
+            part, kind, layout, kernels, profile
+        )
+
+    bare = dataclasses.replace(region, matmuls=[], attention=[])
+    out = again(bare) if redo.elementwise else 0.0
+    out += redo.matmuls * (again(dataclasses.replace(bare, matmuls=region.matmuls)) - again(bare))
+    return out + redo.attention * (again(dataclasses.replace(bare, attention=region.attention)) - again(bare))
 
 
 def _block_order(name: str) -> tuple:
