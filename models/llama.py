@@ -90,12 +90,16 @@ class Attention(nn.Module):
     def cache_shape(self) -> tuple[int, int]:
         return self.wk.out_features // self.args.head_dim, self.args.head_dim
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.args.head_dim
         # head counts come from the projections' widths: a tensor-parallel shard has fewer heads
         q, k, v = (lin(x).view(B, T, -1, hd).transpose(1, 2) for lin in (self.wq, self.wk, self.wv))
         pos, mask = positions_and_mask(T, doc_ids, x.device)
+        if positions is not None:  # these tokens' places in their sequence (context parallel's part)
+            pos = positions[None]
         if self.cache is not None:  # these tokens follow the cached ones
             pos = pos + self.cache.pos
         angles = pos[..., None].float() * rope_frequencies(self.args, x.device)  # (B or 1, T, hd/2)
@@ -138,8 +142,10 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), doc_ids)
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), doc_ids, positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -202,12 +208,16 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab). doc_ids (B, T): packed documents (see positions_and_mask)."""
+    def forward(
+        self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). doc_ids (B, T): packed documents (see
+        positions_and_mask). positions (T,): each token's place in its sequence, where `tokens` is
+        a part of it (context parallel's zigzag share: the rotary angles follow them)."""
         assert tokens.shape[1] <= self.args.max_seq_len, f"{tokens.shape[1]} tokens > max_seq_len"
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, doc_ids)
+            h = layer(h, doc_ids, positions)
         return self.output(self.norm(h))
 
     def init_rule(self, name: str, dim: int) -> Rule:

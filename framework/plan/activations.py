@@ -191,11 +191,12 @@ def _llama_autocast_bytes(tokens: int, g: SimpleNamespace, layout: Layout) -> fl
 def _routed_bytes(g: SimpleNamespace, e: int, layout: Layout) -> float:
     """A routed layer (models/moe.py) in place of the MLP, per token, whole on every tp rank: each
     of its top_k assignments' gathered row, its expert's two projections, silu's output and their
-    product (moe_hidden wide), the expert's output row and the int64 indices that sort and scatter
-    them; the router's fp32 scores; under expert parallel the rows the mean rank received."""
+    product (moe_hidden wide), the expert's output row and its weighted copy, its fp32 routing
+    weight and the three int64 indices that choose, sort and scatter it; the router's fp32 scores
+    and the token's kept flag; under expert parallel the rows the mean rank received."""
     k, h, D = g.moe_top_k, g.moe_hidden, g.n_embd
-    per_assignment = 4 * e * h + 2 * e * D + 4 * 8 + (e * D if layout.ep > 1 else 0)
-    return k * per_assignment + 2 * 4 * g.moe_experts + 4 * e * g.moe_shared_hidden
+    per_assignment = 4 * e * h + 3 * e * D + 4 + 3 * 8 + (e * D if layout.ep > 1 else 0)
+    return k * per_assignment + 4 * g.moe_experts + 4 + 4 * e * g.moe_shared_hidden
 
 
 def head_activation_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
