@@ -2,10 +2,11 @@
 
     python benchmarks/context.py            # writes docs/results/context.md
 
-The default-width gpt (4 layers x 128, 4 heads) at sequence length 2048, one global batch of 2
+The default-width gpt (4 layers x 128, 4 heads) and a Llama of the same width (4 layers x 128,
+4 query and 2 key/value heads, rotary positions) at sequence length 2048, one global batch of 2
 sequences, fp32: cp=1 (one process), cp=2 and cp=4 (parallel=cp, the ring). Per rank: the peak
-bytes saved for backward in one micro-batch, the ring's sends per step (calls, MB, measured by
-the communication counter) and tokens/s of the whole run. These machines are shared and small:
+bytes saved for backward in one micro-batch beside the planner's forecast, the ring's sends per
+step (calls, MB, measured by the communication counter) and tokens/s of the whole run. These machines are shared and small:
 compare ratios, not seconds; at 4 ranks on 2 cores the ranks also compete for the cores.
 """
 
@@ -19,13 +20,18 @@ import time
 from common import ROOT, run, table
 
 SEQ, BATCH = 2048, 2
-COMMON = ["model=gpt", "data=text", f"data.seq_len={SEQ}", f"data.batch_size={BATCH}", "steps=6",
-          "metrics.sample_every=2", "data.max_bytes=400000"]  # fmt: skip
+COMMON = ["data=text", f"data.seq_len={SEQ}", f"data.batch_size={BATCH}", "steps=6", "metrics.sample_every=2",
+          "data.max_bytes=400000"]  # fmt: skip
+LLAMA = ["model=llama", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.ffn_hidden=512", f"model.max_seq_len={SEQ}"]  # fmt: skip
 ROWS = {  # name: (world, overrides)
-    "cp=1 (one process)": (1, ["parallel=none"]),
-    "cp=2": (2, ["parallel=cp"]),
-    "cp=4": (4, ["parallel=cp"]),
-    "cp=2, activation checkpointing": (2, ["parallel=cp", "memory=checkpoint"]),
+    "gpt, cp=1 (one process)": (1, ["model=gpt", "parallel=none"]),
+    "gpt, cp=2": (2, ["model=gpt", "parallel=cp"]),
+    "gpt, cp=4": (4, ["model=gpt", "parallel=cp"]),
+    "gpt, cp=2, activation checkpointing": (2, ["model=gpt", "parallel=cp", "memory=checkpoint"]),
+    "llama, cp=1 (one process)": (1, [*LLAMA, "parallel=none"]),
+    "llama, cp=2": (2, [*LLAMA, "parallel=cp"]),
+    "llama, cp=4": (4, [*LLAMA, "parallel=cp"]),
 }
 MB = 2**20
 
@@ -36,22 +42,24 @@ def main() -> None:
     for name, (world, args) in ROWS.items():  # one group of workers per world size
         summaries[name] = run({name: args}, world, COMMON)[name]
         print(f"{name}: done", flush=True)
-    base = summaries["cp=1 (one process)"]
     rows = []
     for name, s in summaries.items():
+        base = summaries[name.split(",")[0] + ", cp=1 (one process)"]
         send = s["comm"]["by_op"].get("send", {"calls": 0, "bytes": 0}) if s["comm"] else {"calls": 0, "bytes": 0}
-        act = s["memory"]["activation_bytes"]
+        act, forecast = s["memory"]["activation_bytes"], s["plan"]["predicted"]["activation_bytes"]
         tps = s["throughput"]["tokens_per_s"]
-        rows.append([name, act / MB, act / base["memory"]["activation_bytes"], send["calls"], send["bytes"] / MB,
-                     tps, tps / base["throughput"]["tokens_per_s"]])  # fmt: skip
-    header = ["run", "saved MB / rank", "vs cp=1", "ring sends / step", "sent MB / step", "tokens/s", "vs cp=1"]
+        rows.append([name, act / MB, forecast / MB, f"{act / forecast - 1:+.2%}",
+                     act / base["memory"]["activation_bytes"], send["calls"], send["bytes"] / MB, tps,
+                     tps / base["throughput"]["tokens_per_s"]])  # fmt: skip
+    header = ["run", "saved MB / rank", "forecast MB", "measured vs forecast", "vs cp=1", "ring sends / step",
+              "sent MB / step", "tokens/s", "vs cp=1"]  # fmt: skip
     text = table(header, rows)
     command = "python benchmarks/context.py"
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, {time.strftime('%Y-%m-%d')}"
     doc = (
-        f"# Context parallel (ring attention), gpt 4 x 128 at T={SEQ}, global batch {BATCH}, fp32, gloo\n\n"
+        f"# Context parallel (ring attention), gpt and Llama 4 x 128 at T={SEQ}, global batch {BATCH}, fp32, gloo\n\n"
         f"Made by `{command}` on {machine}, load average {load:.1f} at the start.\n\n{text}\n\n"
-        "Saved bytes and sends are exact (counted). Under a load above the core count each process gets about "
+        "Saved bytes and sends are exact (counted); the forecast is the planner's (summary.json plan). Under a load above the core count each process gets about "
         "one share of the CPU, so runs with more ranks get more of it: tokens/s ratios overstate cp's speed-up.\n"
     )
     out = ROOT / "docs" / "results" / "context.md"

@@ -108,6 +108,11 @@ def test_selective_and_the_budget_keep_less_than_nothing_and_more_than_checkpoin
         (["optim.in_backward=true", "optim.grad_clip=0", "accumulation_steps=2"], "optim.in_backward", "first micro"),
         (["optim.in_backward=true", "optim.grad_clip=0", "parallel=ddp"], "optim.in_backward", "parallel=ddp"),
         (
+            ["optim.in_backward=true", "optim.grad_clip=0", "parallel=fsdp", "parallel.version=1"],
+            "optim.in_backward",
+            "FSDP1 flattens",
+        ),  # fmt: skip
+        (
             ["optim.in_backward=true", "optim.grad_clip=0", "precision=amp", "parallel=none"],
             "optim.in_backward",
             "loss scaler",

@@ -64,6 +64,8 @@ def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int
             f"parallel={parallel.name}: the gradient a hook sees is not yet the step's (DDP reduces buckets "
             "after it, a pipeline runs micro-batches, tensor parallel's are partial); use parallel=none or fsdp"
         )
+    if parallel.name == "fsdp" and parallel.get("version", 2) == 1:
+        return "FSDP1 flattens the parameters, so their hooks never see a gradient; use parallel.version=2"
     if cfg.precision.name == "amp":
         return "amp's loss scaler unscales and checks the whole gradient first; use precision=bf16 or fp32"
     if cfg.get("nonfinite") == "skip":
