@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
         "config.data_schema",
         "config.parallel_schema",
         "config.model_schema",
+        "config.memory_schema",
         "config.resolve",
         "config.run_id",
         "machine",
