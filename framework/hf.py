@@ -47,14 +47,28 @@ def from_config(config: str, trust_remote_code: bool = False, attn_implementatio
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code, local_files_only=True)
+    # training keeps no key/value cache: a checkpointed layer's recompute would append to it again
+    # (the keys then longer than the queries, and selective recompute's saved ops out of step)
+    hf_config.use_cache = False
     model = AutoModelForCausalLM.from_config(
         hf_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
+    model.register_forward_pre_hook(_cache_on_meta, with_kwargs=True)
     model.task = "lm"
     model.n_heads = getattr(hf_config, "num_attention_heads", None)
     # `model.tp_plan` is transformers' own: the config's base_model_tp_plan under the base model's
     # prefix, and the head's; the contract reads it, with its style names mapped to ours
     return model
+
+
+def _cache_on_meta(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A forward on the meta device (the FLOP count, the planner's trace) opens a cache: without
+    one transformers looks for packed sequences in the positions, a data-dependent check that
+    meta tensors cannot answer. The same operators run."""
+    tokens = args[0] if args else kwargs.get("input_ids")
+    if isinstance(tokens, torch.Tensor) and tokens.is_meta and "use_cache" not in kwargs:
+        return args, {**kwargs, "use_cache": True}
+    return None
 
 
 def ties_embeddings(config: str, trust_remote_code: bool = False) -> bool:

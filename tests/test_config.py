@@ -82,6 +82,8 @@ def test_every_group_choice_composes(group, name, tmp_path):
             overrides.append(f"data.path={tmp_path / 'rows.jsonl'}")
     if group == "parallel" and name in ("none", "dp"):
         overrides.append("launch.nproc_per_node=1")
+    if group == "memory" and name == "budget":  # the compiler's: refused without compile (test_memory_levers)
+        overrides.append("compile=true")
     if group == "memory" and name == "offload":
         overrides.append("parallel=fsdp")
     if group == "parallel" and name == "auto":
