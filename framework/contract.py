@@ -77,9 +77,11 @@ TASKS = ("lm", "classify")
 # gather_input: gather the sequence before this module (an attention or MLP container);
 # embedding / position_embedding: split over their rows, output split along the sequence
 # (sequence parallel only; replicated otherwise); vocab_embedding: a token embedding split over its
-# rows in every setting (its output all-reduced, or reduce-scattered under sequence parallel)
+# rows in every setting (its output all-reduced, or reduce-scattered under sequence parallel);
+# head_norm: a norm over each head's features (B, T, heads, head_dim) of the heads a colwise
+# projection left this rank (its weight replicated, its gradient summed over the ranks: Qwen3's q/k norm)
 TP_STYLES = ("colwise", "rowwise", "output", "sequence_parallel", "gather_input", "embedding", "position_embedding",
-             "vocab_embedding")  # fmt: skip
+             "vocab_embedding", "head_norm")  # fmt: skip
 # Hugging Face's plan strings, in ours
 HF_STYLES = {"colwise_rep": "output", "colwise_gather_output": "output", "embedding_rowwise": "vocab_embedding"}
 # keys of the `model` group that configure the framework, not the model's factory

@@ -37,17 +37,20 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Attention of the last q.shape[2] positions over all k.shape[2], causally: query i (at
-    position start + i) sees keys 0..start + i."""
+    position start + i) sees keys 0..start + i (within a sliding `window`: the last `window` of them)."""
     T, total = q.shape[2], k.shape[2]
     start = total - T
-    if start == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if T == 1:  # the newest token sees everything
-        return F.scaled_dot_product_attention(q, k, v)
+    if window is None or total <= window:
+        if start == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if T == 1:  # the newest token sees everything
+            return F.scaled_dot_product_attention(q, k, v)
     keys, queries = torch.arange(total, device=q.device), torch.arange(start, total, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keys[None, :] <= queries[:, None])
+    behind = queries[:, None] - keys[None, :]
+    seen = behind >= 0 if window is None else (behind >= 0) & (behind < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
 
 
 def cached_modules(model: nn.Module) -> list[nn.Module]:

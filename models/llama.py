@@ -25,7 +25,7 @@ from torch import nn
 
 from models.init import Rule, fill_
 from models.kv_cache import attend
-from models.llama_args import FLAVORS, LlamaArgs
+from models.llama_args import FAMILIES, FLAVORS, LlamaArgs
 from models.llama_hf import args_from_hf_config, from_hf_name, hf_config, hf_entries, to_hf_name
 from models.moe import MoE, MoEArgs
 from models.swiglu import FeedForward
@@ -35,7 +35,7 @@ def rope_frequencies(args: LlamaArgs, device: torch.device | None = None) -> tor
     """The (head_dim / 2,) inverse frequencies, with Llama-3.1 scaling when `rope_factor` is set:
     wavelengths above original_max_pos / low_freq_factor divided by the factor, below
     original_max_pos / high_freq_factor kept, and smoothly interpolated in between."""
-    d = args.head_dim
+    d = args.head_size
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
     if args.rope_factor is None:
         return inv
@@ -80,24 +80,30 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
-        hd = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
+        hd, bias = args.head_size, args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=bias)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, args.norm_eps), RMSNorm(hd, args.norm_eps)
         self.cache = None  # a models.kv_cache.KVCache while generating
 
     def cache_shape(self) -> tuple[int, int]:
-        return self.wk.out_features // self.args.head_dim, self.args.head_dim
+        return self.wk.out_features // self.args.head_size, self.args.head_size
 
     def forward(
         self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        hd = self.args.head_dim
+        hd = self.args.head_size
         # head counts come from the projections' widths: a tensor-parallel shard has fewer heads
-        q, k, v = (lin(x).view(B, T, -1, hd).transpose(1, 2) for lin in (self.wq, self.wk, self.wv))
-        pos, mask = positions_and_mask(T, doc_ids, x.device)
+        q, k, v = (lin(x).view(B, T, -1, hd) for lin in (self.wq, self.wk, self.wv))
+        if self.args.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        window = self.args.sliding_window
+        pos, mask = positions_and_mask(T, doc_ids, x.device, window)
         if positions is not None:  # these tokens' places in their sequence (context parallel's part)
             pos = positions[None]
         if self.cache is not None:  # these tokens follow the cached ones
@@ -110,7 +116,7 @@ class Attention(nn.Module):
         groups = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.cache is not None:
-            y = attend(q, k, v)
+            y = attend(q, k, v, window)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -118,17 +124,25 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def positions_and_mask(T: int, doc_ids: torch.Tensor | None, device: torch.device):
-    """Positions (1, T), or for packed sequences (doc_ids (B, T)) positions restarting at each
-    document and a (B, 1, T, T) mask keeping attention causal and within a document."""
+def positions_and_mask(T: int, doc_ids: torch.Tensor | None, device: torch.device, window: int | None = None):
+    """Positions (1, T) and no mask (causal), or a mask where plain causal attention is not
+    enough: within a sliding `window` (a token sees itself and the window - 1 before it), and for
+    packed sequences (doc_ids (B, T)) positions restarting at each document and a (B, 1, T, T)
+    mask keeping attention within a document."""
     pos = torch.arange(T, device=device)
-    if doc_ids is None:
+    banded = window is not None and T > window
+    if doc_ids is None and not banded:
         return pos[None], None
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    if banded:
+        causal = causal.triu(1 - window)
+    if doc_ids is None:
+        return pos[None], causal[None, None]
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     pos = pos - torch.cummax(torch.where(starts, pos, 0), dim=1).values
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return pos, (same_doc & torch.ones(T, T, dtype=torch.bool, device=device).tril())[:, None]
+    return pos, (same_doc & causal)[:, None]
 
 
 class TransformerBlock(nn.Module):
@@ -158,6 +172,8 @@ def llama_args(flavor: str = "debug", hf_config: str | None = None, **overrides)
         base = FLAVORS[flavor]
     else:
         raise ValueError(f"model.flavor: got {flavor!r}; allowed: {', '.join(FLAVORS)}")
+    if overrides.get("family") not in (None, *FAMILIES):
+        raise ValueError(f"model.family: got {overrides['family']!r}; allowed: {', '.join(FAMILIES)}")
     known = {f.name for f in fields(LlamaArgs)}
     unknown = set(overrides) - known
     if unknown:
@@ -182,6 +198,8 @@ class Llama(nn.Module):
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise",
+        "layers.*.attention.q_norm": "head_norm",
+        "layers.*.attention.k_norm": "head_norm",
         "layers.*.attention.wo": "rowwise",
         "layers.*.ffn_norm": "sequence_parallel",
         "layers.*.feed_forward": "gather_input",
@@ -197,6 +215,8 @@ class Llama(nn.Module):
         self.args = args = llama_args(flavor, hf_config, **overrides)
         if args.moe.experts:  # routed experts run whole on every tp rank (on its replicated tokens)
             self.tp_plan = {k: v for k, v in self.tp_plan.items() if ".feed_forward" not in k}
+        if not args.qk_norm:
+            self.tp_plan = {k: v for k, v in self.tp_plan.items() if not k.endswith(("q_norm", "k_norm"))}
         # what the contract checks tensor-parallel degrees against (they must split whole heads): the
         # key/value heads, which under GQA are fewer than the query heads and divide them
         self.n_heads = args.n_kv_heads
@@ -221,8 +241,10 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
     def init_rule(self, name: str, dim: int) -> Rule:
-        """Norm weights 1; matrices normal(0, 0.02), the residual projections (wo, w2) scaled
+        """Biases 0; norm weights 1; matrices normal(0, 0.02), the residual projections (wo, w2) scaled
         down by depth (GPT-2)."""
+        if name.endswith(".bias"):
+            return "zeros", 0.0
         if dim == 1:
             return "ones", 0.0
         deep = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
@@ -256,7 +278,7 @@ class Llama(nn.Module):
         """gpt-like dimensions for the planner's activation formula (framework/plan/model.py)."""
         a, moe = self.args, self.args.moe
         shape = {"n_layer": a.n_layers, "n_head": a.n_heads, "n_embd": a.dim, "vocab_size": a.vocab_size,
-                 "ffn_hidden": a.ffn_hidden, "kv_width": a.n_kv_heads * a.head_dim, "norm": "rms"}  # fmt: skip
+                 "ffn_hidden": a.ffn_hidden, "kv_width": a.n_kv_heads * a.head_size, "norm": "rms"}  # fmt: skip
         if moe.experts:  # routed experts in place of the MLP (each expert's width, the shared experts')
             hidden = moe.hidden or a.ffn_hidden
             shape |= {"moe_experts": moe.experts, "moe_top_k": moe.top_k, "moe_hidden": hidden,
@@ -270,7 +292,7 @@ class Llama(nn.Module):
         2 per block weight and 4·H·Q·T, less the last projection (w2), which non-reentrant
         checkpointing does not rerun."""
         a = self.args
-        attn_width = a.n_heads * a.head_dim
+        attn_width = a.n_heads * a.head_size
         model_flops = 6 * active_weights(self) + 12 * a.n_layers * attn_width * seq_len
         block = self.layers[0]
         rerun = active_weights(block) - (0 if a.moe.experts else block.feed_forward.w2.weight.numel())

@@ -25,11 +25,19 @@ class LlamaArgs:
     max_seq_len: int = 8192
     tie_embeddings: bool = False
     moe: MoEArgs = field(default_factory=MoEArgs)  # routed experts in every block's MLP (0 experts: dense)
+    # the decoder families beside Llama (models/llama_hf.py reads them from their config.json)
+    head_dim: int | None = None  # each head's width (null: dim / n_heads; Qwen3 and Mistral-Nemo set theirs)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    qk_norm: bool = False  # each head's queries and keys RMS-normed before rotation (Qwen3)
+    sliding_window: int | None = None  # a token sees itself and the window - 1 before it (Mistral)
+    family: str = "llama"  # the Hugging Face architecture it goes out as: llama, mistral, qwen2, qwen3
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
 
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # LlamaArgs.family (a routed Llama goes out as Mixtral)
 
 _LLAMA31 = {"rope_factor": 8.0, "rope_theta": 500000.0}
 # The published shapes: Llama 3.2 1B, Llama 3.1 8B and 70B (128256-token vocabulary). debug is

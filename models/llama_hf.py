@@ -51,9 +51,16 @@ _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # a block with routed experts: the MLP's names are Mixtral's router (its experts are Parts, below)
 _MOE_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("feed_forward.")}, **_MOE_NAMES}
-_HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_HF_TO_OURS_MOE_LAYER = {v: k for k, v in _MOE_LAYER_NAMES.items()}
+# the families' extras: Qwen2's query/key/value biases, Qwen3's per-head query/key norms
+_BIAS_NAMES = {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
+_QK_NORM_NAMES = {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
 _HF_TO_OURS_TOP = {v: k for k, v in _TOP_NAMES.items()}
+# the rotary pairs' rows: (our name, whose heads); a q/k norm's weight is one head's features
+_ROTATED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads", "attention.wq.bias": "n_heads",
+            "attention.wk.bias": "n_kv_heads", "attention.q_norm.weight": None, "attention.k_norm.weight": None}  # fmt: skip
+# the architectures a Llama goes out as (LlamaArgs.family), and the model types it reads
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}  # fmt: skip
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -61,18 +68,27 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's q/k rows (pairs interleaved per head) -> Hugging Face's (halves per head)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Meta's q/k rows (pairs interleaved per head) -> Hugging Face's (halves per head); a vector
+    (a bias, a norm's weight) is one column."""
+    rows, cols = w.shape[0], w[0].numel()
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(w.shape)
 
 
 def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows, cols = w.shape[0], w[0].numel()
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(w.shape)
 
 
 def _rope_transform(fn, n_heads: int) -> Transform:
     return lambda t: fn(t, n_heads)
+
+
+def _layout_change(ours: str, args: LlamaArgs, fn) -> Transform:
+    """The permutation `fn` for a tensor whose rows are rotary pairs (by its heads), else none."""
+    if ours not in _ROTATED:
+        return _identity
+    heads = _ROTATED[ours]
+    return _rope_transform(fn, 1 if heads is None else getattr(args, heads))
 
 
 class Part(NamedTuple):
@@ -85,7 +101,8 @@ class Part(NamedTuple):
 
 def _layer_names(args: LlamaArgs) -> dict[str, str]:
     """Our names in a block -> Hugging Face's (the MLP's: Mixtral's router with experts)."""
-    return _MOE_LAYER_NAMES if args.moe.experts else _LAYER_NAMES
+    names = dict(_MOE_LAYER_NAMES if args.moe.experts else _LAYER_NAMES)
+    return names | (_BIAS_NAMES if args.qkv_bias else {}) | (_QK_NORM_NAMES if args.qk_norm else {})
 
 
 def to_hf_name(name: str, args: LlamaArgs) -> tuple[str, Transform]:
@@ -96,8 +113,7 @@ def to_hf_name(name: str, args: LlamaArgs) -> tuple[str, Transform]:
     if m is None or m.group(2) not in _layer_names(args):
         raise KeyError(f"llama: no Hugging Face name for parameter {name!r}")
     hf = f"model.layers.{m.group(1)}.{_layer_names(args)[m.group(2)]}"
-    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(m.group(2))
-    return hf, _identity if heads is None else _rope_transform(interleaved_to_halves, heads)
+    return hf, _layout_change(m.group(2), args, interleaved_to_halves)
 
 
 def from_hf_name(name: str, args: LlamaArgs) -> tuple[str | Part, Transform]:
@@ -110,12 +126,11 @@ def from_hf_name(name: str, args: LlamaArgs) -> tuple[str | Part, Transform]:
     if expert is not None and int(expert.group(1)) < args.moe.experts:
         ours = f"layers.{m.group(1)}.feed_forward.experts.{expert.group(2)}"
         return Part(ours, int(expert.group(1)), args.moe.experts), _identity
-    layer_names = _HF_TO_OURS_MOE_LAYER if args.moe.experts else _HF_TO_OURS_LAYER
+    layer_names = {v: k for k, v in _layer_names(args).items()}
     if m is None or m.group(2) not in layer_names:
         raise KeyError(f"llama: Hugging Face parameter {name!r} has no counterpart here")
     ours = layer_names[m.group(2)]
-    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(ours)
-    return f"layers.{m.group(1)}.{ours}", _identity if heads is None else _rope_transform(halves_to_interleaved, heads)
+    return f"layers.{m.group(1)}.{ours}", _layout_change(ours, args, halves_to_interleaved)
 
 
 def hf_names(args: LlamaArgs) -> list[str]:
@@ -162,21 +177,22 @@ def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.
 
 
 def args_from_hf_config(cfg: dict) -> LlamaArgs:
-    """LlamaArgs from a Hugging Face LlamaConfig dict (rope scaling in either the old
-    `rope_theta` + `rope_scaling` form or transformers 5's `rope_parameters`)."""
-    if cfg.get("model_type", "llama") not in ("llama", "mixtral"):
-        raise ValueError(f"model.pretrained: config.json is a {cfg['model_type']!r} model, not llama or mixtral")
+    """LlamaArgs from a Hugging Face config dict of the Llama family: Llama, Mixtral, Mistral,
+    Qwen2 and Qwen3 (rope scaling in either the old `rope_theta` + `rope_scaling` form or
+    transformers 5's `rope_parameters`; a key config.json leaves out takes transformers' default)."""
+    family = cfg.get("model_type", "llama")
+    if family not in _ARCHITECTURES:
+        raise ValueError(f"model.pretrained: config.json is a {family!r} model; allowed: {', '.join(_ARCHITECTURES)}")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise ValueError(f"model.pretrained: rope type {kind!r} is not supported (default or llama3)")
     heads = cfg["num_attention_heads"]
-    if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
-        raise ValueError("model.pretrained: head_dim other than hidden_size / num_attention_heads is not supported")
-    for key in ("attention_bias", "mlp_bias"):
+    head_dim = cfg.get("head_dim", 128 if family == "qwen3" else None)
+    for key in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its architecture's, not this key's
         if cfg.get(key):
-            raise ValueError(f"model.pretrained: {key}=true is not supported")
+            raise ValueError(f"model.pretrained: {key}=true (a bias on every projection) is not supported")
     llama3 = kind == "llama3"
     return LlamaArgs(
         dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=heads,
@@ -187,8 +203,22 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_pos=int(rope.get("original_max_position_embeddings", 8192)),
         max_seq_len=cfg.get("max_position_embeddings", 8192), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
-        moe=_moe_from_hf(cfg),
+        moe=_moe_from_hf(cfg), head_dim=None if head_dim == cfg["hidden_size"] // heads else head_dim,
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3", sliding_window=_sliding_window(cfg, family),
+        family="llama" if family == "mixtral" else family,
     )  # fmt: skip
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    """Mistral's window (every layer; 4096 where config.json is silent). Qwen's windowed layers
+    (use_sliding_window: those past max_window_layers only) are refused."""
+    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        raise ValueError("model.pretrained: use_sliding_window=true (windows in some layers) is not supported")
+    if family != "mistral":
+        return None
+    if len(set(cfg.get("layer_types") or ())) > 1:
+        raise ValueError("model.pretrained: a Mistral with mixed layer_types (sliding and full) is not supported")
+    return cfg.get("sliding_window", 4096)
 
 
 def _moe_from_hf(cfg: dict) -> MoEArgs:
@@ -202,15 +232,20 @@ def _moe_from_hf(cfg: dict) -> MoEArgs:
 
 
 def hf_config(args: LlamaArgs, dtype: str = "float32") -> dict:
-    """A Hugging Face LlamaConfig dict (old-style rope keys, which every transformers reads)."""
+    """A Hugging Face config dict of the model's family (old-style rope keys, which every
+    transformers reads)."""
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+        "architectures": [_ARCHITECTURES[args.family]], "model_type": args.family, "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_hidden, "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": dtype, "rope_scaling": None,
+        "mlp_bias": False, "torch_dtype": dtype, "rope_scaling": None, "head_dim": args.head_size,
     }  # fmt: skip
+    if args.family == "mistral":
+        cfg["sliding_window"] = args.sliding_window
+    if args.family in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = False
     if args.moe.experts:  # Mixtral (framework/config/model.py refuses what its layout cannot hold)
         cfg |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
                 "num_local_experts": args.moe.experts, "num_experts_per_tok": args.moe.top_k,

@@ -33,10 +33,18 @@ KNOBS = ("version", "reshard_after_forward", "sequence_parallel", "loss_parallel
 INT_KNOBS = {"version": (2, 1)}  # validate.py's allowed FSDP versions (the default first)
 MODEL_KNOBS = ("tie_embeddings",)
 # rows of a model beside its knobs': a Llama with routed experts, dropless, bias balancing (its loads
-# summed over every rank, so every strategy routes as one process does)
+# summed over every rank, so every strategy routes as one process does); a Llama with the other
+# families' options at once (Qwen2's biases, Qwen3's q/k norms and a head width of 16 where
+# dim / n_heads is 8, Mistral's window, shorter than the sequence). At a head width of 12 its amp
+# cell under tp with sequence parallel read 26x its floor (1.4e-5; fp32: bitwise equal): bf16's
+# rounding of the shards' partial sums, which no one-process reordering measures
 MODEL_VARIANTS = {
-    "llama": [("llama(moe)", ("model.moe.experts=4", "model.moe.top_k=2"))]
-}  # the defaults: aux_loss, global
+    "llama": [
+        ("llama(moe)", ("model.moe.experts=4", "model.moe.top_k=2")),  # the defaults: aux_loss, global
+        ("llama(qwen,mistral)", ("model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=16",
+                                 "model.sliding_window=8")),
+    ]
+}  # fmt: skip
 FEATURE_GROUPS = ("precision", "memory", "peft")
 REFERENCED_GROUPS = ("precision", "peft")  # the one-process reference runs the same choice
 # {model choice: overrides for its smallest shape}; {hf} and {user} are the test's folders

@@ -109,6 +109,7 @@ def check_model(cfg: DictConfig) -> None:
         )
     _check_peft(cfg, model, spec.blocks)
     _check_moe(cfg, model, spec.blocks)
+    _check_family(cfg, getattr(model, "args", None))
 
 
 def _check_moe_settings(moe) -> None:
@@ -151,6 +152,31 @@ def _check_moe(cfg: DictConfig, model, blocks: str | None) -> None:
         key = "checkpoint.export" if cfg.checkpoint.get("export") else "model.pretrained"
         raise ConfigError(key, "routed experts go to and from Hugging Face in Mixtral's layout: model.moe.score="
                           "softmax, norm_topk=true, shared_experts=0, hidden=null (model.flavor=mixtral_8x7b has it)")  # fmt: skip
+
+
+def _check_family(cfg: DictConfig, args) -> None:
+    """A Llama's family options (models/llama_args.py): its window across the ring, and what its
+    Hugging Face architecture (model.family) holds when it goes out."""
+    window, seq_len = getattr(args, "sliding_window", None), cfg.data.get("seq_len") or 0
+    if window is not None and window < seq_len and cfg.parallel.get("cp", 1) != 1 and _cp_degree(cfg) > 1:
+        raise ConfigError("parallel.cp", f"a sliding window ({window} tokens, shorter than data.seq_len={seq_len}) "
+                          "is not built across context parallel's ring; set parallel.cp=1")  # fmt: skip
+    if getattr(args, "family", None) is None or not cfg.checkpoint.get("export"):
+        return
+    needs = {"qwen2": ("qkv_bias", True), "qwen3": ("qk_norm", True)}
+    for family, (key, value) in needs.items():
+        if (args.family == family) != (getattr(args, key) == value):
+            raise ConfigError("model.family", f"got {args.family}; model.{key}={getattr(args, key)} goes out as "
+                              f"Hugging Face's {family} (model.family={family}) and only there")  # fmt: skip
+    if args.sliding_window is not None and args.family != "mistral":
+        raise ConfigError("model.family", f"got {args.family}; a sliding window goes out as mistral only")
+
+
+def _cp_degree(cfg: DictConfig) -> int:
+    from framework.config.resolve import world_size_of
+    from framework.parallel.dims import ParallelDims
+
+    return ParallelDims.from_config(cfg.parallel, world_size_of(cfg), *model_dims_of(cfg)).cp
 
 
 def _check_peft(cfg: DictConfig, model, blocks: str | None) -> None:

@@ -73,6 +73,12 @@ class LlamaConfig(ModelConfig):
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)  # routed experts (model.moe.experts=4 model.moe.top_k=2)
+    # the families beside Llama (a Mistral, Qwen2 or Qwen3 folder's config.json sets them)
+    head_dim: int | None = None  # each head's width (null: dim / n_heads)
+    qkv_bias: bool | None = None  # biases on the query, key and value projections (Qwen2)
+    qk_norm: bool | None = None  # per-head RMS norms on queries and keys (Qwen3)
+    sliding_window: int | None = None  # attention within the last N tokens (Mistral)
+    family: str | None = None  # llama | mistral | qwen2 | qwen3: the Hugging Face architecture it exports as
 
 
 @dataclass

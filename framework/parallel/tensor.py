@@ -104,6 +104,8 @@ def tp_style(style: str, sequence_parallel: bool, loss_parallel: bool):
         )
     if style == "vocab_embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if style == "head_norm":  # (B, T, heads, head_dim): this rank's heads in, out
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if not sequence_parallel:
         return None  # the rest are sequence parallel's
     if style == "sequence_parallel":
