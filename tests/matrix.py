@@ -36,8 +36,9 @@ MODEL_KNOBS = ("tie_embeddings",)
 # summed over every rank, so every strategy routes as one process does); a Llama with the other
 # families' options at once (Qwen2's biases, Qwen3's q/k norms and a head width of 16 where
 # dim / n_heads is 8, Mistral's window, shorter than the sequence). At a head width of 12 its amp
-# cell under tp with sequence parallel read 26x its floor (1.4e-5; fp32: bitwise equal): bf16's
-# rounding of the shards' partial sums, which no one-process reordering measures
+# cell under tp with sequence parallel read 26x its floor (1.4e-5, from the first step's loss;
+# fp32: bitwise equal): bf16 rounding on the shards' narrower widths, which no one-process
+# reordering measures
 MODEL_VARIANTS = {
     "llama": [
         ("llama(moe)", ("model.moe.experts=4", "model.moe.top_k=2")),  # the defaults: aux_loss, global

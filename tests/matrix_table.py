@@ -39,11 +39,39 @@ def write_table(
         mine = [c for c in cells if c.model.name == model]
         lines += ["", f"## Every feature under every strategy: {model}", ""]
         lines += _grid(mine, results, notes, row=lambda c: c.strategy.name, col=lambda c: c.feature.name)
-    lines += ["", "## Reasons", ""] + [f"{n}. {text}" for text, n in notes.items()]
+    lines += ["", "## Reasons", "", REASON_KINDS, ""]
+    lines += [f"{n}. **{refusal_kind(text)}**: {text}" for text, n in notes.items()]
     out = Path(os.environ.get("HYDRADIST_RESULTS_DIR", ROOT / "docs" / "results")) / f"{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+REASON_KINDS = (
+    "Each refusal's kind: **hardware** (it needs a device this machine lacks: CUDA), **upstream** (a "
+    "limit of torch or another library, its issue named), **cannot** (the model or the data has "
+    "nothing the strategy splits, or the combination means nothing), **not built** (an anchor trains "
+    "it; this framework does not yet)."
+)
+# read from the one line a refusal gives (the first kind whose words it holds)
+_KIND_WORDS = {
+    "upstream": ("pytorch/pytorch#", "github.com/"),
+    "hardware": ("CUDA", "GPU"),
+    "not built": (
+        "not built",
+        "not supported",
+        "not combined",
+        "yet",
+        "not compiled",
+        "do not",
+        "not with",
+        "a direct child",
+    ),
+}
+
+
+def refusal_kind(text: str) -> str:
+    return next((kind for kind, words in _KIND_WORDS.items() if any(w in text for w in words)), "cannot")
 
 
 def _floors(cells: list[Cell], results: dict) -> list[str]:

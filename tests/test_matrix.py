@@ -81,3 +81,16 @@ def test_the_subset_covers_every_pair_of_families_and_every_variant():
     assert len(seen) == len(ms) * len(families) + len(ms) * len(fs) + len(families) * len(fs)
     assert {c.strategy for c in cells} == set(ss)  # every variant of every family
     assert len(cells) < len(full_cells()) / 5  # the default suite's share: a covering, not the table
+
+
+def test_each_refusal_states_its_kind():
+    """The table's reasons say which kind each is: upstream (with its issue), hardware, cannot, or
+    not built, read from the one line each refusal gives."""
+    from tests.matrix_table import refusal_kind
+
+    assert (
+        refusal_kind("compile: ... a plain tensor (upstream: pytorch/pytorch#173123); set compile=false") == "upstream"
+    )
+    assert refusal_kind("memory: FSDP CPU offload ... needs CUDA; none here") == "hardware"
+    assert refusal_kind("parallel.cp: context parallel is not combined with pipeline parallel") == "not built"
+    assert refusal_kind("parallel.tp: tensor parallel needs the model's plan; MLP declares none") == "cannot"

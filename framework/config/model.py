@@ -234,12 +234,12 @@ def _check_sequence(cfg: DictConfig, model: nn.Module) -> None:
 
 def check_tensor_parallel(cfg: DictConfig) -> None:
     """parallel with tp > 1: the model declares a plan whose submodules exist; not compiled."""
-    if cfg.compile:  # torch 2.14: compiled DTensor redistributes lose their backward (matrix)
+    if cfg.compile:  # torch 2.14.1: the gpt trains compiled bitwise as eager, the Llama's backward fails
         raise ConfigError(
             "compile",
-            f"torch {torch.__version__.split('+')[0]} does not compile tensor-parallel blocks reliably (the "
-            "compiled backward of a DTensor redistribute fails or trains off the eager run for llama, hf and "
-            "user models); set compile=false with tensor parallel",
+            f"torch {torch.__version__.split('+')[0]} does not compile tensor-parallel blocks reliably: a "
+            "compiled block's backward hands DTensor's redistribute a plain tensor (upstream: "
+            "pytorch/pytorch#173123); set compile=false with tensor parallel",
         )
     model, spec = _meta(cfg)
     if not spec.tp_plan:
