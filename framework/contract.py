@@ -279,8 +279,9 @@ def forget_counts(model: nn.Module) -> None:
 def expand_plan(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
     """The tensor-parallel plan on this model's (or stage's) submodules: each pattern matched
     against every submodule path (``*`` matches one name). A pattern that matches nothing in the
-    full model is an error; in a pipeline stage, other stages' blocks are simply absent."""
-    names = [n for n, _ in model.named_modules() if n]
+    full model is an error; in a pipeline stage, other stages' blocks are simply absent, and so
+    are the stand-ins for its other modules (nn.Identity)."""
+    names = [n for n, m in model.named_modules() if n and not isinstance(m, nn.Identity)]
     out: dict[str, str] = {}
     for pattern, style in spec.tp_plan.items():
         if style not in TP_STYLES:

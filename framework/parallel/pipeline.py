@@ -11,6 +11,7 @@ input gradients to fill the bubble).
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,30 +51,52 @@ def stages_per_rank(cfg: DictConfig) -> int:
 
 @dataclass(frozen=True)
 class Split:
-    """Where a model divides around its blocks: the top-level modules called before the first
+    """Where a model divides around its blocks: the modules beside them called before the first
     block and after the last (traced), and the model's own ``embed``/``head`` when it has them
-    (else the before and after modules run as a chain)."""
+    (else the before and after modules run as a chain). Blocks kept deeper than the top level
+    (Hugging Face's ``model.layers``) run inside the model's own forward (`own_forward`): the
+    first stage takes the tokens, the others the hidden states as ``inputs_embeds``, and the
+    modules after the blocks pass them through on every stage but the last."""
 
     blocks: str
     before: tuple[str, ...]
     after: tuple[str, ...]
     embed: Callable | None = None
     head: Callable | None = None
+    own_forward: bool = False
+
+
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks under the full model's indices (``layers.7``), in order; a slice (as
+    Hugging Face's forward takes ``self.layers[:n]``) gives the blocks themselves."""
+
+    def __getitem__(self, key):
+        return list(self.values())[key] if isinstance(key, slice) else super().__getitem__(key)
+
+
+def _beside(model: nn.Module, blocks: str) -> list[tuple[str, nn.Module]]:
+    """The modules beside the blocks, by dotted name: the top-level children, and for blocks kept
+    deeper the children of each module on the way down."""
+    found, prefix, module = [], "", model
+    for part in blocks.split("."):
+        found += [(prefix + n, m) for n, m in module.named_children() if n != part]
+        module, prefix = getattr(module, part), f"{prefix}{part}."
+    return found
 
 
 def trace_split(model: nn.Module, spec: ModelSpec, seq_len: int) -> Split:
     """Run the model once on a (1, seq_len) batch of token 0, recording which top-level modules run
     before and after the blocks, and whether each feeds the next (a chain)."""
-    if spec.blocks is None or "." in spec.blocks:
-        raise ContractError(
-            "model.blocks", f"{spec.blocks!r}: a pipeline splits blocks that are a direct child of the model"
-        )
-    calls: list[tuple[str, int, int]] = []  # (top-level name, id(input), id(output)) in call order
+    nested = spec.blocks is not None and "." in spec.blocks
+    if nested and "inputs_embeds" not in inspect.signature(model.forward).parameters:
+        raise ContractError("model.blocks", f"{spec.blocks!r}: a pipeline splits blocks kept below the top level "
+                            "inside the model's own forward, which then takes `inputs_embeds` (as Hugging Face's)")  # fmt: skip
+    calls: list[tuple[str, int, int]] = []  # (name, id(input), id(output)) in call order
 
     def record(name):
         return lambda mod, args, out: calls.append((name, id(args[0]) if args else 0, id(out)))
 
-    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_children() if n != spec.blocks]
+    hooks = [m.register_forward_hook(record(n)) for n, m in _beside(model, spec.blocks)]
     hooks += [b.register_forward_hook(record(spec.blocks)) for b in blocks_of(model, spec)]
     device = next(model.parameters()).device
     tokens = torch.zeros(1, seq_len, dtype=torch.long, device=device)
@@ -88,6 +111,8 @@ def trace_split(model: nn.Module, spec: ModelSpec, seq_len: int) -> Split:
     if spec.blocks in names[first : last + 1] and set(names[first : last + 1]) != {spec.blocks}:
         raise ContractError("parallel", f"pp: {type(model).__name__} runs other modules between its blocks")
     before, after = tuple(dict.fromkeys(names[:first])), tuple(dict.fromkeys(names[last + 1 :]))
+    if nested:
+        return Split(spec.blocks, before, after, own_forward=True)
     if spec.embed is None or spec.head is None:
         chain = [(id(tokens), None)] + [(c[1], c[2]) for c in calls] + [(id(out), None)]
         if any(nxt[0] != prev[1] for prev, nxt in zip(chain[1:-1], chain[2:], strict=False)) or chain[1][0] != id(
@@ -104,25 +129,46 @@ def make_stage(model: nn.Module, split: Split, layers: list[int], first: bool, l
     """The model with only `layers` of its blocks (and the modules before them on the first
     stage, after them on the last). Submodules keep the full model's names (``blocks.7.attn.q``),
     so the state dicts of all stages together are the full model's; nothing is copied."""
-    stage = type(model).__new__(type(model))
-    nn.Module.__init__(stage)  # hooks of its own
-    internals = set(stage.__dict__)
-    stage.__dict__.update({k: v for k, v in model.__dict__.items() if k not in internals})
-    stage._parameters, stage._buffers = dict(model._parameters), dict(model._buffers)
-    stage._modules = dict(model._modules)
+    stage = _shallow(model)
     blocks = model.get_submodule(split.blocks)
-    stage._modules[split.blocks] = nn.ModuleDict({str(i): blocks[i] for i in layers})
+    _set(stage, split.blocks, StageBlocks({str(i): blocks[i] for i in layers}))
     for name in split.before if not first else ():
-        stage._modules[name] = None
+        if any(True for _ in stage.get_submodule(name).parameters()):  # rotary tables stay on every stage
+            _set(stage, name, None)
     for name in split.after if not last else ():
-        stage._modules[name] = None
+        _set(stage, name, nn.Identity() if split.own_forward else None)
     stage.pipeline_role = (split, first, last)
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage
 
 
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose children, parameters and buffers are the same objects, in
+    dictionaries of its own (so replacing one leaves `module` whole), with hooks of its own."""
+    copy = type(module).__new__(type(module))
+    nn.Module.__init__(copy)
+    internals = set(copy.__dict__)
+    copy.__dict__.update({k: v for k, v in module.__dict__.items() if k not in internals})
+    copy._parameters, copy._buffers = dict(module._parameters), dict(module._buffers)
+    copy._modules = dict(module._modules)
+    return copy
+
+
+def _set(stage: nn.Module, name: str, child: nn.Module | None) -> None:
+    """Put `child` at the dotted `name` of a stage, its parents on the way copied (_shallow)."""
+    *parents, leaf = name.split(".")
+    for part in parents:
+        stage._modules[part] = _shallow(stage._modules[part])
+        stage = stage._modules[part]
+    stage._modules[leaf] = child
+
+
 def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     split, first, last = self.pipeline_role
+    if split.own_forward:  # a view out (Hugging Face slices the positions it keeps) gets a storage of its own:
+        # the zero-bubble schedules detach a stage's output in place
+        out = logits_of(type(self).forward(self, x) if first else type(self).forward(self, inputs_embeds=x))
+        return out if out._base is None else out.clone()
     if first:  # token ids in
         x = split.embed(self, x) if split.embed else _chain(self, split.before, x)
     for block in self.get_submodule(split.blocks).values():
@@ -240,11 +286,24 @@ class LocalStages(nn.Module):
 
     def __init__(self, stages: list[nn.Module], blocks: str):
         super().__init__()
-        merged = nn.ModuleDict()
+        merged = StageBlocks()
         for stage in stages:
-            for name, child in stage.named_children():
-                if name == blocks:
-                    merged.update(child)
-                elif name not in self._modules:
-                    self.add_module(name, child)
-        self.add_module(blocks, merged)
+            merged.update(stage.get_submodule(blocks))
+            _graft(self, stage, blocks.split("."))
+        _set(self, blocks, merged)
+
+
+def _graft(into: nn.Module, stage: nn.Module, path: list[str]) -> None:
+    """A stage's modules into `into` under their names, but the blocks (at `path`); a module that
+    holds parameters wins over a stand-in without (a norm over the Identity of another stage)."""
+    for name, child in stage.named_children():
+        if name == path[0] and len(path) > 1:
+            if name not in into._modules:
+                into.add_module(name, nn.Module())
+            _graft(into._modules[name], child, path[1:])
+        elif name != path[0] and (name not in into._modules or not _holds(into._modules[name])):
+            into.add_module(name, child)
+
+
+def _holds(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())

@@ -172,7 +172,8 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
         if layer is not None:
             stage = stage_of[layer]
         else:
-            stage = 0 if name.split(".", 1)[0] in first_stage or layout.pp == 1 else layout.stages - 1
+            first = any(name.startswith(f"{module}.") for module in first_stage)
+            stage = 0 if first or layout.pp == 1 else layout.stages - 1
         unit = f"{spec.blocks}.{layer}" if layer is not None else "root"
         style = plan.get(name.rpartition(".")[0])
         tp_dim, expert = _tp_dim(name, plan, layout), name.rpartition(".")[0] in experts
