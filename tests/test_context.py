@@ -85,6 +85,8 @@ BASE = ["experiment=smoke", "logger=none", f"steps={STEPS}", f"model.n_layer={N_
 WORLD2 = {
     "cp2": ["parallel=cp", f"data.batch_size={BATCH}"],
     "cp2_checkpoint": ["parallel=cp", f"data.batch_size={BATCH}", "memory=checkpoint"],
+    # compiled blocks around the ring, which runs eager (its sends counted as the eager run's)
+    "cp2_compiled": ["parallel=cp", f"data.batch_size={BATCH}", "compile=true"],
 }
 WORLD4 = {
     "cp2_fsdp2": ["parallel=hybrid", "parallel.cp=2", "parallel.tp=1", f"data.batch_size={BATCH // 2}"],
@@ -148,7 +150,7 @@ def _ring_sends(cp: int, batch: int, tp: int = 1, recomputed: bool = False) -> t
 def test_gpt_under_cp_follows_one_process_world_2(tmp_path, reference):
     results = _train(WORLD2, 2, tmp_path)
     _assert_follows(results, reference)
-    for name, recomputed in (("cp2", False), ("cp2_checkpoint", True)):
+    for name, recomputed in (("cp2", False), ("cp2_checkpoint", True), ("cp2_compiled", False)):
         summary = results[name][1]
         assert summary["parallel_dims"]["cp"] == 2
         calls, nbytes = _ring_sends(2, BATCH, recomputed=recomputed)
@@ -261,6 +263,19 @@ def test_bad_cp_config_is_one_clear_error(overrides, world, key, message):
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert err.value.key == key and message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_under_cp():
+    """Mistral's window is not built into the ring; a window that covers the sequence is no window."""
+    from framework.config import ConfigError, validate
+    from tests.helpers import compose_config
+
+    llama = ["experiment=smoke", "model=llama", "model.n_layers=2", "model.dim=32", "model.n_heads=4",
+             "model.n_kv_heads=2", "data.seq_len=16", "parallel=cp", "launch.nproc_per_node=2"]  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([*llama, "model.sliding_window=8"]))
+    assert err.value.key == "parallel.cp" and "sliding window (8 tokens" in str(err.value)
+    validate(compose_config([*llama, "model.sliding_window=16"]))
 
 
 def test_bad_cp_config_exits_2_before_any_worker(tmp_path):
