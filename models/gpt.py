@@ -167,9 +167,10 @@ class GPT(nn.Module):
             x = block(x, mask)
         return self.head(x)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """What runs before the blocks (a pipeline's first stage): token and position embeddings."""
-        pos = torch.arange(idx.size(1), device=idx.device)
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """What runs before the blocks (a pipeline's first stage): token and position embeddings
+        (`positions`: as forward's)."""
+        pos = torch.arange(idx.size(1), device=idx.device) if positions is None else positions
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

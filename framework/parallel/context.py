@@ -140,7 +140,6 @@ def cp_config_problem(dims, cfg: DictConfig) -> tuple[str, str] | None:
          "(packing's document masks are not supported across the ring)"),
         ((cfg.data.get("seq_len") or 0) % (2 * cp) == 0, "data.seq_len",  # no seq_len: data= above refuses
          f"zigzag sharding cuts each sequence into 2 x cp = {2 * cp} chunks; {cfg.data.get('seq_len')} does not divide"),
-        (dims.pp == 1, "parallel.cp", "context parallel is not combined with pipeline parallel; set parallel.pp=1"),
         (p.get("version", 2) == 2, "parallel.version", "context parallel shards with FSDP2 (version=2) only"),
         (not cfg.model.get("dropout", 0.0), "model.dropout", "context parallel's attention has no dropout; set 0"),
     ]  # fmt: skip

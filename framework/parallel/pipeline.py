@@ -20,9 +20,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from framework.contract import ContractError, ModelSpec, blocks_of, forget_counts, logits_of
+from framework.contract import WRAPPER_PREFIXES, ContractError, ModelSpec, blocks_of, forget_counts, logits_of
 from framework.loss import cross_entropy
 
+WRAPPED = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES)  # the wrapped module's attribute
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
 MULTI_STAGE = {
     "Interleaved1F1B": "ScheduleInterleaved1F1B",
@@ -138,6 +139,7 @@ def make_stage(model: nn.Module, split: Split, layers: list[int], first: bool, l
     for name in split.after if not last else ():
         _set(stage, name, nn.Identity() if split.own_forward else None)
     stage.pipeline_role = (split, first, last)
+    stage.positions = None  # context parallel's, set each step (Pipeline.step)
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage
 
@@ -169,13 +171,26 @@ def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # the zero-bubble schedules detach a stage's output in place
         out = logits_of(type(self).forward(self, x) if first else type(self).forward(self, inputs_embeds=x))
         return out if out._base is None else out.clone()
+    where = {} if self.positions is None else {"positions": self.positions}
     if first:  # token ids in
-        x = split.embed(self, x) if split.embed else _chain(self, split.before, x)
+        x = split.embed(self, x, **_taken(split.embed, where)) if split.embed else _chain(self, split.before, x)
     for block in self.get_submodule(split.blocks).values():
-        x = block(x)
+        x = block(x, **_taken(_unwrapped(block).forward, where))
     if last:  # logits out
         x = split.head(self, x) if split.head else _chain(self, split.after, x)
     return x
+
+
+def _taken(fn: Callable, kwargs: dict) -> dict:
+    """The `kwargs` that `fn` takes (a gpt block takes no positions; its embedding does)."""
+    return {k: v for k, v in kwargs.items() if k in inspect.signature(fn).parameters} if kwargs else kwargs
+
+
+def _unwrapped(block: nn.Module) -> nn.Module:
+    """The block inside checkpointing's, compile's and FSDP1's wrappers (which take any arguments)."""
+    while (inner := next((getattr(block, a) for a in WRAPPED if hasattr(block, a)), None)) is not None:
+        block = inner
+    return block
 
 
 def _chain(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
@@ -222,9 +237,12 @@ class Pipeline:
     n_microbatches: int
     stages: dict[int, nn.Module] = field(default_factory=dict)  # this rank's stage modules by stage id
 
-    def step(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, target: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Forward+backward of the local batch; returns the mean loss on ranks holding the last
-        stage (zero elsewhere: the loss lives there)."""
+        stage (zero elsewhere: the loss lives there). `positions` (context parallel: the places of
+        this rank's share of each sequence) go to every stage's embedding and blocks."""
+        for stage in self.stages.values():
+            stage.positions = positions
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}

@@ -139,9 +139,10 @@ def forward_backward(
         # accumulated batches go in as one batch of accumulation_steps x batch_size.
         cuda = info.device.type == "cuda"  # from pinned memory, the copy does not wait for the GPU
         inputs, target = data.prepare(concat_batches([b for _, b in step_batches], cuda), info.device, cuda)
+        inputs, kwargs, target = par.split_batch(inputs, target)  # context parallel: this rank's part
         before_backward(0)
-        with precision.autocast(), meter.measure() if meter else nullcontext():
-            return par.pipeline.step(inputs[0], target)
+        with precision.autocast(), meter.measure() if meter else nullcontext(), par.loss_context():
+            return par.pipeline.step(inputs[0], target, kwargs.get("positions"))
     scale = par.dp_size * par.cp_size / step_elements(cfg, info, parts, step_batches)  # FSDP averages over dp x cp
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
