@@ -46,7 +46,8 @@ _LLAMA31 = {"rope_factor": 8.0, "rope_theta": 500000.0}
 FLAVORS: dict[str, LlamaArgs] = {
     "debug": LlamaArgs(),
     # mixtures of experts: a small one, and published shapes for the planner (Mixtral 8x7B:
-    # 8 experts, 2 active; Qwen3-30B-A3B: 128 experts of 768, 8 active, softmax, no shared one)
+    # 8 experts, 2 active; Qwen3-30B-A3B: 128 experts of 768, 8 active, softmax, no shared one, its
+    # heads 128 wide and q/k-normed)
     "debug_moe": LlamaArgs(moe=MoEArgs(experts=4, top_k=2)),
     "mixtral_8x7b": LlamaArgs(
         dim=4096,
@@ -69,6 +70,9 @@ FLAVORS: dict[str, LlamaArgs] = {
         rope_theta=1e6,
         max_seq_len=40960,
         moe=MoEArgs(experts=128, top_k=8, hidden=768, norm_topk=True),
+        head_dim=128,
+        qk_norm=True,
+        family="qwen3",
     ),
     "150m": LlamaArgs(
         dim=768,

@@ -6,10 +6,11 @@ and k_proj rows are permuted within each head (transformers' convert_llama_weigh
 `permute`). Everything else is a rename. The permutation is a reshape and a transpose: exact,
 so import then export gives back the same bits.
 
-A Llama with routed experts maps to Mixtral's layout (MixtralForCausalLM): the router is
-`block_sparse_moe.gate`, and each expert's three projections are tensors of their own
-(`block_sparse_moe.experts.{e}.w1.weight`), which are slices of our grouped weights: a checkpoint
-tensor is then a `Part` of one of ours (loading stacks the parts, framework/hf.py).
+A Llama with routed experts maps to Mixtral's layout (MixtralForCausalLM), or a Qwen3 to
+Qwen3-MoE's: the router is `block_sparse_moe.gate` (`mlp.gate`), and each expert's three
+projections are tensors of their own (`block_sparse_moe.experts.{e}.w1.weight`,
+`mlp.experts.{e}.gate_proj.weight`), which are slices of our grouped weights: a checkpoint tensor
+is then a `Part` of one of ours (loading stacks the parts, framework/hf.py).
 
 Reading streams one tensor at a time (`iter_hf_tensors`), from one model.safetensors or the
 shards a model.safetensors.index.json lists; nothing here holds the whole model.
@@ -44,13 +45,35 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}  # fmt: skip
-_MOE_NAMES = {"feed_forward.gate.weight": "block_sparse_moe.gate.weight"}
 _EXPERT_NAMES = {"feed_forward.experts.w1": "w1", "feed_forward.experts.w2": "w2", "feed_forward.experts.w3": "w3"}
-_HF_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# a block with routed experts: the MLP's names are Mixtral's router (its experts are Parts, below)
-_MOE_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("feed_forward.")}, **_MOE_NAMES}
+_DENSE_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if not k.startswith("feed_forward.")}
+
+
+class Routed(NamedTuple):
+    """A family's routed layer in Hugging Face's files: the router's name in a block, the experts'
+    stem, and our projections' names there (w1: gate, w2: down, w3: up)."""
+
+    router: str
+    experts: str
+    projections: dict[str, str]
+
+    def expert_name(self, layer: int, expert: int, ours: str) -> str:
+        return f"model.layers.{layer}.{self.experts}.{expert}.{self.projections[ours]}.weight"
+
+    def parse(self, name: str) -> tuple[int, str] | None:
+        """(expert, our projection) of a block-relative name, or None."""
+        stem, _, rest = name.partition(f"{self.experts}.")
+        index, _, proj = rest.partition(".")
+        ours = {v: k for k, v in self.projections.items()}.get(proj.removesuffix(".weight"))
+        return (int(index), ours) if not stem and index.isdigit() and ours and proj.endswith(".weight") else None
+
+
+ROUTED = {  # by LlamaArgs.family: a routed Llama goes out as Mixtral, a routed Qwen3 as Qwen3-MoE
+    "llama": Routed("block_sparse_moe.gate.weight", "block_sparse_moe.experts", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+    "qwen3": Routed("mlp.gate.weight", "mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+}
 # the families' extras: Qwen2's query/key/value biases, Qwen3's per-head query/key norms
 _BIAS_NAMES = {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
 _QK_NORM_NAMES = {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
@@ -60,7 +83,8 @@ _ROTATED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads
             "attention.wk.bias": "n_kv_heads", "attention.q_norm.weight": None, "attention.k_norm.weight": None}  # fmt: skip
 # the architectures a Llama goes out as (LlamaArgs.family), and the model types it reads
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}  # fmt: skip
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+_ROUTED_TYPES = {"llama": "mixtral", "qwen3": "qwen3_moe"}  # a routed family's model type
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -100,8 +124,9 @@ class Part(NamedTuple):
 
 
 def _layer_names(args: LlamaArgs) -> dict[str, str]:
-    """Our names in a block -> Hugging Face's (the MLP's: Mixtral's router with experts)."""
-    names = dict(_MOE_LAYER_NAMES if args.moe.experts else _LAYER_NAMES)
+    """Our names in a block -> Hugging Face's (with experts: the family's router; the experts are Parts)."""
+    routed = {"feed_forward.gate.weight": ROUTED[args.family].router} if args.moe.experts else None
+    names = _DENSE_LAYER_NAMES | routed if routed else dict(_LAYER_NAMES)
     return names | (_BIAS_NAMES if args.qkv_bias else {}) | (_QK_NORM_NAMES if args.qk_norm else {})
 
 
@@ -122,10 +147,10 @@ def from_hf_name(name: str, args: LlamaArgs) -> tuple[str | Part, Transform]:
     if name in _HF_TO_OURS_TOP:
         return _HF_TO_OURS_TOP[name], _identity
     m = _HF_LAYER.match(name)
-    expert = _HF_EXPERT.match(m.group(2)) if m is not None and args.moe.experts else None
-    if expert is not None and int(expert.group(1)) < args.moe.experts:
-        ours = f"layers.{m.group(1)}.feed_forward.experts.{expert.group(2)}"
-        return Part(ours, int(expert.group(1)), args.moe.experts), _identity
+    expert = ROUTED[args.family].parse(m.group(2)) if m is not None and args.moe.experts else None
+    if expert is not None and expert[0] < args.moe.experts:
+        ours = f"layers.{m.group(1)}.feed_forward.experts.{expert[1]}"
+        return Part(ours, expert[0], args.moe.experts), _identity
     layer_names = {v: k for k, v in _layer_names(args).items()}
     if m is None or m.group(2) not in layer_names:
         raise KeyError(f"llama: Hugging Face parameter {name!r} has no counterpart here")
@@ -151,8 +176,9 @@ def hf_entries(args: LlamaArgs) -> list[tuple[str, str, int | None, Transform]]:
     for name in hf_names(args):
         m = _OURS_LAYER.match(name)
         if m is not None and m.group(2) in _EXPERT_NAMES:
-            stem, proj = f"model.layers.{m.group(1)}.block_sparse_moe.experts", _EXPERT_NAMES[m.group(2)]
-            out += [(f"{stem}.{e}.{proj}.weight", name, e, _identity) for e in range(args.moe.experts)]
+            layer, proj = int(m.group(1)), _EXPERT_NAMES[m.group(2)]
+            out += [(ROUTED[args.family].expert_name(layer, e, proj), name, e, _identity)
+                    for e in range(args.moe.experts)]  # fmt: skip
         else:
             hf, transform = to_hf_name(name, args)
             out.append((hf, name, None, transform))
@@ -180,16 +206,17 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
     """LlamaArgs from a Hugging Face config dict of the Llama family: Llama, Mixtral, Mistral,
     Qwen2 and Qwen3 (rope scaling in either the old `rope_theta` + `rope_scaling` form or
     transformers 5's `rope_parameters`; a key config.json leaves out takes transformers' default)."""
-    family = cfg.get("model_type", "llama")
-    if family not in _ARCHITECTURES:
-        raise ValueError(f"model.pretrained: config.json is a {family!r} model; allowed: {', '.join(_ARCHITECTURES)}")
+    kind = cfg.get("model_type", "llama")
+    if kind not in _ARCHITECTURES:
+        raise ValueError(f"model.pretrained: config.json is a {kind!r} model; allowed: {', '.join(_ARCHITECTURES)}")
+    family = {v: k for k, v in _ROUTED_TYPES.items()}.get(kind, kind)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise ValueError(f"model.pretrained: rope type {kind!r} is not supported (default or llama3)")
     heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim", 128 if family == "qwen3" else None)
+    head_dim = cfg.get("head_dim", 128 if family == "qwen3" else None)  # transformers' Qwen3 default
     for key in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its architecture's, not this key's
         if cfg.get(key):
             raise ValueError(f"model.pretrained: {key}=true (a bias on every projection) is not supported")
@@ -205,7 +232,7 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
         max_seq_len=cfg.get("max_position_embeddings", 8192), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
         moe=_moe_from_hf(cfg), head_dim=None if head_dim == cfg["hidden_size"] // heads else head_dim,
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3", sliding_window=_sliding_window(cfg, family),
-        family="llama" if family == "mixtral" else family,
+        family=family,
     )  # fmt: skip
 
 
@@ -222,7 +249,19 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
 
 
 def _moe_from_hf(cfg: dict) -> MoEArgs:
-    """Mixtral's experts: softmax router, top_k weights renormalised, no shared expert."""
+    """Mixtral's experts (softmax router, top_k weights renormalised, no shared expert), or
+    Qwen3-MoE's (the same router, renormalised as norm_topk_prob says; experts of
+    moe_intermediate_size, in every layer)."""
+    if cfg.get("model_type") == "qwen3_moe":
+        if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+            raise ValueError("model.pretrained: a Qwen3-MoE with dense layers (decoder_sparse_step, "
+                             "mlp_only_layers) is not supported: experts in every layer only")  # fmt: skip
+        experts = cfg.get(
+            "num_experts", cfg.get("num_local_experts")
+        )  # the published name; transformers 5 writes the other
+        return MoEArgs(experts=experts, top_k=cfg["num_experts_per_tok"],
+                       norm_topk=bool(cfg.get("norm_topk_prob", False)), hidden=cfg["moe_intermediate_size"],
+                       aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001))  # fmt: skip
     if cfg.get("model_type") != "mixtral":
         return MoEArgs()
     if cfg.get("sliding_window") is not None:
@@ -246,10 +285,15 @@ def hf_config(args: LlamaArgs, dtype: str = "float32") -> dict:
         cfg["sliding_window"] = args.sliding_window
     if args.family in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
-    if args.moe.experts:  # Mixtral (framework/config/model.py refuses what its layout cannot hold)
-        cfg |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
-                "num_local_experts": args.moe.experts, "num_experts_per_tok": args.moe.top_k,
-                "router_aux_loss_coef": args.moe.aux_loss_coef, "output_router_logits": False}  # fmt: skip
+    if args.moe.experts:  # Mixtral or Qwen3-MoE (framework/config/model.py refuses what they cannot hold)
+        kind, moe = _ROUTED_TYPES[args.family], args.moe
+        cfg |= {"architectures": [_ARCHITECTURES[kind]], "model_type": kind, "num_experts_per_tok": moe.top_k,
+                "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": False}  # fmt: skip
+        if kind == "mixtral":
+            cfg |= {"sliding_window": None, "num_local_experts": moe.experts}
+        else:
+            cfg |= {"num_experts": moe.experts, "moe_intermediate_size": moe.hidden or args.ffn_hidden,
+                    "norm_topk_prob": moe.norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
     if args.rope_factor is not None:
         cfg["rope_scaling"] = {
             "rope_type": "llama3", "factor": args.rope_factor, "low_freq_factor": args.rope_low_freq_factor,

@@ -1,4 +1,4 @@
-"""Mistral, Qwen2 and Qwen3 folders as model=llama (issue 55): a sliding window, query/key/value
+"""Mistral, Qwen2, Qwen3 and Qwen3-MoE folders as model=llama (issue 55): a sliding window, query/key/value
 biases, per-head query/key norms and a head width of its own are Llama options
 (models/llama_args.py), read from the folder's config.json. Each family gives transformers'
 logits, goes back to its own tensors bit for bit, trains under fsdp x2 and tp x2 as one process,
@@ -6,6 +6,7 @@ and exports a folder transformers loads with the framework's logits. Tiny shapes
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -29,18 +30,25 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=8),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=24),
+    # routed: 4 experts of 48, top 2 renormalised, in every layer (a routed Qwen3)
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE, head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True
+    ),
 }
+FAMILY = {"qwen3_moe": "qwen3"}  # LlamaArgs.family of a model type (its experts make it Qwen3-MoE)
 
 
 def family_folder(kind: str, folder: Path, seed: int = 0):
-    """A tiny random model of the family, saved to `folder`. Its biases and norm weights are
-    moved off transformers' zeros and ones, which would hide one read into the wrong place."""
+    """A tiny random model of the family, saved to `folder`. Its biases, norm weights and routers
+    are moved off transformers' zeros and ones, which would hide one read into the wrong place."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[kind]()).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # a router: distinct choices
+                p.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return model
 
@@ -57,18 +65,21 @@ def ours_from(folder: Path) -> Llama:
 def test_a_family_folder_gives_transformers_logits_and_goes_back_bitwise(tmp_path, kind):
     hf = family_folder(kind, tmp_path)
     ours = ours_from(tmp_path)
-    assert ours.args.family == kind
+    assert ours.args.family == FAMILY.get(kind, kind)
     tokens = torch.randint(0, VOCAB, (2, 32))
     with torch.no_grad():
         assert torch.allclose(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
     back, files = to_hf(ours.state_dict(), ours.args), dict(iter_hf_tensors(str(tmp_path)))
     assert set(back) == set(files) - ({"lm_head.weight"} if ours.args.tie_embeddings else set())
     assert all(torch.equal(back[name], files[name]) for name in back)
-    exported = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**ours.hf_config())
-    ).eval()  # the config.json an export writes builds the family's own architecture
+    # the files an export writes (config.json and the tensors) load as the family's own architecture
+    from safetensors.torch import save_file
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text(json.dumps(ours.hf_config()))
+    save_file({k: v.contiguous() for k, v in back.items()}, str(tmp_path / "out" / "model.safetensors"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(exported) is type(hf)
-    exported.load_state_dict(back, strict=False)
     with torch.no_grad():
         assert torch.allclose(exported(tokens).logits, hf(tokens).logits, atol=1e-6, rtol=0)
 

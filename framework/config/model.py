@@ -147,11 +147,14 @@ def _check_moe(cfg: DictConfig, model, blocks: str | None) -> None:
         raise ConfigError("parallel.ep", f"got {ep}; each ep rank holds experts / ep of the "
                           f"{args.experts} experts, so it must divide them")  # fmt: skip
     hidden = args.hidden in (None, getattr(getattr(model, "args", None), "ffn_hidden", None))
-    mixtral = args.score == "softmax" and args.norm_topk and not args.shared_experts and hidden
-    if (cfg.checkpoint.get("export") or cfg.model.get("pretrained")) and not mixtral:
+    family = getattr(getattr(model, "args", None), "family", "llama")
+    mixtral = family == "llama" and args.norm_topk and hidden
+    held = args.score == "softmax" and not args.shared_experts and (mixtral or family == "qwen3")
+    if (cfg.checkpoint.get("export") or cfg.model.get("pretrained")) and not held:
         key = "checkpoint.export" if cfg.checkpoint.get("export") else "model.pretrained"
-        raise ConfigError(key, "routed experts go to and from Hugging Face in Mixtral's layout: model.moe.score="
-                          "softmax, norm_topk=true, shared_experts=0, hidden=null (model.flavor=mixtral_8x7b has it)")  # fmt: skip
+        raise ConfigError(key, "routed experts go to and from Hugging Face in Mixtral's layout (model.moe.score="
+                          "softmax, norm_topk=true, shared_experts=0, hidden=null: model.flavor=mixtral_8x7b) or "
+                          "Qwen3-MoE's (model.family=qwen3, score=softmax, shared_experts=0)")  # fmt: skip
 
 
 def _check_family(cfg: DictConfig, args) -> None:
