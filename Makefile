@@ -45,7 +45,7 @@ matrix: $(STAMP)
 # part of `make test`), alone, on this CPU's kernels and another family's, its tables written to
 # docs/results/matrix-subset/ (matrix.md, matrix_wide.md, matrix_kernels.md)
 matrix-subset: $(STAMP)
-	HYDRADIST_RESULTS_DIR=docs/results/matrix-subset $(VENV)/bin/python -m pytest -n 2 --dist loadfile \
+	HYDRADIST_RESULTS_DIR=docs/results/matrix-subset $(VENV)/bin/python -m pytest -n 2 --dist loadfile -m "not matrix" \
 		tests/test_matrix.py tests/test_matrix_wide.py tests/test_matrix_kernels.py -k covering_subset $(ARGS)
 
 # each one-line sabotage of tests/sabotage.py in a temporary copy, and the test that catches it

@@ -75,8 +75,9 @@ DATA_SHAPES = {
 FLOOR_MULTIPLE = 20
 FLOOR_AT_LEAST = 2.0**-24
 BATCH_STATISTICS = {"resnet"}  # BatchNorm: half a batch's statistics are another model, not another order
-# a choice's settings in every cell, where it needs more than itself (its defaults otherwise, as
-# conf/ gives them): the compiler's budget is compile's (the one-process reference runs eager)
+# a choice that needs more than itself to run (the compiler's budget is compile's; the one-process
+# reference runs eager): a cell on its defaults as conf/ gives them (a one-line refusal) and a cell
+# with the setting, each named by what it sets
 CHOICE_SETTINGS: dict[str, tuple[str, ...]] = {"memory=budget": ("compile=true",)}
 
 
@@ -249,8 +250,14 @@ TOP_FEATURES = [
     Value("data=hf streamed", HF_STREAM, reference=HF_STREAM),
     Value("data.sources, batch ramp", HF_MIXTURE, reference=HF_MIXTURE),
     Value("checkpoint.export=true", ("checkpoint.export=true",)),
-    # the optimizer step in backward cannot clip: its reference trains without clipping too
-    Value("optim.in_backward=true", ("optim.in_backward=true", "optim.grad_clip=0"), reference=("optim.grad_clip=0",)),
+    # the optimizer step in backward cannot clip: on the defaults (optim.grad_clip=1.0) a one-line
+    # refusal; without clipping, its reference trains without clipping too
+    Value("optim.in_backward=true", ("optim.in_backward=true",)),
+    Value(
+        "optim.in_backward=true, optim.grad_clip=0",
+        ("optim.in_backward=true", "optim.grad_clip=0"),
+        reference=("optim.grad_clip=0",),
+    ),
 ]
 
 
@@ -259,8 +266,10 @@ def features() -> list[Value]:
     for group in FEATURE_GROUPS:
         for choice in conf_choices(group):
             if choice != default_choice(group):
-                setting = (f"{group}={choice}", *CHOICE_SETTINGS.get(f"{group}={choice}", ()))
-                out.append(Value(f"{group}={choice}", setting, reference=setting if group in REFERENCED_GROUPS else ()))
+                name, extra = f"{group}={choice}", CHOICE_SETTINGS.get(f"{group}={choice}", ())
+                for setting in ((name,), (name, *extra)) if extra else ((name,),):
+                    reference = setting if group in REFERENCED_GROUPS else ()
+                    out.append(Value(", ".join(setting), setting, reference=reference))
     return out + TOP_FEATURES
 
 
@@ -313,5 +322,16 @@ def subset_cells() -> list[Cell]:
     for strategy in strategies():
         variants.setdefault(family(strategy), []).append(strategy)
     turns = {name: itertools.cycle(values) for name, values in variants.items()}
-    return [Cell(model, next(turns[name]), feature)
-            for model, name, feature in all_pairs([models(), list(variants), features()])]  # fmt: skip
+    cells = [Cell(model, next(turns[name]), feature)
+             for model, name, feature in all_pairs([models(), list(variants), features()])]  # fmt: skip
+    return cells + [cell for cell in pinned_cells() if cell.id not in {c.id for c in cells}]
+
+
+# cells a report found failing on some machine, kept in the default suite by name: the resnet cell
+# a Sapphire Rapids CPU (AVX-512, AMX) put 1.6e-5 off one process under a constant bound (issue 52)
+PINNED = ("resnet|fsdp(version=1,reshard_after_forward=false)|memory=checkpoint",)
+
+
+def pinned_cells() -> list[Cell]:
+    ms, ss, fs = ({v.name: v for v in values} for values in (models(), strategies(), features()))
+    return [Cell(ms[m], ss[s], fs[f]) for m, s, f in (name.split("|") for name in PINNED)]
