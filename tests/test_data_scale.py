@@ -223,3 +223,25 @@ def test_a_missing_source_and_a_file_of_another_format_are_one_line_before_any_w
         with pytest.raises(ConfigError) as err:
             validate(compose_config(["model=gpt", "data=hf", "parallel=none", *args]))
         assert err.value.key == key and "\n" not in str(err.value), (key, str(err.value))
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "streamed"])
+def test_data_whose_every_row_is_empty_is_one_line_not_a_hang(tmp_path, streaming):
+    """Every row empty or blank: nothing to train on. A map-style dataset says so as its sampler
+    is built, counting the rows left out; a stream, whose size is unknown ahead, at the end of its
+    first epoch (it looped forever, reading the file again and again)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"text": "" if i % 2 else " "}) + "\n" for i in range(50)))
+    cfg = compose_config(
+        ["model=gpt", "data=hf", f"data.path={path}", f"data.streaming={streaming}", "data.seq_len=16"]
+    )
+    with pytest.raises(ValueError) as err:
+        next(build_data(cfg.data, (0, 1), torch.device("cpu"), 0, "lm").batches())
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("data.batch_size" if not streaming else "data.path"), message
+    assert ("50 rows with no token to predict" in message) != streaming and "empty" in message, message
+    if streaming:  # through train.py under ddp x2: the workers' one line, no traceback
+        run = train_cli([*TINY_GPT, "parallel=ddp", "steps=2", f"data.path={path}", "data=hf", "data.streaming=true",
+                         "data.seq_len=16"], tmp_path / "run")  # fmt: skip
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert f"error: {message}" in run.stderr, run.stderr[-2000:]

@@ -34,6 +34,12 @@ from framework.data.split import document_split, held_out, text_region
 from framework.data.tokens import TokenShards, vocab_size_of  # noqa: F401 (re-exported)
 from framework.machine import usable_cores
 
+
+class DataError(ValueError):
+    """Data that cannot train, found only as a worker reads it (a stream's size is not known
+    ahead): the launcher prints it as one line, as it does a checkpoint's."""
+
+
 USER_DATA_RESERVED = (
     "name",
     "batch_size",
@@ -175,6 +181,7 @@ class DataPipeline:
         self.epoch, self.samples = epoch, samples
         while True:
             self.loader.generator.manual_seed(self.loader_seed + 1_000_003 * self.epoch)
+            whole, handed = self.samples == 0, micro
             for batch in self.loader:
                 self.samples = self.sampler.consumed(micro)
                 if hasattr(self.dataset, "counts"):  # a mixture: samples and tokens of each source
@@ -183,6 +190,10 @@ class DataPipeline:
                     batch = trim(batch, self.seq_lens.of_step(micro // accumulation))
                 micro += 1
                 yield self.epoch, batch
+            if whole and micro == handed:  # a stream's epoch read from its start gave nothing: it would loop forever
+                raise DataError("data.path: an epoch gives no whole batch (data.batch_size rows a rank) of rows with a "
+                                 "token to predict (rows of fewer than two tokens, empty or blank, are left out): too "
+                                 "few rows, or every row empty")  # fmt: skip
             self.epoch, self.samples = self.epoch + 1, 0
             self.sampler.load_state_dict({"epoch": self.epoch, "start": 0, "micro": micro})
 
@@ -258,8 +269,10 @@ def build_data(cfg: DictConfig, dp: tuple[int, int], device: torch.device, seed:
         sampler = build_sampler(cfg, dataset, dp_rank, dp_size, seed, accumulation)
         batching = {"batch_sampler": sampler, "collate_fn": dataset.collate}
         if next(sampler.global_batches(), None) is None:
-            raise ValueError(f"data.batch_size: {cfg.batch_size} x {dp_size} data-parallel ranks is more than the "
-                             f"{len(dataset)} samples of an epoch")  # fmt: skip
+            left = getattr(dataset, "figures", {}).get("rows_left_out")
+            empty = f" ({left:,} rows with no token to predict, empty or blank, left out)" if left else ""
+            raise DataError(f"data.batch_size: {cfg.batch_size} x {dp_size} data-parallel ranks is more than the "
+                             f"{len(dataset)} samples of an epoch{empty}")  # fmt: skip
     workers, pin = loader_settings(cfg.num_workers, cfg.pin_memory, device.type, usable_cores(),
                                    torch.cuda.device_count() if device.type == "cuda" else 0)  # fmt: skip
     loader = DataLoader(

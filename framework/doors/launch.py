@@ -29,6 +29,7 @@ from framework.checkpoint.integrity import CheckpointError
 from framework.checkpoint.runlock import FolderInUse, RunLock
 from framework.config import ConfigError, backend_env, resolve_backend, resolve_nproc, validate, world_size_of
 from framework.config.run_folder import discard_refused
+from framework.data import DataError
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
 from framework.machine import launch_local, process_start_time
 from framework.parallel.dims import Strategy
@@ -39,6 +40,7 @@ from framework.run.run_files import Summary, read_summary, write_summary
 log = logging.getLogger(__name__)
 
 GROUPS = ("backend", "parallel", "precision", "memory", "data", "model", "optim", "logger")
+ONE_LINE = (CheckpointError, DataError)  # a worker's errors that say it all in their message: no traceback
 
 _SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob
 
@@ -82,7 +84,8 @@ def main(cfg: DictConfig) -> float | None:
     run_dir, sweeping = hydra_cfg.runtime.output_dir, hydra_cfg.mode == RunMode.MULTIRUN
     # a group's choice: its `name`, else what Hydra picked (a user's own model/<name>.yaml may have none)
     choices = {g: cfg[g].get("name") or hydra_cfg.runtime.choices.get(g) for g in GROUPS}
-    choices["experiment"] = hydra_cfg.runtime.choices.get("experiment")
+    # the callbacks group's node is its entries by the user's names (no `name`): Hydra's pick
+    choices |= {g: hydra_cfg.runtime.choices.get(g) for g in ("callbacks", "experiment")}
     if sweeping and cfg.sweep.skip_done and (done := finished_summary(run_dir)) is not None:
         print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
         return objective(done.to_dict(), cfg.optimize)
@@ -283,7 +286,7 @@ def launch_local_workers(config: DictConfig, job: Job, nproc: int) -> dict[str, 
                   for rank, failure in sorted(err.failures.items())]  # fmt: skip
         recorded = read_summary(run_dir)
         cause = recorded.error if recorded else None  # the first failing rank's own error (others may exit first)
-        if cause and cause.startswith(f"{CheckpointError.__name__}: "):  # one line says it all
+        if cause and cause.startswith(tuple(f"{kind.__name__}: " for kind in ONE_LINE)):  # one line says it all
             print(f"error: {cause.split(': ', 1)[1]}", file=sys.stderr)
             raise RunFailed(cause) from None
         for line in errors:
@@ -318,7 +321,7 @@ def train_here(config: DictConfig, job: Job) -> dict[str, Any] | None:
     does not verify, or a failed save, is one line (rank 0's; every rank has the same)."""
     try:
         return worker_main(config, job)
-    except CheckpointError as err:
+    except ONE_LINE as err:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {err}", file=sys.stderr)
         raise RunFailed(str(err)) from None
@@ -331,7 +334,7 @@ def spawned_worker(config: DictConfig, job: Job) -> dict[str, Any] | None:
         return worker_main(config, job)
     except Preempted as stop:
         sys.exit(exit_code(stop.signum))
-    except CheckpointError:
+    except ONE_LINE:
         sys.exit(1)  # the launcher prints its one line
 
 
