@@ -19,7 +19,9 @@ DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "ml
               "text_smoke": "gpt", "chat": "llama", "hf": "gpt"}  # fmt: skip
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
-GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger"]
+GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger", "callbacks"]
+HEALTH_ORDER = ["spike", "straggler", "checksum"]  # callbacks/default.yaml's entries, one file each
+HEALTH = set(HEALTH_ORDER)
 
 
 def choices(group: str) -> list[str]:
@@ -34,6 +36,7 @@ def test_every_group_has_choices_and_a_schema():
     assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
     assert {"gpt", "gpt_smoke", "llama", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
+    assert {"default", "none", *HEALTH} == set(choices("callbacks"))
 
 
 def _unavailable(group: str, name: str) -> str | None:
@@ -89,7 +92,10 @@ def test_every_group_choice_composes(group, name, tmp_path):
     if group == "parallel" and name == "auto":
         overrides += ["plan.latency_us=50", "plan.intra_node_gbps=1"]  # no link probe
     cfg = compose_config(overrides)
-    assert cfg[group].name == {"gpt_smoke": "gpt", "text_smoke": "text"}.get(name, name)  # smoke's gpt is a gpt
+    if group == "callbacks":  # named entries, no `name`: a choice holds its files' entries
+        assert set(cfg.callbacks) == {"default": HEALTH, "none": set()}.get(name, {name})
+    else:
+        assert cfg[group].name == {"gpt_smoke": "gpt", "text_smoke": "text"}.get(name, name)  # smoke's gpt is a gpt
     if group == "parallel" and name == "auto":  # the planner puts a real layout in its place before validation
         from framework.plan import plan_auto
 
@@ -132,6 +138,21 @@ def test_defaults_are_the_documented_job():
         "wandb",
     )
     assert cfg.logger.mode == "offline"
+    # the callbacks group's default: the health callbacks, each off until set (docs/health.md)
+    assert set(cfg.callbacks) == HEALTH and cfg.callbacks.spike.action == "off"
+    assert cfg.callbacks.straggler.every == 0 and cfg.callbacks.checksum.every == 0
+    mine = compose_config(["callbacks=none", "+callbacks.mine._target_=pkg.Mine", "+callbacks.mine.stop_at=3"])
+    assert OmegaConf.to_container(mine.callbacks) == {"mine": {"_target_": "pkg.Mine", "stop_at": 3}}
+
+
+def test_a_users_callbacks_file_is_a_choice_of_the_group(tmp_path):
+    """conf/callbacks/mine.yaml of the user's (on Hydra's search path): `callbacks=mine` picks it;
+    `defaults: [default]` at its top keeps the health entries beside the user's."""
+    (tmp_path / "callbacks").mkdir()
+    text = "defaults:\n  - default\n  - _self_\n# mine\nmine:\n  _target_: pkg.Mine\n  stop_at: 3\n"
+    (tmp_path / "callbacks" / "mine.yaml").write_text(text)
+    cfg = compose_config([f"hydra.searchpath=[file://{tmp_path}]", "callbacks=mine"])
+    assert list(cfg.callbacks) == [*HEALTH_ORDER, "mine"] and cfg.callbacks.mine.stop_at == 3
 
 
 @pytest.mark.parametrize(
