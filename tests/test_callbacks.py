@@ -48,25 +48,24 @@ def stop_at(n: int) -> list[str]:
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "pp"])
 def test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resumes(layout, user_package, tmp_path):
     """StopAt(3) from a package outside the repository, checkpoints every 2 steps: three lines,
-    `user/seen` 1, 2, 3 in metrics.jsonl (every rank counted every step: max over ranks), its
-    last in summary.json (and W&B under ddp); resumed from step 2 into a new run with StopAt(5),
-    it counts on from its checkpoint (3, 4, 5), not from 0."""
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
-    wandb = layout == "ddp"  # W&B's service costs a run seconds: one layout reads its files
-    proc = train_cli(
-        [*SMOKE, *LAYOUTS[layout], *stop_at(3), "checkpoint.every=2"], first, env=user_package, wandb=wandb
-    )
+    `user/seen` 1, 2, 3 in metrics.jsonl and `user/seen_ranks` 2, 4, 6 (summed over the 2 ranks:
+    every rank saw every step), their last in summary.json and in W&B; resumed from step 2 into a
+    new run with StopAt(5), it counts on from its checkpoint (3, 4, 5), not from 0."""
+    first, resumed, world = tmp_path / "first", tmp_path / "resumed", 2
+    proc = train_cli([*SMOKE, *LAYOUTS[layout], *stop_at(3), "checkpoint.every=2"], first, env=user_package, wandb=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, summary = read_metrics(first), read_summary(first)
-    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["user/seen"] for m in metrics] == [1, 2, 3]
+    seen = [(m["step"], m["user/seen"], m["user/seen_ranks"]) for m in metrics]
+    assert seen == [(s, s, s * world) for s in (1, 2, 3)]
     assert summary["status"] == "ok" and summary["figures"]["user/seen"] == 3
-    if wandb:
-        (run,) = wandb_runs(first)
-        assert "user/seen" in run["summary"], run["summary"]
+    assert summary["figures"]["user/seen_ranks"] == 3 * world and summary["choices"]["callbacks"] == "default"
+    (run,) = wandb_runs(first)
+    assert {"user/seen", "user/seen_ranks"} <= run["summary"], run["summary"]
     proc = train_cli([*SMOKE, *LAYOUTS[layout], *stop_at(5), f"checkpoint.resume={first / 'checkpoints' / 'step-000002'}"],
                      resumed, env=user_package)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [(m["step"], m["user/seen"]) for m in read_metrics(resumed)] == [(3, 3), (4, 4), (5, 5)]
+    seen = [(m["step"], m["user/seen"], m["user/seen_ranks"]) for m in read_metrics(resumed)]
+    assert seen == [(s, s, s * world) for s in (3, 4, 5)]
 
 
 def test_the_docs_example_is_a_callback_the_config_check_accepts(user_package, monkeypatch):
