@@ -266,32 +266,61 @@ def test_the_size_check_counts_what_it_says(tmp_path):
 # ----------------------------------------------------------------------------- the rooms
 
 
+# the capabilities the loop's files leave to callbacks and the step protocol
+FEATURES = (r"moe|experts?|routed|routing|lora|peft|sources|mixture|eval|evaluat[a-z]*|val|patience|monitor|profiler|"
+            r"tqdm|progress|wandb|tensorboard|spikes?|stragglers?|checksums?|goodput|bitflip")  # fmt: skip
+# a feature word alone or as a part of an identifier: starting after no letter or at a camel hump,
+# ending before no lowercase letter (moe_shape, routed_figures, expertBias, MoELayer; not interval, value)
+FEATURE_WORD = re.compile(rf"(?:(?<![A-Za-z])|(?<=[a-z0-9])(?=[A-Z]))(?i:{FEATURES})(?![a-z])")
+
+
+def feature_words(text: str) -> list[str]:
+    return sorted({m.group(0).lower() for m in FEATURE_WORD.finditer(text)})
+
+
 def test_the_run_files_name_no_feature():
     """The loop's files name no capability: those are callbacks and the contract's step protocol."""
-    words = re.compile(r"\b(moe|expert|experts|routed|routing|lora|peft|sources|mixture|eval|evaluat\w*|val|"
-                       r"patience|monitor|profiler|tqdm|progress|wandb|tensorboard|spikes?|stragglers?|checksums?|goodput|"
-                       r"bitflip)\b", re.I)  # fmt: skip
     files = [ROOT / "framework" / "run" / f"{n}.py" for n in ("trainer", "step", "ledger", "summary", "build")]
     files.append(ROOT / "framework" / "doors" / "report_table.py")
-    found = {f.name: sorted({m.group(0).lower() for m in words.finditer(f.read_text())}) for f in files}
+    found = {f.name: feature_words(f.read_text()) for f in files}
     assert not any(found.values()), found
+
+
+def test_the_feature_check_sees_the_words_inside_identifiers():
+    named = "moe_shape routed_figures expert_bias lora_rank self.wandb MoELayer buildMoe EVAL_STEPS evaluation x.val2"
+    assert feature_words(named) == ["eval", "evaluation", "expert", "lora", "moe", "routed", "val", "wandb"]
+    assert feature_words("interval value Value retrieval progressive removed resource unmonitored") == []
+
+
+def models_imported(tree: ast.AST) -> set[str]:
+    """The models/ modules a models/ file imports: `from models.X import`, `import models.X`,
+    `from models import X` and the relative forms (`from .X import`, `from . import X`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("models.")}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1:  # relative: models' own package
+                module = f"models.{module}" if module else "models"
+            if module == "models":
+                found |= {a.name for a in node.names}
+            elif module.startswith("models."):
+                found.add(module.split(".")[1])
+    return found
 
 
 def test_models_have_no_import_circle():
     """models/ import one another downwards only (llama and moe both take the SwiGLU from swiglu)."""
-    graph = {}
-    for path in (ROOT / "models").glob("*.py"):
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("models."):
-                deps.add(node.module.split(".")[1])
-        graph[path.stem] = deps
+    graph = {path.stem: models_imported(ast.parse(path.read_text())) for path in (ROOT / "models").glob("*.py")}
 
     def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
         return any(d == b or (d not in seen and reaches(d, b, seen | {d})) for d in graph.get(a, ()))
 
     circles = sorted(m for m in graph if reaches(m, m))
     assert not circles, circles
+    forms = "import models.a\nimport models.b.c as c\nfrom models.d import x\nfrom models import e\nfrom .f import y\n"
+    assert models_imported(ast.parse(forms + "from . import g\nimport torch.models\n")) == set("abdefg")
 
 
 def test_export_asks_the_model_contract_and_imports_no_model():
