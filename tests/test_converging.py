@@ -24,7 +24,7 @@ CHECKED = 12  # the reference's first steps, on the schedule of the whole run
 DRIFT = 2e-3
 
 
-@pytest.mark.parametrize("model", ["llama"])
+@pytest.mark.parametrize("model", ["llama", "llama(moe)"])
 def test_the_convergence_reference_follows_its_golden_curve(model, tmp_path):
     golden = json.loads(GOLDEN.read_text())["losses"][model]
     assert len(golden) == STEPS
