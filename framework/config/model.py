@@ -123,6 +123,9 @@ def _check_moe_settings(moe) -> None:
                          ("balance_scope", ("global", "micro"))):  # fmt: skip
         if moe.get(key) is not None and moe[key] not in allowed:
             raise ConfigError(f"model.moe.{key}", f"got {moe[key]!r}; allowed: {', '.join(allowed)}")
+    for key in ("aux_loss_coef", "bias_rate"):  # the balancing loss's weight, the bias's step (0: off)
+        if moe.get(key) is not None and moe[key] < 0:
+            raise ConfigError(f"model.moe.{key}", f"got {moe[key]}; must be >= 0, or null: the flavour's")
     if moe.get("capacity_factor") is not None and not moe.capacity_factor > 0:
         raise ConfigError("model.moe.capacity_factor", f"got {moe.capacity_factor}; > 0, or null: dropless")
 

@@ -17,6 +17,7 @@ from framework.config.choices import Choice
 from framework.config.data_checks import check_data_plan, check_val_split
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
 from framework.config.memory_checks import check_memory
+from framework.config.optim_checks import check_optim
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 
 
@@ -41,7 +42,7 @@ def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first setting that cannot run. Called before any worker starts.
     The model is paired with its data before a strategy's check builds it (its keys may point into data)."""
     check_mandatory(cfg)
-    for check in (_check_choices, _check_values, _check_loader, _check_device_and_backend, _check_world, _check_model_and_data,
+    for check in (_check_choices, _check_values, check_optim, _check_loader, _check_device_and_backend, _check_world, _check_model_and_data,
                   _check_strategy, check_memory, _check_batching, check_data_plan, _check_paths, _check_eval, check_callbacks):  # fmt: skip
         with resolution_named():
             check(cfg)
@@ -95,6 +96,9 @@ def _check_values(cfg: DictConfig) -> None:
     gpu = cfg.get("plan", {}).get("gpu")
     _require(gpu is None or is_planned_part(gpu), "plan.gpu",
              f"{gpu!r} is not a part the time model knows; one of {', '.join(PLANNED_PARTS)} (SXM)")  # fmt: skip
+    budget = cfg.get("plan", {}).get("memory_budget_mb")
+    _require(budget is None or budget > 0, "plan.memory_budget_mb",
+             f"got {budget}; must be > 0 (MB per rank), or null: the device's memory")  # fmt: skip
     version = cfg.parallel.get("version", 2)
     _require(version in (1, 2), "parallel.version", f"got {version!r}; allowed: 1, 2")
     if cfg.profile:
@@ -117,6 +121,8 @@ def _check_profiler(cfg: DictConfig) -> None:
 def _check_loader(cfg: DictConfig) -> None:
     """The data loader's processes and pinned memory."""
     workers, pin = cfg.data.num_workers, cfg.data.pin_memory
+    if cfg.data.name == "hf":  # a stream's rows are read and permuted in windows of this many
+        _at_least(cfg, "data.shuffle_buffer", 1)
     _require(workers == "auto" or (isinstance(workers, int) and workers >= 0), "data.num_workers",
              f"got {workers!r}; allowed: auto or an integer >= 0")  # fmt: skip
     _require(pin in ("auto", True, False), "data.pin_memory", f"got {pin!r}; allowed: auto, true, false")

@@ -121,7 +121,12 @@ def main(argv: list[str]) -> int:
     sys.argv = ["lm_eval", *argv]
     setup_logging()
     parser = HarnessCLI()
-    args = parser.parse_args()
+    try:
+        args = parser.parse_args()
+    except ValueError as err:  # lm_eval reads a first --model_args value holding a brace as JSON
+        print(f"error: --model_args: {err} Or give each override its own argument, a mixture's after another: "
+              "--model_args model=llama data.sources=[{path:A},{path:B}]", file=sys.stderr)  # fmt: skip
+        return 2
     if getattr(args, "model", None) == "hydradist":
         settings = dict(args.model_args or {})
         try:

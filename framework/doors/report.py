@@ -183,10 +183,11 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(root: str | os.PathLike) -> tuple[Path, list[Run]]:
-    """Write root/report.md and the plots; returns the report's path and the runs it read."""
+def write_report(root: str | os.PathLike, runs: list[Run] | None = None) -> tuple[Path, list[Run]]:
+    """Write root/report.md and the plots of `runs` (None: those under root); returns the
+    report's path and the runs it read."""
     root = Path(root)
-    runs = find_runs(root)
+    runs = find_runs(root) if runs is None else runs
     plots = plot(runs, root) if runs else []
     path = root / "report.md"
     path.write_text(markdown(runs, str(root), plots))
@@ -262,10 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isdir(args.dir):
         print(f"error: dir: no folder at {args.dir!r}", file=sys.stderr)
         sys.exit(2)
-    path, runs = write_report(args.dir)
-    if not runs:
+    runs = find_runs(Path(args.dir))
+    if not runs:  # refused before anything is written: no empty report.md left behind
         print(f"error: dir: no run directories (with a summary.json) under {args.dir!r}", file=sys.stderr)
         sys.exit(2)
+    path, runs = write_report(args.dir, runs)
     print(path.read_text().split("\n\n## Plots")[0])
     print(f"\nreport: {path}")
 
