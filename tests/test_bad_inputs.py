@@ -200,7 +200,7 @@ def test_export_and_prepare_refuse_a_path_in_one_line(tmp_path, inputs, capsys, 
 
     path = inputs["missing"] if kind == "missing" else inputs["text"]
     assert export([path, str(tmp_path / "out")]) == 2
-    one_line(2, capsys.readouterr().err, "", "CHECKPOINT")
+    one_line(2, capsys.readouterr().err, "", "checkpoint")  # as generate and evaluate name it
     (tmp_path / "empty").mkdir()
     code = prepare([path if kind == "missing" else str(tmp_path / "empty"), str(tmp_path / "shards"), "--no-progress"])
     captured = capsys.readouterr()

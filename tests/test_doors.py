@@ -197,6 +197,36 @@ def test_bad_inputs_to_each_door_are_one_line_and_leave_nothing_behind(inputs, t
     assert os.listdir(tmp_path) == []
 
 
+def test_export_reads_a_run_folder_and_checks_its_overrides(inputs, tmp_path, capsys):
+    """`python -m framework.export RUN_DIR OUT [key=value ...]` reads what every door reads: the
+    run folder's newest checkpoint with its saved config (or `--config`), the overrides on top,
+    checked as train.py checks them. The files equal those the run exported at its end, tensor for
+    tensor; a bad override, or a bad value in `--config`, is one line naming the key, exit 2,
+    nothing written."""
+    import yaml
+
+    from framework.checkpoint.store import find_config
+    from framework.doors.export import main as export
+    from models.llama_hf import iter_hf_tensors
+
+    run, out = inputs / "run", tmp_path / "out"
+    assert export([str(run), str(out), "seed=7"]) == 0
+    assert capsys.readouterr().out.startswith(f"{out}: Hugging Face LlamaForCausalLM")
+    exported, at_end = dict(iter_hf_tensors(str(out))), dict(iter_hf_tensors(str(run / "hf")))
+    assert set(exported) == set(at_end) and all(torch.equal(exported[k], at_end[k]) for k in at_end)
+    assert json.loads((out / "config.json").read_text()) == json.loads((run / "hf" / "config.json").read_text())
+    saved = find_config(str(next((run / "checkpoints").glob("step-*"))))
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**saved, "optim": {**saved["optim"], "weight_decay": -1}}))
+    for args, key in ((["optim.min_lr_ratio=2"], "optim.min_lr_ratio"), (["model.n_layrs=3"], "model.n_layrs"),
+                      (["data.path=/no/such/file"], "data.path"), (["--config", str(tmp_path / "bad.yaml")],
+                      "optim.weight_decay")):  # fmt: skip
+        assert export([str(run), str(tmp_path / "refused"), *args]) == 2, args
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {key}: ") and not captured.out, (args, lines)
+    assert not (tmp_path / "refused").exists()
+
+
 def hf_loglikelihood(hf, context: str, continuation: str) -> float:
     """transformers' log-probability of the continuation's bytes after the context's."""
     first, whole = len(context.encode()), list((context + continuation).encode())

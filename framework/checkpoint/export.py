@@ -11,8 +11,9 @@ read). The export streams parameter by parameter: each tensor is read whole from
 written at its place in the safetensors file, whose header is written first from the
 checkpoint's metadata. No more than one full parameter is in memory at a time.
 
-The run's config is read from the run directory above the checkpoint (`.hydra/config.yaml`), or
-from `--config`.
+The command line (framework/doors/export.py) reads the run's config as every door does
+(framework/config/door.py: the config saved beside the checkpoints, the overrides on top, checked)
+and also takes a run folder: `python -m framework.export RUN_DIR OUT [key=value ...]`.
 
 `checkpoint.export=true` writes the same files through the same writer at the end of a run
 (`export_at_end`: RUN_DIR/hf for model=llama and model=hf), from the model gathered in memory
@@ -38,7 +39,6 @@ from omegaconf import OmegaConf, open_dict
 from torch import nn
 
 from framework.checkpoint.full import full_model_state_dict
-from framework.checkpoint.store import find_config
 from framework.contract import build_model, locate_target
 from framework.hf import ties_embeddings
 from framework.peft import enabled, is_adapter
@@ -71,19 +71,6 @@ def write_safetensors(path: str, entries: Sequence[tuple[str, torch.Size, torch.
                 raise ExportError(f"{name}: got shape {list(t.shape)}, the header says {list(shape)}")
             f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     os.replace(tmp, path)
-
-
-def run_config(checkpoint: str, config: str | None):
-    """The config of the run that saved `checkpoint`: `--config`, else the resolved one the run
-    saved beside its checkpoints, else its `.hydra/config.yaml`."""
-    if config is not None:
-        return OmegaConf.load(config)
-    if (saved := find_config(checkpoint)) is not None:
-        return OmegaConf.create(saved)
-    for parent in Path(checkpoint).resolve().parents[:3]:
-        if (parent / ".hydra" / "config.yaml").is_file():
-            return OmegaConf.load(parent / ".hydra" / "config.yaml")
-    raise ExportError(f"CHECKPOINT: no run config (.hydra/config.yaml) above {checkpoint}; pass --config")
 
 
 def checkpoint_tensors(checkpoint: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -209,7 +196,7 @@ def write_peft_adapter(cfg, out: str, tensors: dict, read: Callable[[str], torch
 
 
 def export_hf(cfg, checkpoint: str, out: str, fmt: str = "hf", tokenizer=None) -> dict:
-    """The CLI's export of `checkpoint` trained under `cfg` (run_config): streamed from a DCP
+    """The CLI's export of `checkpoint` trained under `cfg` (the door's, checked): streamed from a DCP
     checkpoint, one whole tensor in memory at a time. Returns the (base) model's Hugging Face
     config.json."""
     tensors = checkpoint_tensors(checkpoint)

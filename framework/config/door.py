@@ -1,5 +1,5 @@
 """One way in for the front doors that read a model (`python -m framework.evaluate`, `.generate`,
-`.harness`): `resolve_input(target, overrides)` composes once, resolves and validates as train.py
+`.harness`, `.export`): `resolve_input(target, overrides)` composes once, resolves and validates as train.py
 does, before any model is built or any worker starts. What it refuses is a ConfigError naming the
 key, which the door prints as one line and exits 2 on.
 
@@ -49,11 +49,12 @@ def split_target(argv: list[str]) -> tuple[str | None, list[str]]:
     return None, list(argv)
 
 
-def resolve_input(target: str | None, overrides: list[str]) -> DoorInput:
-    """The config a door runs with: a checkpoint's (TARGET) or the one the overrides compose,
-    checked as train.py checks it, resolved; ConfigError for the first problem."""
+def resolve_input(target: str | None, overrides: list[str], config_file: str | None = None) -> DoorInput:
+    """The config a door runs with: a checkpoint's (TARGET; `config_file` read in place of the one
+    saved beside it) or the one the overrides compose, checked as train.py checks it, resolved;
+    ConfigError for the first problem."""
     path = resolve_checkpoint(target) if target is not None else None
-    cfg = saved_config(path, overrides) if path is not None else composed_config(overrides)
+    cfg = saved_config(path, overrides, config_file) if path is not None else composed_config(overrides)
     given = keys_of(overrides)
     whole_file = "data.path" in given and cfg.data.name == "text" and not cfg.data.get("sources")
     whole_file = whole_file and not given & {"data.val_fraction", "data.val_path"}  # else: that file's split
@@ -81,11 +82,14 @@ def resolve_checkpoint(target: str) -> str:
     return found
 
 
-def saved_config(path: str, overrides: list[str]) -> DictConfig:
-    """The config saved beside checkpoint `path`, the door's settings and then `overrides` on top."""
+def saved_config(path: str, overrides: list[str], config_file: str | None = None) -> DictConfig:
+    """The config saved beside checkpoint `path` (or `config_file`, a run's config.yaml), the
+    door's settings and then `overrides` on top."""
     from framework.config.overrides import apply_overrides
 
-    saved = checkpoint.find_config(path)
+    if config_file is not None and not os.path.isfile(config_file):
+        raise ConfigError("--config", f"no file at {config_file!r}")
+    saved = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file else checkpoint.find_config(path)
     if saved is None:
         raise ConfigError("checkpoint", f"no {checkpoint.CONFIG_FILE} beside {path} (saved by runs since issue 21)")
     cfg = OmegaConf.create(saved)

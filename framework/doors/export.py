@@ -1,16 +1,29 @@
-"""`python -m framework.export CHECKPOINT OUT [--format hf|peft] [--config RUN_CONFIG]`: the
-command line of framework/checkpoint/export.py (what is written, and how, is told there). The door
-reads the run's config and its tokenizer (the data's, as generate reads it) and hands both to the
-library, which imports neither the data nor any model."""
+"""`python -m framework.export CHECKPOINT|RUN_DIR OUT [key=value ...] [--format hf|peft] [--config RUN_CONFIG]`:
+the command line of framework/checkpoint/export.py (what is written, and how, is told there).
+
+The input is what every door reads (framework/config/door.py): a checkpoint folder, or a run
+folder's best (else newest) checkpoint, with the config saved beside it (`--config`: a run's
+config.yaml in its place; a run that saved none: its `.hydra/config.yaml`) and train.py's
+overrides on top, checked as train.py checks them before anything is written: a bad one is one
+line naming the key, exit 2. Export reads the checkpoint on the CPU, one tensor at a time, so the
+run's device, backend and memory levers are not its (`EXPORT_DEFAULTS`, unless overridden). The
+door reads the run's tokenizer (the data's, as generate reads it) and hands config and tokenizer
+to the library, which imports neither the data nor any model."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
-from framework.checkpoint.export import ExportError, export_hf, run_config
+from framework.checkpoint.export import ExportError, export_hf
 from framework.checkpoint.export import __doc__ as export_doc
+from framework.checkpoint.store import find_config
+from framework.config.door import keys_of, resolve_checkpoint, resolve_input
+from framework.config.errors import ConfigError
+
+# what export sets unless the overrides say otherwise: the run's placement is not export's
+EXPORT_DEFAULTS = {"device": "cpu", "backend": "gloo", "memory": "none"}
 
 
 def run_tokenizer(cfg):
@@ -25,25 +38,44 @@ def run_tokenizer(cfg):
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def config_file_of(checkpoint: str, given: str | None) -> str | None:
+    """`--config`, else None where a config is saved beside the checkpoint, else the run's
+    `.hydra/config.yaml` above it (runs before the saved config)."""
+    if given is not None or find_config(checkpoint) is not None:
+        return given
+    for parent in Path(checkpoint).resolve().parents[:3]:
+        if (parent / ".hydra" / "config.yaml").is_file():
+            return str(parent / ".hydra" / "config.yaml")
+    return None
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m framework.export", description=export_doc.split("\n")[0])
-    p.add_argument("checkpoint", help="a step-NNNNNN checkpoint folder")
+    p.add_argument("target", metavar="CHECKPOINT|RUN_DIR", help="a step-NNNNNN checkpoint folder, or a run folder")
     p.add_argument("out", help="the folder to write")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="train.py's overrides on the run's config")
     p.add_argument(
         "--format",
         default="hf",
         choices=["hf", "peft"],
         help="hf: config.json + model.safetensors (peft=lora: merged); peft: the adapters, PEFT's files",
     )
-    p.add_argument("--config", default=None, help="the run's config.yaml (default: the run dir's .hydra/config.yaml)")
-    a = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.checkpoint, ".metadata")):
-        print(f"error: CHECKPOINT: {a.checkpoint} is not a complete checkpoint (no .metadata)", file=sys.stderr)
-        return 2
+    p.add_argument(
+        "--config", default=None, help="the run's config.yaml (default: the one saved beside the checkpoints)"
+    )
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    given = keys_of(a.overrides)
+    defaults = [f"{key}={value}" for key, value in EXPORT_DEFAULTS.items() if key not in given]
     try:
-        cfg = run_config(a.checkpoint, a.config)
-        config_json = export_hf(cfg, a.checkpoint, a.out, a.format, None if a.format == "peft" else run_tokenizer(cfg))
-    except ExportError as err:
+        checkpoint = resolve_checkpoint(a.target)
+        door = resolve_input(checkpoint, [*defaults, *a.overrides], config_file_of(checkpoint, a.config))
+        tokenizer = None if a.format == "peft" else run_tokenizer(door.cfg)
+        config_json = export_hf(door.cfg, checkpoint, a.out, a.format, tokenizer)
+    except (ConfigError, ExportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{a.out}: {written_kind(config_json, a.format)}")
