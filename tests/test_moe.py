@@ -274,6 +274,20 @@ def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp(tmp_
     assert collectives(tmp_path / "ep") == dense_plus and len(dense_plus) == 5
 
 
+@pytest.mark.slow  # the default balance's parity above is the default suite's; this is bias's
+def test_bias_balancing_trains_as_one_process_under_ddp_ep_and_pp(tmp_path):
+    """model.moe.balance=bias (DeepSeek-V3's loss-free balancing: each expert's routing bias moves
+    after the step by the step's global loads, on the device): 5 steps in fp32 under ddp x2, ep x2
+    and pp x2 equal one process within 1e-5, losses and gradient norms."""
+    bias = ["model.moe.balance=bias"]
+    want = moe_run(tmp_path, "one", *bias, *ONE_PROCESS)
+    layouts = {"ddp": ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"], "ep": [*EP2, "data.batch_size=4"],
+               "pp": ["parallel=pp", "launch.nproc_per_node=2", "data.batch_size=8"]}  # fmt: skip
+    for name, overrides in layouts.items():
+        got = moe_run(tmp_path, name, *bias, *overrides)
+        assert close(got, want), (name, got, want)
+
+
 def test_an_moe_step_syncs_the_host_no_more_than_a_dense_step(monkeypatch, tmp_path):
     """The framework reads no routed figure on the host between the ledger's syncs (one per logged
     step): 8 more steps at log_every=4 add 2 syncs, with experts as without."""
