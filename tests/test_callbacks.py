@@ -59,6 +59,7 @@ def test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resume
     assert seen == [(s, s, s * world) for s in (1, 2, 3)]
     assert summary["status"] == "ok" and summary["figures"]["user/seen"] == 3
     assert summary["figures"]["user/seen_ranks"] == 3 * world and summary["choices"]["callbacks"] == "default"
+    assert summary["choices"]["peft"] == "none"  # every group's choice, peft's too
     (run,) = wandb_runs(first)
     assert {"user/seen", "user/seen_ranks"} <= run["summary"], run["summary"]
     proc = train_cli([*SMOKE, *LAYOUTS[layout], *stop_at(5), f"checkpoint.resume={first / 'checkpoints' / 'step-000002'}"],

@@ -251,3 +251,16 @@ def test_one_process_strategies_start_one_worker_by_default():
     assert resolve_nproc(compose_config(["parallel=dp"])) == 1  # DataParallel drives every GPU from one process
     assert resolve_nproc(compose_config(["parallel=none"])) == 1
     assert resolve_nproc(compose_config(["parallel=dp", "launch.nproc_per_node=3"])) == 3
+
+
+def test_a_saved_configs_group_choices_are_replaced_as_train_py_composes_them():
+    """A door's overrides on a saved run's config (framework.config.overrides.apply_overrides): a
+    group's choice replaces the whole group (peft, callbacks and the rest), a key sets one value."""
+    from omegaconf import OmegaConf
+
+    from framework.config.overrides import apply_overrides
+
+    saved = OmegaConf.create(OmegaConf.to_container(compose_config(["peft=none"])))  # as read from the run's file
+    cfg = apply_overrides(saved, ["peft=lora", "callbacks=none", "precision=bf16", "eval.steps=3"])
+    assert cfg.peft.name == "lora" and cfg.peft.rank == compose_config(["peft=lora"]).peft.rank
+    assert not cfg.callbacks and cfg.precision == compose_config(["precision=bf16"]).precision and cfg.eval.steps == 3

@@ -251,7 +251,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-_GROUPS = ("backend", "parallel", "precision", "memory", "data", "model", "optim", "logger", "callbacks")
+_GROUPS = ("backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger", "callbacks")
 
 
 def _replace_group(cfg: DictConfig, group: str, line: str) -> None:
