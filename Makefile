@@ -9,7 +9,7 @@ TORCH_PIP ?=
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all matrix matrix-subset sabotage lint bench clean gpu-wheels
+.PHONY: train test test-docs test-all matrix matrix-subset sabotage lint bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ TEST_WORKERS ?= auto
 test: $(STAMP)
 	$(COMPILE)
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
+
+# every doc's quick start whole, as written (tests/test_docs.py's long tier: the runs the default
+# suite composes instead); CI runs it after `make test`
+test-docs: $(STAMP)
+	$(VENV)/bin/python -m pytest -m slow tests/test_docs.py $(ARGS)
 
 # the default suite and the long tier (-m slow: the cases the default run keeps one of), on the
 # same workers; not the full matrix

@@ -2,8 +2,8 @@
 docs/finetune.md, evaluation.md and sweeps.md (their ```bash blocks), data.md (its mixture command)
 and moe.md (its expert-parallel commands), in the doc's order, from one folder a newcomer works in
 (the docs' relative paths resolve there), so that a later command reads what an earlier one wrote:
-the run, its checkpoints, the sweep. docs/planner.md's example is tests/test_plan.py's
-test_planner_md_example_prints_what_the_doc_shows.
+the run, its checkpoints, the sweep; and docs/planner.md's quick start (its example table is
+tests/test_plan.py's test_planner_md_example_prints_what_the_doc_shows).
 
 A command is changed only as the tables below say. A command this file does not know how to run is
 a failure, not a skip. Two cannot run here as written, and each runs the same tool on the same
@@ -68,6 +68,8 @@ APPENDED = {
     "sweeps.md": [*TINY_GPT, "data.max_bytes=50000", "steps=2", "logger=all"],
     "data.md": [*TINY_GPT, "steps=2", "logger=none"],
     "moe.md": ["steps=2", "logger=none"],
+    # parallel=auto picks among 4 workers' layouts for the tiny gpt (the doc's model is the planner's)
+    "planner.md": [*TINY_GPT, "steps=2", "logger=none"],
 }
 # The environment: W&B offline, no hub, and one OpenMP thread a process (the suite runs two test
 # files at once on two cores: a one-process tool's two threads spinning against the other file's
@@ -99,6 +101,13 @@ LONG = {
     "python train.py model=llama model.flavor=debug_moe parallel=hybrid parallel.tp=1 parallel.pp=1 "
     "parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2 launch.nproc_per_node=4":
         "4 workers of a routed Llama on 2 cores (~20 s); tests/test_moe.py's long tier trains HSDP with ep",
+    "python train.py parallel=auto launch.nproc_per_node=4":
+        "the layout auto picks, trained by 4 workers on 2 cores (~15 s); tests/test_plan.py trains parallel=auto",
+    "python train.py parallel=auto launch.nproc_per_node=4 plan.memory_budget_mb=1200": "the same, under a budget (~15 s)",
+    "python -m framework.plan plan.dry_run=true plan.world_size=1024 model=llama model.flavor=70b "
+    "model.vocab_size=128256 data.seq_len=8192 data.batch_size=8 parallel=hybrid parallel.tp=8 parallel.pp=8 "
+    "parallel.dp_shard=16 parallel.n_microbatches=8 parallel.sequence_parallel=true precision=bf16 memory=checkpoint":
+        "1,024 ranks' roles on meta tensors (~60 s); tests/test_dry_run.py runs a dry run at 8 ranks",
 }  # fmt: skip
 
 
@@ -274,7 +283,8 @@ def test_the_quick_starts_are_the_commands_this_file_runs():
     """What quick_start reads from each doc (a command moved into another kind of block would
     otherwise leave this file unnoticed), and the tables name only commands the docs hold."""
     counts = {doc: len(quick_start(doc)) for doc in APPENDED}
-    assert counts == {"finetune.md": 7, "evaluation.md": 13, "sweeps.md": 5, "data.md": 1, "moe.md": 2}, counts
+    assert counts == {"finetune.md": 7, "evaluation.md": 13, "sweeps.md": 5, "data.md": 1, "moe.md": 2,
+                      "planner.md": 4}, counts  # fmt: skip
     every = {line for doc in APPENDED for line in quick_start(doc)}
     named = set(COMPOSED_ONLY) | set(LONG) - set(APPENDED)
     assert named <= every, named - every
@@ -425,3 +435,29 @@ def test_moe_md_commands_compose_and_plan(newcomer, monkeypatch):
 @pytest.mark.slow  # LONG's two training runs
 def test_moe_md_commands_train(newcomer, monkeypatch):
     moe_md(newcomer, monkeypatch, whole=True)
+
+
+def planner_md(newcomer, monkeypatch, whole: bool) -> None:
+    """The ranked table, parallel=auto's run of its top layout (and under a budget), the dry run at
+    1,024 ranks. The default tier composes the two runs as train.py does, the planner choosing."""
+    done = walk("planner.md", newcomer, monkeypatch, whole)
+    ranked = done[0][1].stdout
+    assert "parallel=auto would run: " in ranked and "\n| 1 " in ranked, ranked[-2000:]
+    if not whole:
+        for _, configs in done[1:3]:
+            (config,) = configs
+            assert config["parallel"]["name"] != "auto", config["parallel"]  # resolved before any worker
+        assert done[2][1][0]["plan"]["memory_budget_mb"] == 1200 and done[3][1] is None
+        return
+    for argv, proc in done[1:3]:
+        assert "done: 2 steps" in proc.stdout and "parallel=auto" in proc.stdout, (argv, proc.stdout[-2000:])
+    assert "state bytes equal the planner's" in done[3][1].stdout, done[3][1].stdout[-2000:]
+
+
+def test_planner_md_quick_start(newcomer, monkeypatch):
+    planner_md(newcomer, monkeypatch, whole=False)
+
+
+@pytest.mark.slow  # LONG: the runs and the 1,024-rank dry run
+def test_planner_md_quick_start_whole(newcomer, monkeypatch):
+    planner_md(newcomer, monkeypatch, whole=True)
