@@ -11,6 +11,7 @@ input gradients to fill the bubble).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -183,7 +184,15 @@ def _stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _taken(fn: Callable, kwargs: dict) -> dict:
     """The `kwargs` that `fn` takes (a gpt block takes no positions; its embedding does)."""
-    return {k: v for k, v in kwargs.items() if k in inspect.signature(fn).parameters} if kwargs else kwargs
+    if not kwargs:
+        return kwargs
+    names = _parameter_names(getattr(fn, "__func__", fn))  # a bound method: its function, read once
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+@functools.cache
+def _parameter_names(fn: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _unwrapped(block: nn.Module) -> nn.Module:
