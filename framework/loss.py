@@ -20,3 +20,15 @@ def loss_elements(target: torch.Tensor) -> int:
     """How many terms a batch adds to the loss: its tokens that carry a target (language
     models), or its samples (classifiers)."""
     return int((target != IGNORE_INDEX).sum())
+
+
+class ScaledLoss:
+    """A pipeline schedule's loss (torch's schedules backpropagate what it returns): the mean
+    cross-entropy times amp's loss scale (a device tensor, set each step; None: unscaled)."""
+
+    def __init__(self) -> None:
+        self.scale: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = cross_entropy(logits, target)
+        return loss if self.scale is None else loss * self.scale

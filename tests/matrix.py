@@ -327,9 +327,10 @@ def subset_cells() -> list[Cell]:
     return cells + [cell for cell in pinned_cells() if cell.id not in {c.id for c in cells}]
 
 
-# cells a report found failing on some machine, kept in the default suite by name: the resnet cell
-# a Sapphire Rapids CPU (AVX-512, AMX) put 1.6e-5 off one process under a constant bound (issue 52)
-PINNED = ("resnet|fsdp(version=1,reshard_after_forward=false)|memory=checkpoint",)
+# cells kept in the default suite by name: the resnet cell a Sapphire Rapids CPU (AVX-512, AMX) put
+# 1.6e-5 off one process under a constant bound (issue 52); amp's loss scaling through a pipeline's
+# schedule (the pairs alone meet it only where the scaler's warm-up skips the comparison)
+PINNED = ("resnet|fsdp(version=1,reshard_after_forward=false)|memory=checkpoint", "gpt|pp|precision=amp")
 
 
 def pinned_cells() -> list[Cell]:

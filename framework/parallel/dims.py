@@ -168,8 +168,6 @@ class ParallelDims:
                 "strategies dp_replicate=1",
             )
         if self.pp > 1:
-            _require(cfg.precision.name != "amp", "precision",
-                     "amp (float16 loss scaling) is not supported with pipeline parallel; use precision=bf16")  # fmt: skip
             local_batch = cfg.data.batch_size * cfg.accumulation_steps
             n_microbatches, schedule = p.get("n_microbatches", 4), p.get("schedule", "1F1B")
             _require(local_batch % n_microbatches == 0, "parallel.n_microbatches",

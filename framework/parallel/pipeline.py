@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.contract import WRAPPER_PREFIXES, ContractError, ModelSpec, blocks_of, forget_counts, logits_of
-from framework.loss import cross_entropy
+from framework.loss import ScaledLoss
 
 WRAPPED = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES)  # the wrapped module's attribute
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
@@ -245,20 +245,25 @@ class Pipeline:
     has_last: bool
     n_microbatches: int
     stages: dict[int, nn.Module] = field(default_factory=dict)  # this rank's stage modules by stage id
+    loss: ScaledLoss = field(default_factory=ScaledLoss)  # the schedule's loss_fn
 
-    def step(self, inputs: torch.Tensor, target: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, target: torch.Tensor, positions: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Forward+backward of the local batch; returns the mean loss on ranks holding the last
         stage (zero elsewhere: the loss lives there). `positions` (context parallel: the places of
-        this rank's share of each sequence) go to every stage's embedding and blocks."""
+        this rank's share of each sequence) go to every stage's embedding and blocks; `scale`
+        (amp's loss scale) multiplies each micro-batch's loss before its backward."""
         for stage in self.stages.values():
             stage.positions = positions
+        self.loss.scale = scale
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         if not self.has_last:
             return torch.zeros((), device=target.device)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        mean = torch.stack([loss.detach() for loss in losses]).mean()
+        return mean if scale is None else mean / scale
 
 
 def build_stages(
@@ -283,12 +288,13 @@ def build_pipeline(
     ]
     for stage in stages:
         forget_inference_counts(stage)
-    name, n_microbatches = cfg.get("schedule", "1F1B"), cfg.get("n_microbatches", 4)
+    name, n_microbatches, loss = cfg.get("schedule", "1F1B"), cfg.get("n_microbatches", 4), ScaledLoss()
     if name in SINGLE_STAGE:
-        schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], n_microbatches, loss_fn=cross_entropy)
+        schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], n_microbatches, loss_fn=loss)
     else:
-        schedule = getattr(pipelining, MULTI_STAGE[name])(stages, n_microbatches, loss_fn=cross_entropy)
-    return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches, dict(zip(ids, stage_modules, strict=True)))
+        schedule = getattr(pipelining, MULTI_STAGE[name])(stages, n_microbatches, loss_fn=loss)
+    modules = dict(zip(ids, stage_modules, strict=True))
+    return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches, modules, loss)
 
 
 def forget_inference_counts(stage) -> None:

@@ -142,7 +142,8 @@ def forward_backward(
         inputs, kwargs, target = par.split_batch(inputs, target)  # context parallel: this rank's part
         before_backward(0)
         with precision.autocast(), meter.measure() if meter else nullcontext(), par.loss_context():
-            return par.pipeline.step(inputs[0], target, kwargs.get("positions"))
+            scale = loss_scale(precision.scaler, info.device) if precision.scaler.is_enabled() else None
+            return par.pipeline.step(inputs[0], target, kwargs.get("positions"), scale)
     scale = par.dp_size * par.cp_size / step_elements(cfg, info, parts, step_batches)  # FSDP averages over dp x cp
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
