@@ -273,3 +273,68 @@ def test_the_harness_command_runs_on_the_cpu_without_being_told(inputs, tmp_path
         max(range(len(c)), key=lambda i, q=q, c=c: hf_loglikelihood(hf, q, " " + c[i])) == a for q, c, a in QUESTIONS
     ]
     assert acc == pytest.approx(sum(right) / len(right))
+
+
+OWN = ["model=custom", "model._target_=tiny.TinyLM", "+model.dim=8", "+model.n_layers=1"]  # tests/test_own_model.py's
+# the data choices the lm test above leaves, each with a tiny model that trains on it
+OTHERS = {
+    "images": ["model=resnet", "data=images", "data.num_samples=32", "data.image_size=8", "data.batch_size=8"],
+    "vectors": ["model=mlp", "data=vectors", "data.num_samples=64", "model.hidden=16", "data.batch_size=16"],
+    "varlen": ["model=lstm", "model.hidden=16", "data=varlen", "data.num_samples=64", "data.max_len=16"],
+    "custom": [*OWN, "data=custom", "data._target_=tinydata.Windows", "+data.samples=24", "data.batch_size=8"],
+    "text_smoke": [*OWN, "data=text_smoke", "data.path={root}/small.txt", "data.batch_size=2"],
+}
+HELD_OUT = "data.val_fraction=0.25"
+
+
+@pytest.fixture(scope="module")
+def other_runs(tmp_path_factory):
+    """A user's model and dataset modules (importable here and in the workers), and one 1-step run
+    of each of OTHERS, evaluated before and after its step; one worker trains them all."""
+    from framework.run.sweep import run_configs
+    from tests.helpers import world_config
+    from tests.test_own_model import TINY, TINY_DATA
+
+    root = tmp_path_factory.mktemp("other_data")
+    (root / "tiny.py").write_text(TINY)
+    (root / "tinydata.py").write_text(TINY_DATA)
+    (root / "small.txt").write_bytes(bytes(range(32, 127)) * 3)  # 285 bytes: 2 held-out windows of 32
+    run = [HELD_OUT, "parallel=none", "logger=none", "progress=false", "steps=1", "checkpoint.every=1",
+           "eval.every=1", "eval.at_start=true"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(root))
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        configs = {name: world_config([*(o.format(root=root) for o in args), *run], 1) for name, args in OTHERS.items()}
+        yield root, run_configs(configs, 1, str(root / "runs"))
+    for name in ("tiny", "tinydata"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("choice", OTHERS)
+def test_evaluate_reads_every_other_data_choice_as_its_run_evaluated_it(other_runs, choice, capsys):
+    """images, vectors, varlen, a `_target_` dataset and text_smoke (a `_target_` model on the last
+    two): as built, the loss (a classifier's accuracy, an lm's perplexity) the run's evaluation at
+    step 0 gave; from its checkpoint, the one after its step (vectors under parallel=ddp: launched
+    as train.py launches it; a single process ran in this one with no process group, a ValueError
+    traceback: MASTER_ADDR). With nothing
+    held out: one line naming data.val_fraction, exit 2, nothing written; a `_target_` dataset's
+    split is then all of it."""
+    from framework.doors.evaluate import main, run
+    from tests.helpers import on_cpu
+
+    root, summaries = other_runs
+    history, folder = summaries[choice]["eval"]["history"], root / "runs" / choice
+    if choice == "custom":
+        assert run(str(folder), ["data.val_fraction=0"])["terms"] == 24 * 32
+    else:
+        before = sorted(os.listdir(folder))
+        capsys.readouterr()
+        assert main([str(folder), "data.val_fraction=0"]) == 2 and sorted(os.listdir(folder)) == before
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: data.val_fraction: "), lines
+    as_built = run(None, on_cpu([*(o.format(root=root) for o in OTHERS[choice]), HELD_OUT]))
+    trained = run(str(folder), ["parallel=ddp"] if choice == "vectors" else [])
+    for got, expected in ((as_built, history[0]), (trained, history[-1])):
+        expected = {k: v for k, v in expected.items() if k != "step"}
+        assert {k: got[k] for k in expected} == pytest.approx(expected, rel=1e-6)
+    assert json.loads((folder / "eval.json").read_text())["loss"] == trained["loss"]

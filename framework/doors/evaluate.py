@@ -7,8 +7,9 @@ model), its config composed as train.py composes it, under any strategy; printed
 - The input is read as every door reads it (framework/config/door.py): RUN_DIR's best checkpoint
   (checkpoint.monitor), else its newest; CHECKPOINT that folder; its model and data the run's (the
   config saved beside the checkpoints), the overrides on top, checked as train.py checks them:
-  `parallel=fsdp launch.nproc_per_node=2` evaluates under the launcher (default: one process,
-  parallel=none); `eval.steps=N` reads N batches per rank.
+  `parallel=fsdp launch.nproc_per_node=2` evaluates under the launcher, as train.py launches it
+  (any strategy but none, one process too; default: one process, parallel=none); `eval.steps=N`
+  reads N batches per rank.
 - Data, any data choice: its validation split (data.val_fraction, data.val_path, the shards'
   val split; data=chat, data=hf and a `_target_` dataset: all of it unless data.val_fraction holds
   some out); where there is none, one line naming the keys that make one. Under data=text,
@@ -73,19 +74,19 @@ def run(target: str | None, overrides: list[str]) -> dict[str, Any]:
     target None: the model the overrides compose, before any training."""
     from framework.config import resolve_nproc
     from framework.dist import launched_as_worker
+    from framework.parallel.dims import Strategy
 
     door = resolve_input(target, overrides)  # composed, checked and resolved: one line for what it refuses
     if not door.whole_file:
         check_validation_split(door.cfg)
     cfg, path = door.cfg, door.checkpoint
     config = OmegaConf.to_container(cfg)
-    nproc = resolve_nproc(cfg)
-    if launched_as_worker() or nproc == 1:
+    if launched_as_worker() or Strategy.of(cfg.parallel).one_process:  # as train.py: a process group is launched
         result = evaluate_rank(config, path, door.whole_file)
     else:
         from framework.machine import launch_local
 
-        result = launch_local(nproc, evaluate_rank, config, path, door.whole_file)[0]
+        result = launch_local(resolve_nproc(cfg), evaluate_rank, config, path, door.whole_file)[0]
     step = checkpoint.read_trainer_state(path).step if path is not None else 0
     data = f"data.path={cfg.data.path}" if door.whole_file else "the validation split"
     out = {**result, "checkpoint": path, "step": step, "data": data, "parallel": cfg.parallel.name}
