@@ -157,8 +157,7 @@ OUT_OF_RANGE = [
     (["optim.weight_decay=-1"], "optim.weight_decay", ">= 0"),
     (["optim=sgd", "optim.weight_decay=-1"], "optim.weight_decay", ">= 0"),
     (["optim.grad_clip=-1"], "optim.grad_clip", ">= 0 (0: no clipping)"),
-    (["optim.schedule_steps=-5"], "optim.schedule_steps", ">= 1, or null: the run's steps"),
-    (["optim.schedule_steps=0"], "optim.schedule_steps", ">= 1, or null"),
+    (["optim.schedule_steps=-5"], "optim.schedule_steps", ">= 1, or 0 / null: the run's steps"),
     (["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=-1"],
      "model.moe.aux_loss_coef", ">= 0"),
     (["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.balance=bias", "model.moe.bias_rate=-1"],
@@ -168,8 +167,10 @@ OUT_OF_RANGE = [
     (["plan.memory_budget_mb=-1"], "plan.memory_budget_mb", "> 0 (MB per rank), or null"),
     (["plan.memory_budget_mb=0"], "plan.memory_budget_mb", "> 0"),
 ]  # fmt: skip
-# what these keys allow at their edges: 0 (no clipping, no decay, no balancing loss), null (the default)
+# what these keys allow at their edges: 0 (no clipping, no decay, no balancing loss; schedule_steps: null's alias,
+# as framework/optim.py reads it), null (the default)
 IN_RANGE = [["optim.min_lr_ratio=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.schedule_steps=null"],
+            ["optim.schedule_steps=0"],
             ["optim.min_lr_ratio=1", "optim.schedule_steps=1", "plan.memory_budget_mb=null"],
             ["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
              "model.moe.bias_rate=0"],

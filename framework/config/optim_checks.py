@@ -16,7 +16,7 @@ def check_optim(cfg: DictConfig) -> None:
         ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "in [0, 1] (the cosine's floor, a share of optim.lr)"),
         ("weight_decay", o.weight_decay >= 0, ">= 0"),
         ("grad_clip", o.grad_clip >= 0, ">= 0 (0: no clipping)"),
-        ("schedule_steps", steps is None or steps >= 1, "an integer >= 1, or null: the run's steps"),
+        ("schedule_steps", not steps or steps >= 1, ">= 1, or 0 / null: the run's steps"),
     ):
         if not ok:
             raise ConfigError(f"optim.{key}", f"got {o[key]}; must be {allowed}")

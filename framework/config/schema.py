@@ -116,7 +116,7 @@ class OptimConfig:
     schedule: LRSchedule = LRSchedule.cosine
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
-    schedule_steps: int | None = None  # the LR schedule's length (null: steps; a resumed run keeps its own)
+    schedule_steps: int | None = None  # the LR schedule's length (null or 0: steps; a resumed run keeps its own)
     in_backward: bool = False  # each parameter's update as its gradient is ready, the gradient freed (docs/memory.md)
 
 
