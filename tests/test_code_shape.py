@@ -267,11 +267,14 @@ def test_the_size_check_counts_what_it_says(tmp_path):
 
 
 # the capabilities the loop's files leave to callbacks and the step protocol
-FEATURES = (r"moe|experts?|routed|routing|lora|peft|sources|mixture|eval|evaluat[a-z]*|val|patience|monitor|profiler|"
-            r"tqdm|progress|wandb|tensorboard|spikes?|stragglers?|checksums?|goodput|bitflip")  # fmt: skip
+FEATURES = (r"moe|experts?|routed|routing|lora|peft|sources|mixtures?|evals?|evaluat[a-z]*|val|patience|monitor|"
+            r"profiler|tqdm|progress|wandb|tensorboard|spikes?|stragglers?|checksums?|goodput|bitflip")  # fmt: skip
 # a feature word alone or as a part of an identifier: starting after no letter or at a camel hump,
-# ending before no lowercase letter (moe_shape, routed_figures, expertBias, MoELayer; not interval, value)
-FEATURE_WORD = re.compile(rf"(?:(?<![A-Za-z])|(?<=[a-z0-9])(?=[A-Z]))(?i:{FEATURES})(?![a-z])")
+# ending where its word ends, by its case: a lowercase end before no lowercase letter, a capital end
+# before no letter or at a camel hump (moe_shape, routed_figures, expertBias, MoELayer, EVAL_STEPS;
+# not interval, value, MAX_VALUE, VALID, PROGRESSIVE)
+WORD_END = r"(?:(?<=[a-z])(?![a-z])|(?<=[A-Z])(?:(?![A-Za-z])|(?=[A-Z][a-z])))"
+FEATURE_WORD = re.compile(rf"(?:(?<![A-Za-z])|(?<=[a-z0-9])(?=[A-Z]))(?i:{FEATURES}){WORD_END}")
 
 
 def feature_words(text: str) -> list[str]:
@@ -290,6 +293,9 @@ def test_the_feature_check_sees_the_words_inside_identifiers():
     named = "moe_shape routed_figures expert_bias lora_rank self.wandb MoELayer buildMoe EVAL_STEPS evaluation x.val2"
     assert feature_words(named) == ["eval", "evaluation", "expert", "lora", "moe", "routed", "val", "wandb"]
     assert feature_words("interval value Value retrieval progressive removed resource unmonitored") == []
+    assert feature_words("MAX_VALUE VALID PROGRESSIVE INTERVAL MoEs EVALUE") == []  # capitals read as capitals
+    plurals = "evals n_mixtures EVALS run_evals MixturesOf MOE_LAYER VAL_LOSS"
+    assert feature_words(plurals) == ["evals", "mixtures", "moe", "val"]
 
 
 def models_imported(tree: ast.AST) -> set[str]:
