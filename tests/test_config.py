@@ -20,7 +20,7 @@ DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "ml
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
 GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger", "callbacks"]
-HEALTH_ORDER = ["spike", "straggler", "checksum"]  # callbacks/default.yaml's entries, one file each
+HEALTH_ORDER = ["spike", "straggler", "checksum"]  # callbacks/default.yaml's entries, a part file each in health/
 HEALTH = set(HEALTH_ORDER)
 
 
@@ -36,7 +36,8 @@ def test_every_group_has_choices_and_a_schema():
     assert {"auto", "none", "dp", "ddp", "fsdp", "tp", "pp", "hybrid", "cp"} == set(choices("parallel"))
     assert {"fp32", "amp", "bf16"} == set(choices("precision"))
     assert {"gpt", "gpt_smoke", "llama", "mlp", "resnet", "lstm", "hf", "custom"} == set(choices("model"))
-    assert {"default", "none", *HEALTH} == set(choices("callbacks"))
+    assert {"default", "none"} == set(choices("callbacks"))  # the health entries' part files are no choices
+    assert {p.stem for p in (CONF / "callbacks" / "health").glob("*.yaml")} == HEALTH
 
 
 def _unavailable(group: str, name: str) -> str | None:
@@ -93,7 +94,7 @@ def test_every_group_choice_composes(group, name, tmp_path):
         overrides += ["plan.latency_us=50", "plan.intra_node_gbps=1"]  # no link probe
     cfg = compose_config(overrides)
     if group == "callbacks":  # named entries, no `name`: a choice holds its files' entries
-        assert set(cfg.callbacks) == {"default": HEALTH, "none": set()}.get(name, {name})
+        assert set(cfg.callbacks) == {"default": HEALTH, "none": set()}[name]
     else:
         assert cfg[group].name == {"gpt_smoke": "gpt", "text_smoke": "text"}.get(name, name)  # smoke's gpt is a gpt
     if group == "parallel" and name == "auto":  # the planner puts a real layout in its place before validation
@@ -139,7 +140,9 @@ def test_defaults_are_the_documented_job():
     )
     assert cfg.logger.mode == "offline"
     # the callbacks group's default: the health callbacks, each off until set (docs/health.md)
-    assert set(cfg.callbacks) == HEALTH and cfg.callbacks.spike.action == "off"
+    assert list(cfg.callbacks) == HEALTH_ORDER and cfg.callbacks.spike.action == "off"
+    for name in HEALTH_ORDER:  # each part file merged whole into the default choice (health/NAME@_here_)
+        assert cfg.callbacks[name] == OmegaConf.load(CONF / "callbacks" / "health" / f"{name}.yaml")[name]
     assert cfg.callbacks.straggler.every == 0 and cfg.callbacks.checksum.every == 0
     mine = compose_config(["callbacks=none", "+callbacks.mine._target_=pkg.Mine", "+callbacks.mine.stop_at=3"])
     assert OmegaConf.to_container(mine.callbacks) == {"mine": {"_target_": "pkg.Mine", "stop_at": 3}}
