@@ -23,12 +23,14 @@ def loss_elements(target: torch.Tensor) -> int:
 
 
 class ScaledLoss:
-    """A pipeline schedule's loss (torch's schedules backpropagate what it returns): the mean
-    cross-entropy times amp's loss scale (a device tensor, set each step; None: unscaled)."""
+    """A pipeline schedule's loss (torch's schedules backpropagate what it returns, and divide the
+    gradients by the micro-batch count): each micro-batch's summed loss times `weight`, set each
+    step to n_microbatches x dp x cp / the step's loss terms on every rank (amp's loss scale
+    folded in), so the gradient is the step's global token mean's whatever each micro-batch
+    holds, as without a pipeline (a mean per micro-batch weighs a padded one's tokens more)."""
 
     def __init__(self) -> None:
-        self.scale: torch.Tensor | None = None
+        self.weight: torch.Tensor | float = 1.0
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = cross_entropy(logits, target)
-        return loss if self.scale is None else loss * self.scale
+        return cross_entropy(logits, target, reduction="sum") * self.weight

@@ -198,8 +198,12 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      "epoch, samples = req.data_at or (self.parts.data.epoch, self.parts.data.samples)",
      "tests/test_callbacks.py::test_a_callback_saves_skips_an_update_and_rolls_back"),
     ("amp's loss scale left out of a pipeline's loss (its gradients unscaled by a scale never applied)",
-     "framework/loss.py", "return loss if self.scale is None else loss * self.scale", "return loss",
+     "framework/run/step.py", "weight if amp is None else weight * amp", "weight",
      "tests/test_matrix.py::test_covering_subset[gpt|pp|precision=amp]"),
+    ("a pipeline's loss a mean per micro-batch (a padded micro-batch's tokens weigh more)", "framework/loss.py",
+     'return cross_entropy(logits, target, reduction="sum") * self.weight',
+     "return cross_entropy(logits, target) * self.weight * target.numel()",
+     "tests/test_matrix.py::test_covering_subset[gpt|pp|data=hf streamed]"),
     # the matrix under its noise-floor rule (tests/matrix.py FLOOR_MULTIPLE): the issue's own cell
     ("BatchNorm's statistics each rank's own (sync_batchnorm ignored)", "framework/parallel/__init__.py",
      'if not cfg.parallel.get("sync_batchnorm", True) or', "if True or",

@@ -248,22 +248,21 @@ class Pipeline:
     loss: ScaledLoss = field(default_factory=ScaledLoss)  # the schedule's loss_fn
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor, positions: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """Forward+backward of the local batch; returns the mean loss on ranks holding the last
-        stage (zero elsewhere: the loss lives there). `positions` (context parallel: the places of
-        this rank's share of each sequence) go to every stage's embedding and blocks; `scale`
-        (amp's loss scale) multiplies each micro-batch's loss before its backward."""
+             weight: torch.Tensor | float = 1.0) -> torch.Tensor:  # fmt: skip
+        """Forward+backward of the local batch; returns the mean of the micro-batches' weighted
+        losses on ranks holding the last stage (zero elsewhere: the loss lives there). `positions`
+        (context parallel: the places of this rank's share of each sequence) go to every stage's
+        embedding and blocks; `weight` multiplies each micro-batch's summed loss (ScaledLoss)."""
         for stage in self.stages.values():
             stage.positions = positions
-        self.loss.scale = scale
+        self.loss.weight = weight
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         if not self.has_last:
             return torch.zeros((), device=target.device)
-        mean = torch.stack([loss.detach() for loss in losses]).mean()
-        return mean if scale is None else mean / scale
+        return torch.stack([loss.detach() for loss in losses]).mean()
 
 
 def build_stages(

@@ -140,10 +140,15 @@ def forward_backward(
         cuda = info.device.type == "cuda"  # from pinned memory, the copy does not wait for the GPU
         inputs, target = data.prepare(concat_batches([b for _, b in step_batches], cuda), info.device, cuda)
         inputs, kwargs, target = par.split_batch(inputs, target)  # context parallel: this rank's part
+        # the schedule divides by its micro-batches, FSDP averages over dp x cp: the global token mean
+        weight = par.pipeline.n_microbatches * par.dp_size * par.cp_size / step_elements(cfg, info, parts, step_batches)
         before_backward(0)
         with precision.autocast(), meter.measure() if meter else nullcontext(), par.loss_context():
-            scale = loss_scale(precision.scaler, info.device) if precision.scaler.is_enabled() else None
-            return par.pipeline.step(inputs[0], target, kwargs.get("positions"), scale)
+            amp = loss_scale(precision.scaler, info.device) if precision.scaler.is_enabled() else None
+            loss = par.pipeline.step(
+                inputs[0], target, kwargs.get("positions"), weight if amp is None else weight * amp
+            )
+            return loss if amp is None else loss / amp  # its share of the global mean (loss_weight)
     scale = par.dp_size * par.cp_size / step_elements(cfg, info, parts, step_batches)  # FSDP averages over dp x cp
     loss_sum = torch.zeros((), device=info.device)
     for micro, (_, batch) in enumerate(step_batches):
