@@ -159,6 +159,28 @@ def test_a_users_callbacks_file_is_a_choice_of_the_group(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "args,line",
+    [
+        (["callbacks=bogus"], "callbacks: got 'bogus'; allowed: default, none"),  # the health parts are no choices
+        (["callbacks=null"], "callbacks: got null; did you mean 'none'? allowed: default, none"),
+        (["callbacks=none", "callbacks.spike.action=warn"], "callbacks.spike: callbacks=none has no 'spike' entry; "
+         "pick callbacks=default, which holds it, or add one with +callbacks.spike._target_=pkg.Class (docs/callbacks.md)"),
+        (["callbacks.mine.stop_at=3"], "callbacks.mine: callbacks=default has no 'mine' entry; "
+         "add one with +callbacks.mine._target_=pkg.Class (docs/callbacks.md)"),
+        (["callbacks.spike.actoin=warn"], "callbacks.spike.actoin: no such key; did you mean 'callbacks.spike.action'?"),
+    ],
+)  # fmt: skip
+def test_a_callbacks_choice_or_entry_it_lacks_is_one_line(args, line, capsys):
+    """train.py's check before Hydra: one line naming the key, what the choice holds and how to add
+    an entry (Hydra's own: `callbacks.spike: no such key`, or a ValueError naming no group), exit 2."""
+    from framework.config.overrides import check_overrides
+
+    with pytest.raises(SystemExit) as stop:
+        check_overrides(args)
+    assert stop.value.code == 2 and capsys.readouterr().err == f"error: {line}\n"
+
+
+@pytest.mark.parametrize(
     "override",
     [
         "steps=abc",

@@ -114,6 +114,8 @@ def _compose_problem(overrides: list[str]) -> str | None:
         if isinstance(cause, ValidationError):
             return _bad_value(cause, overrides)
         return f"{getattr(cause, 'full_key', '') or 'config'}: {str(err).splitlines()[0]}"
+    except ValueError as err:  # group=null: Hydra's "Config group override must be a string or a list"
+        return _null_choice(overrides) if "Config group override" in str(err) else None
     except Exception:  # noqa: BLE001 - what it cannot name, Hydra reports
         return None
     return None
@@ -135,6 +137,32 @@ def _missing_choice(err: MissingConfigException) -> str | None:
     return _not_allowed(group, got, [str(o) for o in err.options])
 
 
+def _null_choice(overrides: list[str]) -> str | None:
+    """GROUP=null (Hydra's ValueError names neither): a group takes one of its choices, `none` where it has one."""
+    from framework.config import CONF_DIR
+
+    for override in overrides:
+        key, _, value = override.partition("=")
+        folder = CONF_DIR / key.lstrip("+~")
+        if value == "null" and folder.is_dir():
+            allowed = sorted(p.stem for p in folder.glob("*.yaml"))
+            hint = "did you mean 'none'? " if "none" in allowed else ""
+            return f"{folder.name}: got null; {hint}allowed: {', '.join(allowed)}"
+    return None
+
+
+def _no_callback(key: str, overrides: list[str]) -> str:
+    """callbacks.NAME... where the callbacks choice holds no NAME entry (callbacks=none callbacks.spike.action=warn)."""
+    from framework.config import compose
+
+    name = key.split(".")[1]
+    choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "callbacks"), "default")
+    fix = f"add one with +callbacks.{name}._target_=pkg.Class (docs/callbacks.md)"
+    if choice != "default" and name in compose(["callbacks=default"]).callbacks:
+        fix = f"pick callbacks=default, which holds it, or {fix}"
+    return f"{key}: callbacks={choice} has no {name!r} entry; {fix}"
+
+
 def _not_allowed(key: str, got: str, allowed: list[str]) -> str:
     near = difflib.get_close_matches(got, allowed, n=1)
     hint = f"did you mean {near[0]!r}? " if near else ""
@@ -144,6 +172,8 @@ def _not_allowed(key: str, got: str, allowed: list[str]) -> str:
 def _unknown_key(key: str, overrides: list[str]) -> str:
     if key in _SPELT_AS:
         return f"{key}: no such key; use {_SPELT_AS[key]}"
+    if key.startswith("callbacks.") and key.count(".") == 1:  # an entry the callbacks choice lacks
+        return _no_callback(key, overrides)
     base = _compose_without(key, overrides)
     group = key.split(".", 1)[0]
     if "." in key and base is not None and group in base and OmegaConf.is_dict(base[group]):
