@@ -199,7 +199,7 @@ def test_bad_inputs_to_each_door_are_one_line_and_leave_nothing_behind(inputs, t
 
 def test_export_reads_a_run_folder_and_checks_its_overrides(inputs, tmp_path, capsys):
     """`python -m framework.export RUN_DIR OUT [key=value ...]` reads what every door reads: the
-    run folder's newest checkpoint with its saved config (or `--config`), the overrides on top,
+    run folder's best (else newest) checkpoint with its saved config (or `--config`), the overrides on top,
     checked as train.py checks them. The files equal those the run exported at its end, tensor for
     tensor; a bad override, or a bad value in `--config`, is one line naming the key, exit 2,
     nothing written."""
@@ -218,12 +218,49 @@ def test_export_reads_a_run_folder_and_checks_its_overrides(inputs, tmp_path, ca
     saved = find_config(str(next((run / "checkpoints").glob("step-*"))))
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**saved, "optim": {**saved["optim"], "weight_decay": -1}}))
     for args, key in ((["optim.min_lr_ratio=2"], "optim.min_lr_ratio"), (["model.n_layrs=3"], "model.n_layrs"),
-                      (["data.path=/no/such/file"], "data.path"), (["--config", str(tmp_path / "bad.yaml")],
+                      (["precision=bf17"], "precision"), (["--config", str(tmp_path / "bad.yaml")],
                       "optim.weight_decay")):  # fmt: skip
         assert export([str(run), str(tmp_path / "refused"), *args]) == 2, args
         captured = capsys.readouterr()
         lines = captured.err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {key}: ") and not captured.out, (args, lines)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_export_reads_no_data_nor_callbacks_and_an_older_runs_config(inputs, tmp_path, capsys):
+    """A run whose data file is gone since it trained, with a callback whose package is not
+    installed here, exports (export reads no data, and a run's callbacks are not export's): the
+    tensors the run exported at its end. An older run's config without a group or section (peft,
+    plan) takes train.py's defaults for them; a `--config` file that is not YAML, or not a mapping,
+    is one line naming --config, exit 2, nothing written."""
+    import shutil
+
+    import yaml
+
+    from framework.checkpoint.store import CONFIG_FILE
+    from framework.doors.export import main as export
+    from models.llama_hf import iter_hf_tensors
+
+    run, at_end = tmp_path / "moved", dict(iter_hf_tensors(str(inputs / "run" / "hf")))
+    shutil.copytree(inputs / "run" / "checkpoints", run / "checkpoints")
+    saved = json.loads((run / "checkpoints" / CONFIG_FILE).read_text())
+    saved["data"]["path"] = str(tmp_path / "gone.txt")  # the run's data, moved away
+    saved["callbacks"]["mine"] = {"_target_": "not_installed_here.Mine"}
+    (run / "checkpoints" / CONFIG_FILE).write_text(json.dumps(saved))
+    (tmp_path / "older.yaml").write_text(yaml.safe_dump({k: v for k, v in saved.items() if k not in ("peft", "plan")}))
+    for args in ([], ["--config", str(tmp_path / "older.yaml")]):
+        out = tmp_path / f"out{len(args)}"
+        assert export([str(run), str(out), *args]) == 0, capsys.readouterr().err
+        exported = dict(iter_hf_tensors(str(out)))
+        assert set(exported) == set(at_end) and all(torch.equal(exported[k], at_end[k]) for k in at_end)
+    (tmp_path / "bad.yaml").write_text("optim: [1, 2\n  lr: :\n")
+    (tmp_path / "list.yaml").write_text("- parallel\n- ddp\n")
+    capsys.readouterr()
+    for name, says in (("bad.yaml", "does not read as YAML"), ("list.yaml", "holds a list, not a run's config")):
+        assert export([str(run), str(tmp_path / "refused"), "--config", str(tmp_path / name)]) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --config: ") and says in lines[0], lines
     assert not (tmp_path / "refused").exists()
 
 

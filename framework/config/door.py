@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from framework.checkpoint import store as checkpoint
 from framework.config.errors import ConfigError, resolution_named
@@ -49,10 +50,13 @@ def split_target(argv: list[str]) -> tuple[str | None, list[str]]:
     return None, list(argv)
 
 
-def resolve_input(target: str | None, overrides: list[str], config_file: str | None = None) -> DoorInput:
+def resolve_input(
+    target: str | None, overrides: list[str], config_file: str | None = None, reads_data: bool = True
+) -> DoorInput:
     """The config a door runs with: a checkpoint's (TARGET; `config_file` read in place of the one
     saved beside it) or the one the overrides compose, checked as train.py checks it, resolved;
-    ConfigError for the first problem."""
+    ConfigError for the first problem. `reads_data=False` (export): the data's files are not checked,
+    a run's data may have moved since it trained."""
     path = resolve_checkpoint(target) if target is not None else None
     cfg = saved_config(path, overrides, config_file) if path is not None else composed_config(overrides)
     given = keys_of(overrides)
@@ -63,7 +67,11 @@ def resolve_input(target: str | None, overrides: list[str], config_file: str | N
         OmegaConf.update(cfg, "data.val_path", None)
         if "data.max_bytes" not in given:
             OmegaConf.update(cfg, "data.max_bytes", ALL_BYTES)
-    validate(cfg)
+    try:
+        validate(cfg, reads_data)
+    except (ConfigAttributeError, ConfigKeyError) as err:  # a key a check reads that the saved config lacks
+        key = err.full_key or str(err.key)
+        raise ConfigError(key, f"not in the run's config (an older run's?); set it with +{key}=VALUE") from None
     with resolution_named():
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     OmegaConf.set_struct(resolved, True)
@@ -87,18 +95,58 @@ def saved_config(path: str, overrides: list[str], config_file: str | None = None
     door's settings and then `overrides` on top."""
     from framework.config.overrides import apply_overrides
 
-    if config_file is not None and not os.path.isfile(config_file):
-        raise ConfigError("--config", f"no file at {config_file!r}")
-    saved = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file else checkpoint.find_config(path)
+    saved = read_config_file(config_file) if config_file else checkpoint.find_config(path)
     if saved is None:
         raise ConfigError("checkpoint", f"no {checkpoint.CONFIG_FILE} beside {path} (saved by runs since issue 21)")
-    cfg = OmegaConf.create(saved)
+    cfg = OmegaConf.create(with_defaults(saved, "--config" if config_file else "checkpoint"))
     for group, choice in DOOR_GROUPS.items():
         OmegaConf.update(cfg, f"{group}.name", choice, force_add=True)
     for key, value in DOOR_KEYS.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     OmegaConf.set_struct(cfg, True)
     return apply_overrides(cfg, overrides)  # as train.py composes and checks them: one line naming the key
+
+
+def read_config_file(config_file: str) -> dict:
+    """`--config FILE`, a run's config.yaml, as a dict; what does not read as one is one line."""
+    if not os.path.isfile(config_file):
+        raise ConfigError("--config", f"no file at {config_file!r}")
+    try:
+        loaded = OmegaConf.to_container(OmegaConf.load(config_file))
+    except Exception as err:  # noqa: BLE001 - yaml's scanner and parser errors, a scalar file: the file's fault
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        reason = getattr(err, "problem", None) or (str(err).splitlines() or [type(err).__name__])[0]
+        raise ConfigError("--config", f"{config_file!r} does not read as YAML: {reason}{where}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError("--config", f"{config_file!r} holds a {type(loaded).__name__}, not a run's config "
+                          "(a mapping of its keys, as .hydra/config.yaml)")  # fmt: skip
+    return loaded
+
+
+def with_defaults(saved: dict, source: str) -> dict:
+    """A run's saved config with what it lacks (an older run's: no `peft`, no `plan`) as train.py
+    composes it by default: a group it lacks whole, a section's missing keys one by one. One without
+    a model or data is no run's config."""
+    from framework.config import compose
+    from framework.config.overrides import GROUPS
+
+    for key in ("model", "data"):
+        if not isinstance(saved.get(key), dict):
+            raise ConfigError(source, f"no {key!r} section: not a run's config (its .hydra/config.yaml)")
+    return filled(saved, OmegaConf.to_container(compose(), resolve=False), GROUPS)
+
+
+def filled(saved: dict, defaults: dict, whole: tuple[str, ...] = ()) -> dict:
+    """`saved` with the keys of `defaults` it lacks, within each section too (a key of `whole`, a
+    group of another choice's keys, only where it is missing whole)."""
+    out = dict(saved)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif key not in whole and isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = filled(out[key], value)
+    return out
 
 
 def composed_config(overrides: list[str]) -> DictConfig:

@@ -274,14 +274,14 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         key = override.get_key_element().lstrip("+~")
         if override.is_sweep_override():
             raise ConfigError(key, f"got {override.input_line!r}; one value here (a sweep is train.py -m's)")
-        if key in _GROUPS and "." not in key:
+        if key in GROUPS and "." not in key:
             _replace_group(cfg, key, override.input_line)
         else:
             _set_key(cfg, key, override)
     return cfg
 
 
-_GROUPS = ("backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger", "callbacks")
+GROUPS = ("backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger", "callbacks")
 
 
 def _replace_group(cfg: DictConfig, group: str, line: str) -> None:

@@ -38,12 +38,14 @@ def _at_least(cfg: DictConfig, key: str, low: int) -> None:
     _require(value >= low, key, f"got {value}; must be an integer >= {low}")
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, reads_data: bool = True) -> None:
     """Raise ConfigError for the first setting that cannot run. Called before any worker starts.
-    The model is paired with its data before a strategy's check builds it (its keys may point into data)."""
+    The model is paired with its data before a strategy's check builds it (its keys may point into data).
+    `reads_data=False` (export: the weights and the config only) leaves out the data's files and plan."""
     check_mandatory(cfg)
-    for check in (_check_choices, _check_values, check_optim, _check_loader, _check_device_and_backend, _check_world, _check_model_and_data,
-                  _check_strategy, check_memory, _check_batching, check_data_plan, _check_paths, _check_eval, check_callbacks):  # fmt: skip
+    data = (check_data_plan, _check_paths, _check_val_split) if reads_data else ()
+    for check in (_check_choices, _check_values, check_optim, _check_loader, _check_device_and_backend, _check_world,
+                  _check_model_and_data, _check_strategy, check_memory, _check_batching, *data, _check_eval, check_callbacks):  # fmt: skip
         with resolution_named():
             check(cfg)
 
@@ -317,14 +319,18 @@ def _check_strategy(cfg: DictConfig) -> None:
         check_pipeline(cfg)
 
 
+def _check_val_split(cfg: DictConfig) -> None:
+    """A validation split the data holds out, where evaluation reads one (its file, data.val_path)."""
+    check_val_split(cfg.data, cfg.eval.every > 0 or cfg.eval.at_start)
+
+
 def _check_eval(cfg: DictConfig) -> None:
-    """Evaluation settings, and a validation split for them to read."""
-    e, d, on = cfg.eval, cfg.data, cfg.eval.every > 0 or cfg.eval.at_start
+    """Evaluation settings (the split they read: _check_val_split)."""
+    e = cfg.eval
     _at_least(cfg, "eval.every", 0)
     _at_least(cfg, "eval.patience", 0)
     _require(e.steps == -1 or e.steps >= 1, "eval.steps", f"got {e.steps}; must be -1 (the whole split) or >= 1")
     _require(e.min_delta >= 0, "eval.min_delta", f"got {e.min_delta}; must be >= 0")
-    check_val_split(d, on)
     for key, used in (("eval.patience", e.patience), ("checkpoint.monitor", cfg.checkpoint.monitor),
                       ("optimize", cfg.optimize == "val_loss")):  # fmt: skip
         _require(not used or e.every > 0, key, "needs evaluation during training: set eval.every=N (> 0)")

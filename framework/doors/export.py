@@ -6,9 +6,10 @@ folder's best (else newest) checkpoint, with the config saved beside it (`--conf
 config.yaml in its place; a run that saved none: its `.hydra/config.yaml`) and train.py's
 overrides on top, checked as train.py checks them before anything is written: a bad one is one
 line naming the key, exit 2. Export reads the checkpoint on the CPU, one tensor at a time, so the
-run's device, backend and memory levers are not its (`EXPORT_DEFAULTS`, unless overridden). The
-door reads the run's tokenizer (the data's, as generate reads it) and hands config and tokenizer
-to the library, which imports neither the data nor any model."""
+run's device, backend, memory levers and callbacks are not its (`EXPORT_DEFAULTS`, unless
+overridden), and it reads no data: the data's files are not checked (they may have moved since the
+run). The door reads the run's tokenizer (the data's, as generate reads it; gone, the export goes on
+without one) and hands config and tokenizer to the library, which imports neither the data nor any model."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from pathlib import Path
 
 from framework.checkpoint.export import ExportError, export_hf
 from framework.checkpoint.export import __doc__ as export_doc
-from framework.checkpoint.store import find_config
+from framework.checkpoint.store import CONFIG_FILE, find_config
 from framework.config.door import keys_of, resolve_checkpoint, resolve_input
 from framework.config.errors import ConfigError
 
 # what export sets unless the overrides say otherwise: the run's placement is not export's
-EXPORT_DEFAULTS = {"device": "cpu", "backend": "gloo", "memory": "none"}
+# nor its callbacks (a user's package need not be installed where the export runs)
+EXPORT_DEFAULTS = {"device": "cpu", "backend": "gloo", "memory": "none", "callbacks": "none"}
 
 
 def run_tokenizer(cfg):
@@ -40,13 +42,14 @@ def run_tokenizer(cfg):
 
 def config_file_of(checkpoint: str, given: str | None) -> str | None:
     """`--config`, else None where a config is saved beside the checkpoint, else the run's
-    `.hydra/config.yaml` above it (runs before the saved config)."""
+    `.hydra/config.yaml` above it (runs before the saved config); with none, one line saying to pass one."""
     if given is not None or find_config(checkpoint) is not None:
         return given
     for parent in Path(checkpoint).resolve().parents[:3]:
         if (parent / ".hydra" / "config.yaml").is_file():
             return str(parent / ".hydra" / "config.yaml")
-    return None
+    raise ConfigError("checkpoint", f"no run config beside {checkpoint} ({CONFIG_FILE}) nor a .hydra/config.yaml "
+                      "above it; pass --config RUN_CONFIG (the run's config.yaml)")  # fmt: skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -72,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     defaults = [f"{key}={value}" for key, value in EXPORT_DEFAULTS.items() if key not in given]
     try:
         checkpoint = resolve_checkpoint(a.target)
-        door = resolve_input(checkpoint, [*defaults, *a.overrides], config_file_of(checkpoint, a.config))
+        door = resolve_input(
+            checkpoint, [*defaults, *a.overrides], config_file_of(checkpoint, a.config), reads_data=False
+        )
         tokenizer = None if a.format == "peft" else run_tokenizer(door.cfg)
         config_json = export_hf(door.cfg, checkpoint, a.out, a.format, tokenizer)
     except (ConfigError, ExportError) as err:
