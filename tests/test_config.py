@@ -225,7 +225,6 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         ),
         (["parallel=pp", "model.n_layer=1", "launch.nproc_per_node=2"], "parallel.pp", "layers"),
         (["parallel=pp", "parallel.n_microbatches=3"], "parallel.n_microbatches", "divide"),
-        (["parallel=pp", "precision=amp"], "precision", "bf16"),
         (
             ["parallel=fsdp", "parallel.tp=2", "launch.nproc_per_node=3"],
             "parallel.dp_shard",
