@@ -204,6 +204,9 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      'return cross_entropy(logits, target, reduction="sum") * self.weight',
      "return cross_entropy(logits, target) * self.weight * target.numel()",
      "tests/test_matrix.py::test_covering_subset[gpt|pp|data=hf streamed]"),
+    ("frozen norms trainable under sequence parallel (torch's SequenceParallel re-registers them)",
+     "framework/parallel/tensor.py", "            param.requires_grad_(False)", "            pass",
+     "tests/test_matrix.py::test_covering_subset[gpt|tp(sequence_parallel=true)|peft=lora]"),
     # the matrix under its noise-floor rule (tests/matrix.py FLOOR_MULTIPLE): the issue's own cell
     ("BatchNorm's statistics each rank's own (sync_batchnorm ignored)", "framework/parallel/__init__.py",
      'if not cfg.parallel.get("sync_batchnorm", True) or', "if True or",

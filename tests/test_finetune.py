@@ -171,22 +171,13 @@ def test_the_exported_adapter_loads_in_peft_and_the_merged_model_in_transformers
         assert torch.allclose(merged(tokens).logits, expected, atol=1e-5, rtol=0)
 
 
-def test_lora_under_sequence_parallel_is_refused_in_one_line():
-    from framework.config import ConfigError, validate
-    from tests.helpers import compose_config
-
-    with pytest.raises(ConfigError) as err:
-        validate(compose_config([*LORA, *TP, "parallel.sequence_parallel=true"]))
-    assert err.value.key == "parallel.sequence_parallel" and "\n" not in str(err.value)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "pp", "tp"])
 def test_lora_under_ddp_pp_and_tp_equals_one_process(lora_runs, strategy, tmp_path):
     """Under tp the adapters are placed with their layer: a column-wise layer's B split by output
     features (A whole), a row-wise layer's A split by input features (B whole, its output a
-    partial sum reduced with the layer's); sequence parallel is off under LoRA (auto says so; true is
-    refused in one line). The default run meets tp x LoRA in the matrix."""
+    partial sum reduced with the layer's). The default run meets tp x LoRA in the matrix, with sequence
+    parallel too (tests/matrix.py PINNED: its frozen norms stay frozen)."""
     from tests.helpers import train_cli
 
     hf_folder, runs = lora_runs

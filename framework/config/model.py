@@ -298,13 +298,10 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
 
 
 def _no_sequence_parallel(cfg: DictConfig, model, spec: ModelSpec) -> str | None:
-    """What in this run trains under tensor parallel without sequence parallel: peft=lora's
-    adapters, routed experts (run whole on each tp rank's replicated tokens); None: nothing."""
+    """What in this run trains under tensor parallel without sequence parallel: routed experts
+    (run whole on each tp rank's replicated tokens); None: nothing."""
     from framework.moe import routed_layers
-    from framework.peft import enabled
 
-    if enabled(cfg.get("peft")):
-        return "peft=lora"
     if routed_layers(model, spec.blocks or ""):
         return "a mixture of experts (model.moe)"
     return None

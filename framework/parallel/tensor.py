@@ -129,7 +129,13 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh, sequence_parallel: bool
             dtensor_style = _with_adapters(dtensor_style)
         if dtensor_style is not None:
             plan[path] = dtensor_style
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    # torch's SequenceParallel re-registers a norm's parameters as new ones that require grad: a
+    # frozen norm (peft=lora freezes all but the adapters) would train, and drift from one process
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     # The model's output leaves tensor parallel as a local tensor, a view of the DTensor it came
     # from. FSDP, applied next, hooks its pre-backward all-gather on the output, and an in-place
     # op on a view would drop that hook: give the output a storage of its own (a hook registered
