@@ -166,6 +166,16 @@ OUT_OF_RANGE = [
     (["data=hf", "data.path={rows}", "data.shuffle_buffer=-1"], "data.shuffle_buffer", ">= 1"),
     (["plan.memory_budget_mb=-1"], "plan.memory_budget_mb", "> 0 (MB per rank), or null"),
     (["plan.memory_budget_mb=0"], "plan.memory_budget_mb", "> 0"),
+    (["optim.betas=[1.5,0.9]"], "optim.betas", "in [0, 1)"),
+    (["optim=sgd", "optim.momentum=-1"], "optim.momentum", ">= 0"),
+    (["precision=amp", "precision.init_scale=0"], "precision.init_scale", "> 0"),
+    (["precision=amp", "precision.growth_interval=0"], "precision.growth_interval", ">= 1"),
+    (["seed=-1"], "seed", ">= 0"),
+    (["plan.world_size=0"], "plan.world_size", ">= 1, or null"),
+    (["plan.world_size=8", "plan.nodes=3"], "plan.nodes", "split plan.world_size=8 evenly"),
+    (["model.n_layer=0"], "model.n_layer", ">= 1"),
+    (["model=llama", "model.head_dim=0"], "model.head_dim", ">= 1, or null"),
+    (["model=llama", "model.sliding_window=-1"], "model.sliding_window", ">= 1, or null"),
 ]  # fmt: skip
 # what these keys allow at their edges: 0 (no clipping, no decay, no balancing loss; schedule_steps: null's alias,
 # as framework/optim.py reads it), null (the default)
@@ -174,7 +184,9 @@ IN_RANGE = [["optim.min_lr_ratio=0", "optim.weight_decay=0", "optim.grad_clip=0"
             ["optim.min_lr_ratio=1", "optim.schedule_steps=1", "plan.memory_budget_mb=null"],
             ["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
              "model.moe.bias_rate=0"],
-            ["data=hf", "data.path={rows}", "data.streaming=true", "data.shuffle_buffer=1"]]  # fmt: skip
+            ["data=hf", "data.path={rows}", "data.streaming=true", "data.shuffle_buffer=1"],
+            ["optim.betas=[0,0.999]", "seed=0", "plan.world_size=8", "plan.nodes=2", "model.n_layer=1"],
+            ["optim=sgd", "optim.momentum=0"]]  # fmt: skip
 
 
 def test_the_shared_check_refuses_each_value_out_of_range_naming_the_key(inputs):

@@ -17,6 +17,8 @@ def check_optim(cfg: DictConfig) -> None:
         ("weight_decay", o.weight_decay >= 0, ">= 0"),
         ("grad_clip", o.grad_clip >= 0, ">= 0 (0: no clipping)"),
         ("schedule_steps", not steps or steps >= 1, ">= 1, or 0 / null: the run's steps"),
+        ("betas", all(0 <= b < 1 for b in o.get("betas") or ()), "two values in [0, 1) (Adam's decay rates)"),
+        ("momentum", (o.get("momentum") or 0) >= 0, ">= 0 (0: plain SGD)"),
     ):
         if not ok:
             raise ConfigError(f"optim.{key}", f"got {o[key]}; must be {allowed}")

@@ -17,7 +17,7 @@ from framework.config.choices import Choice
 from framework.config.data_checks import check_data_plan, check_val_split
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
 from framework.config.memory_checks import check_memory
-from framework.config.optim_checks import check_optim
+from framework.config.range_checks import check_ranges
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 
 
@@ -44,7 +44,7 @@ def validate(cfg: DictConfig, reads_data: bool = True) -> None:
     `reads_data=False` (export: the weights and the config only) leaves out the data's files and plan."""
     check_mandatory(cfg)
     data = (check_data_plan, _check_paths, _check_val_split) if reads_data else ()
-    for check in (_check_choices, _check_values, check_optim, _check_loader, _check_device_and_backend, _check_world,
+    for check in (_check_choices, _check_values, check_ranges, _check_loader, _check_device_and_backend, _check_world,
                   _check_model_and_data, _check_strategy, check_memory, _check_batching, *data, _check_eval, check_callbacks):  # fmt: skip
         with resolution_named():
             check(cfg)
