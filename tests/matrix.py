@@ -331,9 +331,10 @@ def subset_cells() -> list[Cell]:
 # 1.6e-5 off one process under a constant bound (issue 52); amp's loss scaling through a pipeline's
 # schedule (the pairs alone meet it only where the scaler's warm-up skips the comparison); a stream's
 # padded rows through a pipeline (a mean per micro-batch read 303x the floor from step 3); LoRA under
-# sequence parallel (torch's SequenceParallel made the frozen norms trainable: 198x from step 2)
+# sequence parallel (torch's SequenceParallel made the frozen norms trainable: 198x from step 2);
+# evaluation under cp x pp (the full matrix found it reading whole sequences into the ring)
 PINNED = ("resnet|fsdp(version=1,reshard_after_forward=false)|memory=checkpoint", "gpt|pp|precision=amp",
-          "gpt|pp|data=hf streamed", "gpt|tp(sequence_parallel=true)|peft=lora")  # fmt: skip
+          "gpt|pp|data=hf streamed", "gpt|tp(sequence_parallel=true)|peft=lora", "gpt|hybrid(ppxcp)|eval.every=2")  # fmt: skip
 
 
 def pinned_cells() -> list[Cell]:

@@ -89,15 +89,17 @@ def _forward(setup: Parts, inputs: tuple, target: torch.Tensor) -> tuple[torch.T
     the ring, as in training (not the whole sequence cp times over)."""
     par = setup.par
     pipeline = par.pipeline
+    inputs, kwargs, target = par.split_batch(inputs, target)
     if pipeline is not None:
+        for stage in pipeline.stages.values():  # context parallel: the places of this rank's part
+            stage.positions = kwargs.get("positions")
         args = (inputs[0],) if pipeline.has_first else ()
         kwargs = {"target": target, "losses": []} if pipeline.has_last else {}
-        with _no_local_gradient_handover(pipeline.schedule), setup.precision.autocast():
+        with _no_local_gradient_handover(pipeline.schedule), par.loss_context(), setup.precision.autocast():
             return pipeline.schedule.eval(*args, **kwargs), target
     module = par.module
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         module = module.module
-    inputs, kwargs, target = par.split_batch(inputs, target)
     with par.loss_context(), setup.precision.autocast():
         return logits_of(module(*inputs, **kwargs)), target
 
