@@ -40,7 +40,7 @@ def write_table(
         lines += ["", f"## Every feature under every strategy: {model}", ""]
         lines += _grid(mine, results, notes, row=lambda c: c.strategy.name, col=lambda c: c.feature.name)
     lines += ["", "## Reasons", "", REASON_KINDS, ""]
-    lines += [f"{n}. **{refusal_kind(text)}**: {text}" for text, n in notes.items()]
+    lines += [f"{n}. **{refusal_kind(text)}**: {text.removeprefix('FAILED: ')}" for text, n in notes.items()]
     out = Path(os.environ.get("HYDRADIST_RESULTS_DIR", ROOT / "docs" / "results")) / f"{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
@@ -71,6 +71,8 @@ _KIND_WORDS = {
 
 
 def refusal_kind(text: str) -> str:
+    if text.startswith("FAILED: "):
+        return "FAILED"
     return next((kind for kind, words in _KIND_WORDS.items() if any(w in text for w in words)), "cannot")
 
 
@@ -113,8 +115,9 @@ def _grid(cells: list[Cell], results: dict, notes: dict[str, int], row, col) -> 
             mark = MARKS.get(kind, "·")
             if kind == "parity":
                 mark += f" {figures['ratio']:.2g}"
-            if kind in ("refused", "FAILED"):
-                mark += f" {notes.setdefault(detail.replace('|', '/'), len(notes) + 1)}"
+            if kind in ("refused", "FAILED"):  # a failure's note says so (it is no refusal of any kind)
+                text = ("FAILED: " if kind == "FAILED" else "") + detail.replace("|", "/")
+                mark += f" {notes.setdefault(text, len(notes) + 1)}"
             marks.append(mark)
         lines.append(f"| `{r}` | " + " | ".join(marks) + " |")
     return lines

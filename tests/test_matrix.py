@@ -94,3 +94,4 @@ def test_each_refusal_states_its_kind():
     assert refusal_kind("memory: FSDP CPU offload ... needs CUDA; none here") == "hardware"
     assert refusal_kind("parallel.cp: context parallel is not combined with pipeline parallel") == "not built"
     assert refusal_kind("parallel.tp: tensor parallel needs the model's plan; MLP declares none") == "cannot"
+    assert refusal_kind("FAILED: RuntimeError: The size of tensor a (16) must match ... yet") == "FAILED"  # no refusal
