@@ -4,7 +4,7 @@ seed, the planner's cluster, and a model's sizes. Each out of range is one line 
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.config.errors import ConfigError
 from framework.config.optim_checks import check_optim
@@ -31,8 +31,10 @@ def check_ranges(cfg: DictConfig) -> None:
     world, nodes = plan.get("world_size"), plan.get("nodes") or 1
     if world and world % nodes:
         raise ConfigError("plan.nodes", f"got {nodes}; the nodes must split plan.world_size={world} evenly")
-    for key in MODEL_SIZES:
-        value = cfg.model.get(key) if isinstance(cfg.model, DictConfig) else None
+    for key in MODEL_SIZES:  # a size read from elsewhere (${data.vocab_size}) is that key's check's
+        if not isinstance(cfg.model, DictConfig) or key not in cfg.model or OmegaConf.is_interpolation(cfg.model, key):
+            continue
+        value = cfg.model[key]
         if isinstance(value, int) and not isinstance(value, bool):
             _at_least(value, 1, f"model.{key}", ">= 1" + (", or null" if key in ("head_dim", "sliding_window") else ""))
 
