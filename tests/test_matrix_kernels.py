@@ -1,6 +1,5 @@
 """The covering subset's one- and two-process cells (tests/test_matrix.py) again, under another
-family of math kernels than this CPU's own (the default suite: each model's precision cells; the
-long tier and `make matrix-subset`: every one) (tests/helpers.py `other_kernels`: AVX2 where the CPU
+family of math kernels than this CPU's own (the long tier and `make matrix-subset`) (tests/helpers.py `other_kernels`: AVX2 where the CPU
 has AVX-512; MKL's SSE2 path and oneDNN's SSE 4.1 where its best is AVX2): the workers, the single-process references and the
 noise floors all spawned with the kernels forced, so each cell is held to the floor its own
 kernels measure. Another CPU sums in another order; a bound that holds only on the machine that
@@ -16,11 +15,12 @@ from tests.helpers import other_kernels
 from tests.matrix import subset_cells
 from tests.test_matrix import run_module_cells
 
+# the long tier (-m slow) and `make matrix-subset`: the default suite ran over its 20 minutes with
+# it (24.3 on a clean clone; this file 172 s of it, for the 28 precision cells it kept)
+pytestmark = pytest.mark.slow
+
 NARROW = [c for c in subset_cells() if c.strategy.world < 4]
-# The default suite's slice: each model's precision cells (plain fp32, amp, bf16), where another
-# order of sums shows first; the rest of the subset under these kernels is in the long tier (-m slow)
-SLICE = ("plain (fp32)", "precision=")
-CELLS = [c if c.id.split("|")[2].startswith(SLICE) else pytest.param(c, marks=pytest.mark.slow) for c in NARROW]
+CELLS = NARROW
 
 
 @pytest.fixture(scope="module")
