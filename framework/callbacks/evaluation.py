@@ -91,8 +91,7 @@ def _forward(setup: Parts, inputs: tuple, target: torch.Tensor) -> tuple[torch.T
     pipeline = par.pipeline
     inputs, kwargs, target = par.split_batch(inputs, target)
     if pipeline is not None:
-        for stage in pipeline.stages.values():  # context parallel: the places of this rank's part
-            stage.positions = kwargs.get("positions")
+        pipeline.place(kwargs.get("positions"))
         args = (inputs[0],) if pipeline.has_first else ()
         kwargs = {"target": target, "losses": []} if pipeline.has_last else {}
         with _no_local_gradient_handover(pipeline.schedule), par.loss_context(), setup.precision.autocast():

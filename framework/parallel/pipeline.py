@@ -253,8 +253,7 @@ class Pipeline:
         losses on ranks holding the last stage (zero elsewhere: the loss lives there). `positions`
         (context parallel: the places of this rank's share of each sequence) go to every stage's
         embedding and blocks; `weight` multiplies each micro-batch's summed loss (ScaledLoss)."""
-        for stage in self.stages.values():
-            stage.positions = positions
+        self.place(positions)
         self.loss.weight = weight
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
@@ -263,6 +262,11 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros((), device=target.device)
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def place(self, positions: torch.Tensor | None) -> None:
+        """Context parallel: the places of this rank's share of each sequence, for every stage."""
+        for stage in self.stages.values():
+            stage.positions = positions
 
 
 def build_stages(
