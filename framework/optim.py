@@ -13,10 +13,13 @@ from torch import nn
 from framework.modules import canonical_name
 
 
-def build_optimizer(model: nn.Module, cfg: DictConfig, decay: set[str] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: DictConfig, decay: set[str] | None = None, layout: Any = None
+) -> torch.optim.Optimizer:
     """AdamW or SGD. Weight decay applies to matrices only (not to biases, norms, or 1-d params):
     those named in `decay` (the plain model's matrices, by name: FSDP1 flattens every parameter
-    to 1-d, so a wrapped model's shapes cannot tell), else those with 2 or more dims."""
+    to 1-d, so a wrapped model's shapes cannot tell), else those with 2 or more dims. `layout`:
+    the run's framework.parallel.Parallelized, where the step in backward asks when a gradient is whole."""
     if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
         model = model.module  # the same parameters, under the plain model's names
     named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
@@ -36,7 +39,7 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, decay: set[str] | None = 
     if cfg.get("in_backward"):  # each parameter's update in its gradient's hook (framework/optim_backward.py)
         from framework.optim_backward import InBackwardOptimizer
 
-        return InBackwardOptimizer(groups, make)
+        return InBackwardOptimizer(groups, make, layout)
     return make(groups)
 
 

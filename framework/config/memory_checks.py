@@ -54,23 +54,31 @@ def _check_in_backward(cfg: DictConfig) -> None:
 def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int) -> str | None:
     """Why optim.in_backward cannot be exact for `cfg` under `parallel` with `accumulation`
     micro-batches (the hook's gradient must be the step's whole one: framework/optim_backward.py),
-    or None. parallel=auto's search asks it of each layout it tries."""
+    or None. parallel=auto's search asks it of each layout it tries (with `in_backward_frees`)."""
     if cfg.optim.grad_clip > 0:
         return f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {cfg.optim.grad_clip})"
     if accumulation > 1:
         return f"with accumulation_steps={accumulation} the update would run on the first micro-batch's gradients"
-    if parallel.name not in ("none", "fsdp") or parallel.get("tp", 1) > 1 or parallel.get("ep", 1) > 1:
-        return (
-            f"parallel={parallel.name}: the gradient a hook sees is not yet the step's (DDP reduces buckets "
-            "after it, a pipeline runs micro-batches, tensor parallel's are partial); use parallel=none or fsdp"
-        )
-    if parallel.name == "fsdp" and parallel.get("version", 2) == 1:
+    if parallel.get("ep", 1) > 1:
+        return ("parallel.ep: an expert's gradient is not yet whole in its hook (expert parallel is not "
+                "built for the step in backward); use parallel.ep=1")  # fmt: skip
+    if parallel.name == "ddp" and parallel.get("comm_hook", "none") != "none":
+        return (f"parallel.comm_hook={parallel.comm_hook}: the step in backward runs in DDP's communication "
+                "hook, which is not combined with compression yet; use parallel.comm_hook=none")  # fmt: skip
+    if parallel.name != "ddp" and parallel.get("version", 2) == 1:
         return "FSDP1 flattens the parameters, so their hooks never see a gradient; use parallel.version=2"
     if cfg.precision.name == "amp":
         return "amp's loss scaler unscales and checks the whole gradient first; use precision=bf16 or fp32"
     if cfg.get("nonfinite") == "skip":
         return "nonfinite=skip decides after the whole backward, when the update has run; use nonfinite=stop"
     return None
+
+
+def in_backward_frees(parallel: DictConfig) -> bool:
+    """Whether the step in backward frees each gradient as its update runs (what the planner
+    counts on): not under DDP, whose buckets hold every gradient, nor a pipeline, whose gradients
+    add up over the micro-batches until its schedule ends (framework/optim_backward.py)."""
+    return parallel.name not in ("ddp", "pp") and parallel.get("pp", 1) == 1
 
 
 def _check_selective_layout(cfg: DictConfig) -> None:

@@ -51,7 +51,7 @@ def build(cfg: DictConfig, info: DistInfo, train_data: bool = True) -> Parts:
     n_blocks = len(blocks_of(meta, spec))
     par = parallelize(meta, spec, cfg, info)
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
-    optimizer = build_optimizer(par.module, cfg.optim, par.decay)
+    optimizer = build_optimizer(par.module, cfg.optim, par.decay, par)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
     if not train_data:
