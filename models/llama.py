@@ -105,7 +105,7 @@ class Attention(nn.Module):
         window = self.args.sliding_window
         pos, mask = positions_and_mask(T, doc_ids, x.device, window)
         if positions is not None:  # these tokens' places in their sequence (context parallel's part)
-            pos = positions[None]
+            pos = positions if positions.dim() == 2 else positions[None]  # (B, T): within documents
         if self.cache is not None:  # these tokens follow the cached ones
             pos = pos + self.cache.pos
         angles = pos[..., None].float() * rope_frequencies(self.args, x.device)  # (B or 1, T, hd/2)
@@ -220,6 +220,7 @@ class Llama(nn.Module):
         # what the contract checks tensor-parallel degrees against (they must split whole heads): the
         # key/value heads, which under GQA are fewer than the query heads and divide them
         self.n_heads = args.n_kv_heads
+        self.sliding_window = args.sliding_window  # the contract's window (context parallel applies it)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -232,8 +233,9 @@ class Llama(nn.Module):
         self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). doc_ids (B, T): packed documents (see
-        positions_and_mask). positions (T,): each token's place in its sequence, where `tokens` is
-        a part of it (context parallel's zigzag share: the rotary angles follow them)."""
+        positions_and_mask). positions (T,) or (B, T): each token's place in its sequence (or
+        document), where `tokens` is a part of it (context parallel's zigzag share: the rotary
+        angles follow them)."""
         assert tokens.shape[1] <= self.args.max_seq_len, f"{tokens.shape[1]} tokens > max_seq_len"
         h = self.tok_embeddings(tokens)
         for layer in self.layers:

@@ -251,7 +251,8 @@ BAD = [
     (["parallel=cp", "parallel.cp_impl=torch", "device=cpu"], 2, "parallel.cp_impl", "CUDA SDPA kernels only"),
     (["parallel=hybrid", "parallel.cp=3", "parallel.tp=1"], 4, "parallel.dp_shard", "dp_replicate x cp = 3"),
     (["parallel=hybrid", "parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=2"], 4, "parallel", "world size is 4"),
-    (["parallel=cp", "model=gpt", "data=varlen", "data.pack=true"], 2, "data", "packing's document masks"),
+    (["parallel=cp", "model=gpt", "data=varlen"], 2, "data", "varlen with data.pack=true"),
+    (["parallel=cp", "model=gpt", "data=varlen", "data.pack=true", "data.pack_len=30"], 2, "data.pack_len", "4 chunks"),
     (["parallel=cp", "model.dropout=0.1"], 2, "model.dropout", "no dropout"),
 ]
 
@@ -268,17 +269,21 @@ def test_bad_cp_config_is_one_clear_error(overrides, world, key, message):
     assert err.value.key == key and message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_a_sliding_window_shorter_than_the_sequence_is_refused_under_cp():
-    """Mistral's window is not built into the ring; a window that covers the sequence is no window."""
+def test_a_sliding_window_under_cp_is_the_rings_and_not_torchs():
+    """Mistral's window is applied across our ring (tests/test_ring_mask.py); torch's ring has none."""
+    from types import SimpleNamespace
+
     from framework.config import ConfigError, validate
+    from framework.config.model import _check_family
     from tests.helpers import compose_config
 
     llama = ["experiment=smoke", "model=llama", "model.n_layers=2", "model.dim=32", "model.n_heads=4",
-             "model.n_kv_heads=2", "data.seq_len=16", "parallel=cp", "launch.nproc_per_node=2"]  # fmt: skip
-    with pytest.raises(ConfigError) as err:
-        validate(compose_config([*llama, "model.sliding_window=8"]))
-    assert err.value.key == "parallel.cp" and "sliding window (8 tokens" in str(err.value)
-    validate(compose_config([*llama, "model.sliding_window=16"]))
+             "model.n_kv_heads=2", "data.seq_len=16", "parallel=cp", "launch.nproc_per_node=2",
+             "model.sliding_window=8"]  # fmt: skip
+    validate(compose_config(llama))
+    with pytest.raises(ConfigError) as err:  # what validation asks of a Llama (CUDA-only torch: not on this host)
+        _check_family(compose_config([*llama, "parallel.cp_impl=torch"]), SimpleNamespace(sliding_window=8))
+    assert err.value.key == "parallel.cp_impl" and "no sliding window (8 tokens" in str(err.value), str(err.value)
 
 
 def test_bad_cp_config_exits_2_before_any_worker(tmp_path):

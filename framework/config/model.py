@@ -161,12 +161,14 @@ def _check_moe(cfg: DictConfig, model, blocks: str | None) -> None:
 
 
 def _check_family(cfg: DictConfig, args) -> None:
-    """A Llama's family options (models/llama_args.py): its window across the ring, and what its
-    Hugging Face architecture (model.family) holds when it goes out."""
-    window, seq_len = getattr(args, "sliding_window", None), cfg.data.get("seq_len") or 0
+    """A Llama's family options (models/llama_args.py): its window under torch's context parallel
+    (our ring applies it), and what its Hugging Face architecture (model.family) holds when it goes out."""
+    window, seq_len, impl = getattr(args, "sliding_window", None), cfg.data.get("seq_len") or 0, "ring"
     if window is not None and window < seq_len and cfg.parallel.get("cp", 1) != 1 and _cp_degree(cfg) > 1:
-        raise ConfigError("parallel.cp", f"a sliding window ({window} tokens, shorter than data.seq_len={seq_len}) "
-                          "is not built across context parallel's ring; set parallel.cp=1")  # fmt: skip
+        impl = cfg.parallel.get("cp_impl", "ring")
+    if impl == "torch":
+        raise ConfigError("parallel.cp_impl", f"torch's context parallel has no sliding window ({window} tokens, "
+                          f"shorter than data.seq_len={seq_len}); use parallel.cp_impl=ring")  # fmt: skip
     if getattr(args, "family", None) is None or not cfg.checkpoint.get("export"):
         return
     needs = {"qwen2": ("qkv_bias", True), "qwen3": ("qk_norm", True)}

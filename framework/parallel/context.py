@@ -33,17 +33,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework.parallel.ring import ring_attention
-
-
-def zigzag_indices(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global indices, in order, of the positions cp rank `rank` holds: chunks rank and 2cp-1-rank."""
-    if length % (2 * cp):
-        raise ValueError(f"context parallel: a sequence of {length} does not split into 2 x cp = {2 * cp} chunks")
-    chunk = length // (2 * cp)
-    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return torch.cat(
-        [torch.arange(first, first + chunk, device=device), torch.arange(second, second + chunk, device=device)]
-    )
+from framework.parallel.ring_mask import MaskRule, zigzag_indices
 
 
 def zigzag_shard(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
@@ -57,20 +47,24 @@ def zigzag_unshard(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
 
 
-def ring_sdpa(group: dist.ProcessGroup) -> Callable:
-    """A drop-in for F.scaled_dot_product_attention on zigzag shards: causal, no mask, no dropout."""
+def ring_sdpa(group: dist.ProcessGroup, rule: MaskRule) -> Callable:
+    """A drop-in for F.scaled_dot_product_attention on zigzag shards: causal, no dropout, within
+    `rule`'s window and documents. Where the rule has either, the mask the model built for its own
+    part of the sequence is that rule seen locally, and the ring applies the rule to every block."""
 
     @torch.compiler.disable  # a compiled block runs up to it and on from it: the ring's sends stay eager
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, **options):
         # F.scaled_dot_product_attention's keyword options: is_causal, scale, enable_gqa
         is_causal, scale = options.pop("is_causal", False), options.pop("scale", None)
+        if rule.active() and attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask, is_causal = None, True  # the model's local view of the rule (see above)
         if attn_mask is not None or not is_causal or dropout_p > 0 or options.pop("enable_gqa", False) or options:
             raise NotImplementedError(
                 "context parallel (cp_impl=ring) computes causal attention without a mask, dropout or grouped "
                 f"heads; got is_causal={is_causal}, attn_mask={attn_mask is not None}, dropout_p={dropout_p}"
                 + (f", {sorted(options)}" if options else "")
             )
-        return ring_attention(query, key, value, group, scale)
+        return ring_attention(query, key, value, group, scale, rule)
 
     return sdpa
 
@@ -103,20 +97,34 @@ def torch_context_parallel(cp_mesh) -> Iterator[None]:
         cp_attention._cp_options.enable_load_balance = balance
 
 
-def batch_splitter(cp: int, rank: int) -> Callable:
-    """(inputs, target) of a whole batch -> (this rank's inputs, {"positions": ...}, target)."""
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """(B, T) place of each token within its document (document ids (B, T) in runs)."""
+    places = torch.arange(docs.size(1), device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return places - torch.cummax(torch.where(starts, places, 0), dim=1).values
+
+
+def batch_splitter(cp: int, rank: int, rule: MaskRule) -> Callable:
+    """(inputs, target) of a whole batch -> (this rank's inputs, {"positions": ...}, target).
+    Packed documents (inputs (tokens, document ids)): the ids go whole to the ring's `rule`, and
+    the positions are this rank's places within their documents (B, T / cp)."""
 
     def split(inputs: tuple, target: torch.Tensor) -> tuple[tuple, dict, torch.Tensor]:
-        if len(inputs) != 1:
-            raise ValueError("context parallel takes token batches only (no document masks from packing)")
+        if len(inputs) not in (1, 2):
+            raise ValueError("context parallel takes token batches, with their document ids or without")
         tokens = inputs[0]
         positions = zigzag_indices(tokens.size(1), cp, rank, tokens.device)
+        rule.docs = inputs[1] if len(inputs) == 2 else None
+        if rule.docs is not None:
+            positions = document_positions(rule.docs)[:, positions]
         return (zigzag_shard(tokens, 1, cp, rank),), {"positions": positions}, zigzag_shard(target, 1, cp, rank)
 
     return split
 
 
 CP_IMPLS = ("ring", "torch")
+TOKEN_DATA = ("text", "hf", "tokens")  # fixed-length token batches (tokens: documents too, data.pack)
 
 
 def cp_config_problem(dims, cfg: DictConfig) -> tuple[str, str] | None:
@@ -129,17 +137,20 @@ def cp_config_problem(dims, cfg: DictConfig) -> tuple[str, str] | None:
     forward = getattr(model_cls, "forward", None)
     takes_positions = forward is not None and "positions" in inspect.signature(forward).parameters
     task = cfg.model.get("task") or getattr(model_cls, "task", "lm" if takes_positions else "classify")
+    name, packed = cfg.data.name, cfg.data.name == "varlen" and bool(cfg.data.get("pack"))
+    seq_len = (cfg.data.pack_len if packed else cfg.data.get("seq_len")) or 0
     checks = [
         (p.get("cp_impl", "ring") in CP_IMPLS, "parallel.cp_impl", f"got {p.get('cp_impl')!r}; one of {CP_IMPLS}"),
         (task == "lm", "parallel.cp",
          f"context parallel splits a language model's sequences; {cfg.model._target_} is a classifier"),
         (takes_positions, "parallel.cp",
          f"{cfg.model._target_} does not declare context parallel (its forward takes no `positions`)"),
-        (cfg.data.name == "text", "data",
-         f"context parallel takes fixed-length token batches (data=text); got data={cfg.data.name} "
-         "(packing's document masks are not supported across the ring)"),
-        ((cfg.data.get("seq_len") or 0) % (2 * cp) == 0, "data.seq_len",  # no seq_len: data= above refuses
-         f"zigzag sharding cuts each sequence into 2 x cp = {2 * cp} chunks; {cfg.data.get('seq_len')} does not divide"),
+        (name in TOKEN_DATA or packed, "data", f"context parallel takes fixed-length token batches (data="
+         f"{','.join(TOKEN_DATA)}, or varlen with data.pack=true); got data={name}"),
+        (not (cfg.data.get("pack") and dims.pp > 1), "data.pack",
+         "packed documents' ids do not pass through pipeline stages under context parallel; set parallel.pp=1"),
+        (seq_len % (2 * cp) == 0, f"data.{'pack_len' if packed else 'seq_len'}",  # no seq_len: data= above refuses
+         f"zigzag sharding cuts each sequence into 2 x cp = {2 * cp} chunks; {seq_len} does not divide"),
         (p.get("version", 2) == 2, "parallel.version", "context parallel shards with FSDP2 (version=2) only"),
         (not cfg.model.get("dropout", 0.0), "model.dropout", "context parallel's attention has no dropout; set 0"),
     ]  # fmt: skip
@@ -157,8 +168,9 @@ def check_cp_model(model: nn.Module) -> None:
 def apply_cp(model: nn.Module, cp_mesh, impl: str) -> tuple[Callable, Callable]:
     """(batch splitter, attention context) for context parallel over the 1-D mesh `cp_mesh`."""
     check_cp_model(model)
-    split = batch_splitter(cp_mesh.size(), cp_mesh.get_local_rank())
+    rule = MaskRule(getattr(model, "sliding_window", None))  # the model's window; the batch's documents
+    split = batch_splitter(cp_mesh.size(), cp_mesh.get_local_rank(), rule)
     if impl == "torch":
         return split, lambda: torch_context_parallel(cp_mesh)
-    sdpa = ring_sdpa(cp_mesh.get_group())
+    sdpa = ring_sdpa(cp_mesh.get_group(), rule)
     return split, lambda: attention_replaced(sdpa)

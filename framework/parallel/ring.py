@@ -17,6 +17,10 @@ attention on its two chunks; against a block from a lower rank, all its queries 
 first chunk; against one from a higher rank, its second chunk's queries on the whole block. Both
 cost half a full block.
 
+A sliding window or packed documents (a ``MaskRule``, framework/parallel/ring_mask.py) mask each
+block by the global places of its queries and keys and their document ids; a block they mask
+wholly is skipped (no compute; it still travels on), the others run as masked matmuls.
+
 Blocks are merged, and gradients accumulated, in float32 (float64 inputs: float64) whatever the
 input dtype, as flash attention accumulates; autocast is switched off inside. On CPU, float32 and
 bfloat16 blocks run torch's fused flash kernel (which returns the log-sum-exp the merge needs,
@@ -30,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from framework.parallel.ring_mask import MaskRule, block_mask, masked_attend, masked_attend_backward
 
 KV_TAG, GRAD_TAG = 1, 2  # separate message streams between the same two ranks (gloo matches tags)
 
@@ -124,8 +130,17 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: t
     lse.copy_(total)
 
 
-def ring_forward(q, k, v, ring: Ring, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's attention output (accumulation dtype) and log-sum-exp over the whole sequence."""
+def _masked_block(q, kv, ring: Ring, step: int, scale: float, rule: MaskRule):
+    """(output, lse) of the block held at `step` under `rule`, or None where it masks all of it."""
+    mask = block_mask(rule, ring.size, ring.rank, (ring.rank - step) % ring.size, q.size(-2), q.device)
+    if step and not bool(mask.any()):  # a block wholly outside the window or the documents: skipped
+        return None
+    return masked_attend(q, kv[0], kv[1], scale, mask, _accumulation_dtype(q.dtype))
+
+
+def ring_forward(q, k, v, ring: Ring, scale: float, rule: MaskRule | None = None):
+    """This rank's attention output (accumulation dtype) and log-sum-exp over the whole sequence
+    (`rule`: a window or documents beyond causality, framework.parallel.ring_mask)."""
     half = q.size(-2) // 2
     kv = torch.stack([k, v])  # one message per hop
     out = lse = None
@@ -133,7 +148,13 @@ def ring_forward(q, k, v, ring: Ring, scale: float) -> tuple[torch.Tensor, torch
         if step + 1 < ring.size:  # the next block travels while this one is computed
             incoming, works = ring.exchange(kv, KV_TAG)
         source = (ring.rank - step) % ring.size
-        if step == 0:
+        if rule is not None:  # its own block (step 0) comes first: every row sees itself there
+            part = _masked_block(q, kv, ring, step, scale, rule)
+            if step == 0:
+                out, lse = part
+            elif part is not None:
+                _merge(out, lse, *part)
+        elif step == 0:
             out, lse = attend(q, kv[0], kv[1], scale, causal=True)
         elif source < ring.rank:  # every query sees the block's first (earlier) chunk only
             first_k, first_v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
@@ -146,14 +167,18 @@ def ring_forward(q, k, v, ring: Ring, scale: float) -> tuple[torch.Tensor, torch
     return out, lse
 
 
-def _block_grads(rows: Rows, kv, scale: float, ring: Ring, step: int):
+def _block_grads(rows: Rows, kv, scale: float, ring: Ring, step: int, rule: MaskRule | None):
     """(dq, dkv) of this rank's query rows against the block `kv` held at `step`."""
     q, lse = rows.q, rows.lse
     half = q.size(-2) // 2
     source = (ring.rank - step) % ring.size
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=q.device)
-    if step == 0:
+    if rule is not None:
+        mask = block_mask(rule, ring.size, ring.rank, source, q.size(-2), q.device)
+        if step == 0 or bool(mask.any()):
+            dq[:], dkv[0], dkv[1] = masked_attend_backward(rows, kv[0], kv[1], scale, mask)
+    elif step == 0:
         dq[:], dkv[0], dkv[1] = attend_backward(rows, kv[0], kv[1], scale, causal=True)
     elif source < ring.rank:
         first_k, first_v = kv[0, ..., :half, :].contiguous(), kv[1, ..., :half, :].contiguous()
@@ -164,7 +189,7 @@ def _block_grads(rows: Rows, kv, scale: float, ring: Ring, step: int):
     return dq, dkv
 
 
-def ring_backward(rows: Rows, k, v, ring: Ring, scale: float):
+def ring_backward(rows: Rows, k, v, ring: Ring, scale: float, rule: MaskRule | None = None):
     """(dq, dk, dv) of this rank's shards. Key/value blocks go round as in forward; each block's
     gradient accumulator follows it one hop behind and comes home after the last hop."""
     kv = torch.stack([k, v])
@@ -173,7 +198,7 @@ def ring_backward(rows: Rows, k, v, ring: Ring, scale: float):
     for step in range(ring.size):
         if step + 1 < ring.size:
             incoming, works = ring.exchange(kv, KV_TAG)
-        dq_part, dkv = _block_grads(rows, kv, scale, ring, step)
+        dq_part, dkv = _block_grads(rows, kv, scale, ring, step, rule)
         dq = dq_part if dq is None else dq.add_(dq_part)
         if grad_works is not None:  # the accumulated gradient of this block from the previous rank
             _wait(grad_works)
@@ -187,16 +212,19 @@ def ring_backward(rows: Rows, k, v, ring: Ring, scale: float):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of zigzag-sharded (B, H, 2c, D) q, k, v over the ranks of `group`."""
+    """Causal attention of zigzag-sharded (B, H, 2c, D) q, k, v over the ranks of `group`, within
+    `rule`'s window and documents where it has them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, rule=None):
         ring = Ring(group)
+        # this batch's rule, kept for backward (the splitter sets the next batch's documents on `rule`)
+        rule = MaskRule(rule.window, rule.docs) if rule is not None and rule.active() else None
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = ring_forward(q, k, v, ring, scale)
+            out, lse = ring_forward(q, k, v, ring, scale, rule)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.rule = ring, scale, rule
         return out
 
     @staticmethod
@@ -204,14 +232,15 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(dout.device.type, enabled=False):
             delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-            dq, dk, dv = ring_backward(Rows(q, dout, out, lse, delta), k, v, ctx.ring, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            dq, dk, dv = ring_backward(Rows(q, dout, out, lse, delta), k, v, ctx.ring, ctx.scale, ctx.rule)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group: dist.ProcessGroup, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of this rank's zigzag shards q, k, v (B, H, 2c, D) over `group`'s ranks."""
+def ring_attention(q, k, v, group: dist.ProcessGroup, scale: float | None = None, rule: MaskRule | None = None):
+    """Causal attention of this rank's zigzag shards q, k, v (B, H, 2c, D) over `group`'s ranks,
+    within `rule`'s sliding window and documents (framework.parallel.ring_mask) where it has them."""
     if group.size() < 2:
         raise ValueError("ring attention needs a group of at least 2 ranks")
     if q.size(-2) % 2 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"ring attention: q, k, v must be equal (B, H, 2c, D) shards, got {q.shape}, {k.shape}")
-    return RingAttention.apply(q, k, v, group, q.size(-1) ** -0.5 if scale is None else scale)
+    return RingAttention.apply(q, k, v, group, q.size(-1) ** -0.5 if scale is None else scale, rule)

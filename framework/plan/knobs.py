@@ -107,7 +107,9 @@ def offload_applies(base: DictConfig) -> bool:
 
 def in_backward_applies(base: DictConfig, trial: DictConfig, knobs: Knobs) -> bool:
     """The optimizer step in backward is exact for this run, layout and accumulation (the config's
-    own check says so)."""
-    from framework.config.memory_checks import in_backward_refusal
+    own check says so), and frees the gradients there (not under DDP or a pipeline)."""
+    from framework.config.memory_checks import in_backward_frees, in_backward_refusal
 
-    return in_backward_refusal(base, trial.parallel, knobs.accumulation_steps) is None
+    return in_backward_refusal(base, trial.parallel, knobs.accumulation_steps) is None and in_backward_frees(
+        trial.parallel
+    )

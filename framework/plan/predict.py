@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from framework.config.memory_checks import in_backward_frees
 from framework.config.model import meta_model, model_dims_of, model_spec
 from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
 from framework.plan.model import Layout, Shapes, layout_of, model_shapes, state_bytes
@@ -58,7 +59,7 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
     model = facts[0] if facts else meta_model(cfg)
     key = ("state", id(model), layout, cfg.data.get("seq_len"), cfg.optim.name, cfg.optim.get("momentum"))
     memory = dict(_cached(key, model, lambda: state_bytes(shapes, layout, cfg)))
-    if cfg.optim.get("in_backward"):  # each gradient freed as its update runs in backward
+    if cfg.optim.get("in_backward") and in_backward_frees(cfg.parallel):  # each gradient freed in backward
         memory["grad_bytes"] = 0
     memory["activation_bytes"] = activation_bytes(shapes, cfg, layout)
     memory["gathered_bytes"] = gathered_bytes(shapes, cfg, layout)
