@@ -106,7 +106,11 @@ def test_selective_and_the_budget_keep_less_than_nothing_and_more_than_checkpoin
         (["memory=budget"], "memory", "set compile=true"),
         (["optim.in_backward=true"], "optim.in_backward", "set optim.grad_clip=0"),
         (["optim.in_backward=true", "optim.grad_clip=0", "accumulation_steps=2"], "optim.in_backward", "first micro"),
-        (["optim.in_backward=true", "optim.grad_clip=0", "parallel=ddp"], "optim.in_backward", "parallel=ddp"),
+        (
+            ["optim.in_backward=true", "optim.grad_clip=0", "parallel=ddp", "parallel.comm_hook=fp16"],
+            "optim.in_backward",
+            "parallel.comm_hook=fp16",
+        ),
         (
             ["optim.in_backward=true", "optim.grad_clip=0", "parallel=fsdp", "parallel.version=1"],
             "optim.in_backward",
@@ -196,6 +200,27 @@ def test_the_step_in_backward_holds_one_parameters_gradient_at_a_time():
     held, block = most_alive(True)
     whole, _ = most_alive(False)
     assert held <= block < whole, (held, block, whole)
+
+
+def test_the_step_in_backward_trains_as_one_process_under_ddp_tp_and_pp(tmp_path):
+    """x2 under ddp (each bucket stepped after its all-reduce), tp with sequence parallel (a norm's
+    partial gradient reduced first) and a pipeline (stepped when its schedule ends, the tied
+    embedding's copies summed): the losses and gradient norms of ddp without it, over the same
+    global batch (each was refused before: 'the gradient a hook sees is not yet the step's')."""
+    args = [*BASE, "steps=3", "optim.grad_clip=0"]
+    layouts = {
+        "ddp": ["parallel=ddp", "data.batch_size=4"],
+        "tp": ["parallel=tp", "parallel.sequence_parallel=true", "data.batch_size=8"],
+        "pp": ["parallel=pp", "data.batch_size=8"],
+    }
+    configs = {"reference": world_config([*args, *layouts["ddp"]], 2)}
+    configs |= {name: world_config([*args, *how, "optim.in_backward=true"], 2) for name, how in layouts.items()}
+    run_configs(configs, 2, str(tmp_path))
+    want = read_metrics(tmp_path / "reference")
+    for name in layouts:
+        got = read_metrics(tmp_path / name)
+        for key in ("loss", "grad_norm"):
+            assert [m[key] for m in got] == pytest.approx([m[key] for m in want], rel=1e-5), (name, key)
 
 
 def test_a_run_stepping_in_backward_resumes_bitwise(tmp_path):
