@@ -216,6 +216,8 @@ class PlanConfig:
     op_overhead_us: float | None = None  # dispatch cost per operator; null: probed (CPU) or nominal
     nodes: int = 1  # nodes the world spans (groups wider than a node use inter_node_gbps)
     gpu: str | None = None  # plan for this GPU from its published figures (A100, H100, H200; any machine)
+    gpu_power_w: float | None = None  # the GPUs' power limit, watts (null: the part's TDP); lower is slower
+    search: bool = True  # python -m framework.plan: rank every layout (false: the configured one, its split)
     dry_run: bool = False  # python -m framework.plan: lay out the configured strategy on a fake world (no search)
     # the figures not given above: probe (the cache, else measured once and cached), cache (the
     # cache, else nominal), config (nominal: no probe, no cache, as ranks a launcher started use;

@@ -98,6 +98,9 @@ def _check_values(cfg: DictConfig) -> None:
     gpu = cfg.get("plan", {}).get("gpu")
     _require(gpu is None or is_planned_part(gpu), "plan.gpu",
              f"{gpu!r} is not a part the time model knows; one of {', '.join(PLANNED_PARTS)} (SXM)")  # fmt: skip
+    power = cfg.get("plan", {}).get("gpu_power_w")
+    _require(power is None or power > 0, "plan.gpu_power_w",
+             f"got {power}; must be > 0 watts (the GPUs' power limit), or null: the part's TDP")  # fmt: skip
     budget = cfg.get("plan", {}).get("memory_budget_mb")
     _require(budget is None or budget > 0, "plan.memory_budget_mb",
              f"got {budget}; must be > 0 (MB per rank), or null: the device's memory")  # fmt: skip

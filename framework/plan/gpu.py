@@ -10,7 +10,10 @@ CPU's probed kernels (framework.plan.kernels.Kernels), so the trace of the model
   tile (tile quantization) and a partial last wave of tiles over the SMs (wave quantization)
   cost a whole one; an output of fewer tiles than SMs splits its reduction (split-K) to fill
   them. A matmul too small for its FLOPs to dominate is bound by moving its operands through HBM.
-- **Attention** (FlashAttention-2, SDPA's kernel on these parts) at ATTENTION_SHARE of the peak.
+- **Attention** (FlashAttention-2, SDPA's kernel on these parts) at the part's share of the peak,
+  over the scores a causal mask leaves (FlashAttention skips the blocks above the diagonal).
+- **Power.** A power limit below the part's TDP lowers the clocks the matmuls and attention run
+  at: their rates scale by (limit / TDP) ** POWER_EXPONENT (`plan.gpu_power_w`, default the TDP).
 - **Everything else** (norms, activations, residual adds, casts, the optimizer's update) is
   memory-bound on a GPU: its bytes at HBM_SHARE of the datasheet's bandwidth.
 - **Links** (framework.plan.timing.comm_s): NVLink within a node and one NIC per GPU across
@@ -23,7 +26,13 @@ Sources of the constants (none fitted to the tables the planner is checked again
 - HBM: 88% of the datasheet, the most a read kernel reached on an A100 80GB SXM (1.80 of
   2.04 TB/s, NVIDIA developer forums, "Trouble to Reach Peak Bandwidth of A100", which quotes a
   GTC talk's ~90% as the best any kernel reached).
-- Attention: FlashAttention-2 (Dao, 2023) reaches 50-73% of the A100's peak; the middle, 0.6.
+- Attention: FlashAttention-2 (Dao, 2023) reaches 50-73% of the A100's peak; the middle, 0.6. On
+  Hopper it reaches "only 35% utilization" (Shah et al. 2024, FlashAttention-3, its abstract).
+- TDP: NVIDIA's datasheets (A100 SXM 400 W, H100 and H200 SXM 700 W); the least limit
+  nvidia-smi takes on these parts (`-pl`): 100 W (A100), 200 W (H100, H200).
+- POWER_EXPONENT is the one fitted constant: on torchtitan's Table 1 FSDP row (Llama 3.1 8B,
+  8 H100s at 500 W, 5,762 tokens/s per GPU) alone, checked on every other H100 row of
+  benchmarks/plan_h100.py (docs/results/plan_h100.md).
 - NVLink: NCCL's maintainer in NVIDIA/nccl-tests#212: "450GB/s is the line rate. With the
   protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" (H100), a
   share of 370/450 applied to every part (A100 reports in nccl-tests#149 and #178: 200-208 GB/s).
@@ -45,7 +54,9 @@ HBM_SHARE = 0.88
 NVLINK_SHARE = 370 / 450
 NIC_SHARE = 0.90
 HOST_SHARE = 0.8  # pinned copies over PCIe (CUDA's bandwidthTest: about 25 of gen4's 31.5 GB/s)
-ATTENTION_SHARE = 0.6
+ATTENTION_SHARE = 0.6  # FlashAttention-2 on an A100 (Hopper: GpuSpec.attention_share)
+CAUSAL_SHARE = 0.5  # of a causal mask's scores that FlashAttention computes (its diagonal blocks aside)
+POWER_EXPONENT = 1.14  # fitted (above): matmul rate ~ (power limit / TDP) ** this
 TILE = (256, 128)  # an output tile per SM (cuBLAS's largest for 16-bit GEMMs on these parts)
 SPLIT_K_DEPTH = 512  # the least of the reduction a split-K slice keeps
 NCCL_BASE_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S = 8.4e-6, 3.4e-6, 14e-6
@@ -65,6 +76,9 @@ class GpuSpec:
     mamf_tflops: float  # the best dense 16-bit matmul rate measured
     memory_gb: float  # HBM per GPU
     host_gb_s: float = 31.5  # PCIe to the host, per direction, line rate (gen4 x16; gen5: 63)
+    tdp_w: float = 400.0  # the datasheet's board power, the default limit
+    min_power_w: float = 100.0  # the least power limit the driver takes
+    attention_share: float = ATTENTION_SHARE  # FlashAttention-2's share of the 16-bit peak
 
     def link_bytes_per_s(self) -> tuple[float, float]:
         """(within a node, across nodes) bytes per second a collective's ring moves per GPU."""
@@ -74,8 +88,8 @@ class GpuSpec:
 # SXM parts of DGX/HGX nodes: A100 80GB (HDR 200 Gb/s per GPU), H100 and H200 (NDR 400 Gb/s)
 SPECS = {
     "A100": GpuSpec("A100", 108, 2.039, 300.0, 25.0, 267.9, 80.0),
-    "H100": GpuSpec("H100", 132, 3.35, 450.0, 50.0, 792.1, 80.0, 63.0),
-    "H200": GpuSpec("H200", 132, 4.8, 450.0, 50.0, 792.1, 141.0, 63.0),
+    "H100": GpuSpec("H100", 132, 3.35, 450.0, 50.0, 792.1, 80.0, 63.0, 700.0, 200.0, 0.35),
+    "H200": GpuSpec("H200", 132, 4.8, 450.0, 50.0, 792.1, 141.0, 63.0, 700.0, 200.0, 0.35),
 }
 
 
@@ -95,6 +109,8 @@ class GpuKernels:
     peak_flops: float  # the datasheet's, for the run's compute dtype
     itemsize: int = 2
     in_situ: float = 1.0
+    clock: float = 1.0  # the matmul and attention rates' share left at the power limit (power_share)
+    causal_share: float = CAUSAL_SHARE  # framework.plan.timing prices a causal trace's attention at it
 
     @property
     def bytes_per_s(self) -> float:
@@ -111,7 +127,7 @@ class GpuKernels:
     @property
     def matmul_flops(self) -> float:
         """The best matmul rate: the measured MAMF's share of the 16-bit peak, at this dtype's peak."""
-        return self.peak_flops * self.spec.mamf_tflops / _peak_16bit(self.spec)
+        return self.clock * self.peak_flops * self.spec.mamf_tflops / _peak_16bit(self.spec)
 
     def matmul_s(self, m: float, k: float, n: float, orientation: str = "forward") -> float:
         """Seconds of the (m, k) by (k, n) product in `orientation`: the forward's output is
@@ -125,7 +141,7 @@ class GpuKernels:
 
     def attention_s(self, m: float, k: float, n: float) -> float:
         """Seconds of attention's forward for scores of shape (m, n) over head dim k."""
-        return 4 * m * k * n / (self.peak_flops * ATTENTION_SHARE)
+        return 4 * m * k * n / (self.clock * self.peak_flops * self.spec.attention_share)
 
 
 def _peak_16bit(spec: GpuSpec) -> float:
@@ -147,5 +163,20 @@ def _tiling(rows: float, cols: float, depth: float, sms: int) -> float:
     return best
 
 
-def gpu_kernels(spec: GpuSpec, peak_flops: float, dtype: torch.dtype) -> GpuKernels:
-    return GpuKernels(spec, peak_flops, torch.empty((), dtype=dtype).element_size())
+def power_share(spec: GpuSpec, watts: float | None) -> float:
+    """The share of its matmul rate a part keeps under a power limit of `watts` (None: its TDP)."""
+    if watts is None:
+        return 1.0
+    from framework.config import ConfigError
+
+    if not spec.min_power_w <= watts <= spec.tdp_w:
+        raise ConfigError(
+            "plan.gpu_power_w",
+            f"got {watts:g}; an {spec.part}'s power limit is {spec.min_power_w:g} to {spec.tdp_w:g} W (its TDP), "
+            "or null: the TDP",
+        )
+    return (watts / spec.tdp_w) ** POWER_EXPONENT
+
+
+def gpu_kernels(spec: GpuSpec, peak_flops: float, dtype: torch.dtype, watts: float | None = None) -> GpuKernels:
+    return GpuKernels(spec, peak_flops, torch.empty((), dtype=dtype).element_size(), clock=power_share(spec, watts))

@@ -66,6 +66,7 @@ class Region:
     ops: int = 0
     math_bytes: float = 0.0  # math-bound operators' bytes
     cast_bytes: float = 0.0  # autocast's casts of the parameters (FSDP's gathers cast instead)
+    causal: bool = False  # its attention is causal (is_causal=True): a GPU's kernel skips half the scores
 
 
 @dataclass
@@ -137,6 +138,7 @@ class _Attention(TorchFunctionMode):
         region = self.recorder.trace.region(key)
         region.ops += 1
         region.attention.append((q.shape[:-1].numel(), q.shape[-1], k.shape[-2]))
+        region.causal = region.causal or bool((kwargs or {}).get("is_causal"))
         self.recorder.in_attention += 1
         try:
             return func(*args, **(kwargs or {}))

@@ -15,7 +15,7 @@ from framework.plan.model import Layout, Shapes, layout_of, model_shapes, state_
 from framework.plan.ops import Trace, trace_forward
 from framework.plan.peak import peak_parts
 from framework.plan.profile import Profile
-from framework.plan.timing import bubble, comm_s, step_time
+from framework.plan.timing import bubble, comm_s, step_split
 from framework.plan.traffic import traffic
 from framework.precision import DTYPES
 
@@ -77,16 +77,19 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
         "all_to_all_bytes": sum(t.bytes["all_to_all"] for t in ranks) / len(ranks) if layout.ep > 1 and ranks else None,
         "bubble": bubble(layout),
         "step_time_s": None,
+        "split": None,  # the step's seconds by term (framework.plan.timing.SPLIT), summing to step_time_s
         "comm_time_s": None,  # the communication part alone (what ranks models without a FLOP count)
         "not_predicted": _not_predicted(memory, ranks, shapes),
         "hardware_flops_per_token": shapes.hardware_flops_per_token,  # with checkpointing's recomputation
+        "model_flops_per_token": shapes.flops_per_token,  # without (what MFU counts)
     }
     if profile is not None and ranks is not None:
         out["comm_time_s"] = comm_s(cfg, layout, ranks, profile)
         if shapes.hardware_flops_per_token:
             spec = facts[1] if facts else model_spec(cfg)
             trace = forward_trace(cfg, layout, model, spec) if profile.kernels is not None else None
-            out["step_time_s"] = step_time(cfg, layout, shapes, ranks, profile, trace=trace)
+            out["split"] = step_split(cfg, layout, shapes, ranks, profile, trace=trace)
+            out["step_time_s"] = sum(out["split"].values())
     return out
 
 

@@ -302,4 +302,4 @@ def _gpu_kernels(cfg: DictConfig, spec) -> GpuKernels:
 
     dtype = DTYPES[cfg.precision.name]
     tflops = cfg.plan.peak_tflops or cfg.metrics.peak_tflops or datasheet_tflops(spec.part, dtype, cfg.precision.tf32)
-    return gpu_kernels(spec, tflops * 1e12, dtype)
+    return gpu_kernels(spec, tflops * 1e12, dtype, cfg.plan.get("gpu_power_w"))

@@ -164,6 +164,8 @@ def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwa
             forward * forwards + kernels.matmul_s(m, k, n, "input_grad") + kernels.matmul_s(m, k, n, "weight_grad")
         )
     attention = sum(kernels.attention_s(m / split, k, n) for m, k, n in region.attention) * layout.cp
+    if region.causal:  # a GPU's FlashAttention skips the masked half (context parallel balances it: zigzag)
+        attention *= getattr(kernels, "causal_share", 1.0)
     elementwise = (region.bytes / kernels.bytes_per_s + region.math_bytes / kernels.math_bytes_per_s) / split
     casts = 0.0 if layout.fsdp else region.cast_bytes / kernels.bytes_per_s / split * (forwards + 1)
     ops = region.ops * profile.op_overhead_s
@@ -192,14 +194,40 @@ def _grad_copies_s(shapes: Shapes, layout: Layout, kernels) -> float:
 def step_time(
     cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, profile, trace: Trace | None = None
 ) -> float:
-    """Seconds per optimizer step: the busier of two bounds on the arithmetic (compute_s), and
-    the communication that does not hide behind it. The slowest rank's work, stretched by the
-    pipeline's bubble, is the critical path; the ranks' work together over the cores is the other
-    bound, which decides where more ranks than cores share them (a CPU's `profile.share` < 1): a
-    pipeline rank idle in its bubble then lends its core to the others, instead of stretching."""
+    """Seconds per optimizer step: the sum of step_split's terms."""
+    return sum(step_split(cfg, layout, shapes, ranks, profile, trace).values())
+
+
+SPLIT = ("compute", "memory_bound", "bubble", "exposed_comm")  # step_split's terms, in the printed order
+
+
+def step_split(
+    cfg: DictConfig, layout: Layout, shapes: Shapes, ranks: list, profile, trace: Trace | None = None
+) -> dict[str, float]:
+    """A step's seconds by term, summing to the step: the busier of two bounds on the arithmetic
+    (compute_s) and the communication that does not hide behind it. The slowest rank's work,
+    stretched by the pipeline's bubble, is the critical path; the ranks' work together over the
+    cores is the other bound, which decides where more ranks than cores share them (a CPU's
+    `profile.share` < 1): a pipeline rank idle in its bubble then lends its core to the others.
+
+    compute: matmuls, attention and dispatch; memory_bound: what HBM's rate adds to them (the
+    norms, activations, casts and the optimizer; a GPU's kernels only, else 0); bubble: the
+    pipeline's idle share; exposed_comm: the collectives (and activation offload's copies) that
+    the arithmetic does not hide."""
     slowest, mean = compute_s(cfg, layout, shapes, profile, trace)
-    busy = max(slowest / (1 - bubble(layout)), mean / profile.share)
-    return busy + comm_s(cfg, layout, ranks, profile, busy) + host_copies_s(cfg, layout, shapes, profile, busy)
+    work = max(slowest, mean / profile.share)
+    busy = max(slowest / (1 - bubble(layout)), work)
+    window = busy
+    if layout.pp > 1:  # gathers in the fill, reductions in the drain, and one micro-batch's work
+        window = busy - slowest + slowest / max(1, layout.n_microbatches)
+    exposed = comm_s(cfg, layout, ranks, profile, window, work) + host_copies_s(cfg, layout, shapes, profile, busy)
+    bound = 0.0
+    if hasattr(profile.kernels, "spec") and work > 0:  # the same arithmetic with HBM free
+        fast = dataclasses.replace(profile.kernels.spec, hbm_tb_s=math.inf)
+        free = dataclasses.replace(profile, kernels=dataclasses.replace(profile.kernels, spec=fast))
+        quick = max(compute_s(cfg, layout, shapes, free, trace)[0], 0.0)
+        bound = work * max(0.0, 1 - quick / slowest) if slowest else 0.0
+    return {"compute": work - bound, "memory_bound": bound, "bubble": busy - work, "exposed_comm": exposed}
 
 
 def host_copies_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, busy: float) -> float:
@@ -211,7 +239,9 @@ def host_copies_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, busy
     return max(0.0, 2 * copies / profile.host_bytes_per_s - profile.overlap * busy)
 
 
-def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 0.0) -> float:
+def comm_s(
+    cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 0.0, ring: float | None = None
+) -> float:
     """Seconds of communication per step on the slowest rank that `busy` seconds of arithmetic do
     not hide (busy=0: all of it). A call costs the profile's latency, its ring's steps (or a
     tree's, for an all-reduce, whichever is shorter) at a step's latency within or across nodes,
@@ -220,14 +250,18 @@ def comm_s(cfg: DictConfig, layout: Layout, ranks: list, profile, busy: float = 
     per_node = max(1, layout.world // max(1, nodes))
     worst = 0.0
     for t in ranks:
-        hidden, exposed = 0.0, 0.0
+        hidden, exposed, hops = 0.0, 0.0, 0.0
         for term in t.seconds_terms:
             seconds = comm_seconds(profile, term, per_node if nodes > 1 else 0)
             if term[4] == "dp":
                 hidden += seconds
+            elif term[4] == "cp":
+                hops += seconds
             else:
                 exposed += seconds
-        worst = max(worst, exposed + max(0.0, hidden - profile.overlap * busy))
+        # a ring's hops run beside the arithmetic of every micro-batch (`ring`, else `busy`)
+        hops = max(0.0, hops - profile.overlap * (busy if ring is None else ring))
+        worst = max(worst, exposed + hops + max(0.0, hidden - profile.overlap * busy))
     figures = profile.latency_of("all_reduce") if layout.world > 1 else 0.0  # the step's loss and counts, all-reduced
     return worst + figures
 

@@ -106,7 +106,7 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
     if layout.cp > 1:
         if layout.cp_impl != "ring" or shapes.gpt is None:
             return None
-        _ring_attention(ranks[0], shapes, cfg, layout)
+        _ring_attention(ranks, shapes, cfg, layout)
     for t in ranks:  # clipping's global norm
         t.add("all_reduce", 4, layout.world)
         if cfg.precision.name == "amp":  # the sharded loss scaler's found_inf (framework/precision.py)
@@ -226,7 +226,7 @@ def _tensor_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
 
 def _pipeline(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
     seq_split = layout.tp if layout.sequence_parallel else 1
-    activation = 4 * micro_batch(cfg, layout) * cfg.data.seq_len * shapes.hidden // seq_split
+    activation = 4 * micro_batch(cfg, layout) * tokens_per_rank(cfg, layout) * shapes.hidden // seq_split
     m, stride = layout.n_microbatches, layout.dp * layout.cp * layout.tp
     for stage in range(layout.stages):
         rank = stage_rank(stage, layout)
@@ -255,16 +255,20 @@ def _expert_parallel(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layo
         t.add("all_to_all", routed * 4 * rows * moe.dim * width, layout.ep, 4 * routed, stride=layout.tp)
 
 
-def _ring_attention(t: Traffic, shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
+def _ring_attention(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout) -> None:
     """Ring attention's sends (framework/parallel/ring.py): a message is this rank's keys and
-    values stacked, 2 x b x T/cp x D/tp elements, in the compute dtype; its gradient in float32."""
-    b, cp, n_layer = micro_batch(cfg, layout), layout.cp, shapes.gpt["n_layer"]
+    values stacked, 2 x b x T/cp x D/tp elements (repeated to every query head), in the compute
+    dtype; its gradient in float32. Per pipeline rank: its stages' blocks, each micro-batch. Kind
+    "cp": each hop's send runs while the attention of the block it carried runs (timing.comm_s)."""
+    b, cp = micro_batch(cfg, layout), layout.cp
     elements = 2 * b * tokens_per_rank(cfg, layout) * shapes.gpt["n_embd"] // layout.tp
     kv_bytes = 4 if cfg.precision.name == "fp32" else 2
     every = checkpoint_every(cfg)
-    recomputed = len(range(0, n_layer, every)) if every else 0
-    n_micro = cfg.accumulation_steps
-    kv_hops = n_micro * (cp - 1) * (2 * n_layer + recomputed)
-    grad_hops = n_micro * cp * n_layer
-    t.add("send", kv_hops * elements * kv_bytes, cp, calls=kv_hops, stride=layout.tp)
-    t.add("send", grad_hops * elements * 4, cp, calls=grad_hops, stride=layout.tp)
+    n_micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
+    for stage, layers in enumerate(shapes.stage_layers or [list(range(shapes.gpt["n_layer"]))]):
+        t = ranks[stage_rank(stage, layout)]
+        recomputed = sum(1 for i in layers if every and i % every == 0)
+        kv_hops = n_micro * (cp - 1) * (2 * len(layers) + recomputed)
+        grad_hops = n_micro * cp * len(layers)
+        t.add("send", kv_hops * elements * kv_bytes, cp, calls=kv_hops, kind="cp", stride=layout.tp)
+        t.add("send", grad_hops * elements * 4, cp, calls=grad_hops, kind="cp", stride=layout.tp)

@@ -1,0 +1,134 @@
+"""The planner against published H100 rows: torchtitan's Llama 3.1 tables on H100s at a 500 W
+power limit (8B with FSDP on 8 and 128 GPUs, eager and compiled; 405B with FSDP x TP on 128 GPUs)
+and the Llama 3 paper's 405B rows on 8,192 and 16,384 H100s (TP 8 x PP 16, and the 128K-context
+row with CP 16), each planned with the GPU time model (`plan.gpu=H100 plan.gpu_power_w=<W>`) as
+`python -m framework.plan ... plan.search=false` forecasts one layout. No worker starts.
+
+    python benchmarks/plan_h100.py
+"""
+
+from __future__ import annotations
+
+from common import table, write_result
+
+from framework.config import compose
+from framework.plan import predict
+from framework.plan.profile import machine_profile
+from framework.plan.timing import SPLIT
+
+LLAMA = ["model=llama", "model.vocab_size=128256", "model.max_seq_len=131072", "precision=bf16", "device=cpu",
+         "plan.gpu=H100", "plan.memory_budget_mb=98304"]  # fmt: skip
+L8B = [*LLAMA, "model.flavor=8b"]
+L405B = [*LLAMA, "model.flavor=70b", "model.dim=16384", "model.n_layers=126", "model.n_heads=128",
+         "model.n_kv_heads=8", "model.ffn_hidden=53248"]  # fmt: skip
+TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TITAN_405 = "torchtitan docs/performance.md (2024-12-03), Llama 3.1 405B table"
+LLAMA3 = "Llama 3 paper (arXiv:2407.21783) Table 4, via glennklockwood.com/garden/llama-3.1 (SC'24 slide)"
+# torchtitan's selective "op" checkpointing recomputes every other matmul of a block: planned as
+# every other block checkpointed whole (the same recomputed FLOPs)
+SELECTIVE = ["memory=checkpoint", "memory.checkpoint_every=2"]
+
+
+def _fsdp_8b(nodes: int, compiled: bool) -> list[str]:
+    return [*L8B, *SELECTIVE, "parallel=fsdp", "data.seq_len=8192", "data.batch_size=2", f"plan.nodes={nodes}",
+            f"compile={str(compiled).lower()}"]  # fmt: skip
+
+
+def _llama3(world: int, dp: int, cp: int, seq: int, per_dp: int) -> list[str]:
+    """The paper's layout: TP 8 within a node, PP 16 interleaved (4 stages a rank, assumed: the
+    paper gives no count), FSDP over dp without resharding, micro-batch 1, no checkpointing."""
+    return [*L405B, "parallel=hybrid", "parallel.tp=8", "parallel.pp=16", f"parallel.dp_shard={dp}",
+            f"parallel.cp={cp}", "parallel.schedule=Interleaved1F1B", "parallel.stages_per_rank=4",
+            f"parallel.n_microbatches={per_dp}", "parallel.sequence_parallel=true", "memory=none",
+            f"data.seq_len={seq}", f"data.batch_size={per_dp}", f"plan.nodes={world // 8}"]  # fmt: skip
+
+
+# (name, source, overrides, GPUs, power limit W, published tokens/s per GPU, published GiB, published as)
+ROWS = [
+    ("8B FSDP 8 (eager) [fit]", f"{TITAN} Table 1", _fsdp_8b(1, False), 8, 500, 5762, 82.4, "5,762 TPS/GPU"),
+    ("8B FSDP 8 + compile", f"{TITAN} Table 1", _fsdp_8b(1, True), 8, 500, 6667, 77.0, "6,667 TPS/GPU"),
+    ("8B FSDP 128 (eager)", f"{TITAN} Table 3", _fsdp_8b(16, False), 128, 500, 5605, 67.0, "5,605 TPS/GPU"),
+    ("8B FSDP 128 + compile", f"{TITAN} Table 3", _fsdp_8b(16, True), 128, 500, 6514, 62.0, "6,514 TPS/GPU"),
+    (
+        "405B FSDP 16 x TP 8, full AC",
+        TITAN_405,
+        [
+            *L405B,
+            "parallel=hybrid",
+            "parallel.tp=8",
+            "parallel.pp=1",
+            "parallel.dp_shard=16",
+            "memory=checkpoint",
+            "memory.checkpoint_every=1",
+            "parallel.sequence_parallel=true",
+            "data.seq_len=8192",
+            "data.batch_size=2",
+            "plan.nodes=16",
+        ],
+        128,
+        500,
+        109,
+        None,
+        "109 WPS (29.0% MFU)",
+    ),
+    ("405B TP8 PP16 DP64, 8K", LLAMA3, _llama3(8192, 64, 1, 8192, 32), 8192, 700, None, None, "430 TFLOP/s/GPU"),
+    ("405B TP8 PP16 DP128, 8K", LLAMA3, _llama3(16384, 128, 1, 8192, 16), 16384, 700, None, None, "400 TFLOP/s/GPU"),
+    (
+        "405B TP8 CP16 PP16 DP8, 128K",
+        LLAMA3,
+        _llama3(16384, 8, 16, 131072, 16),
+        16384,
+        700,
+        None,
+        None,
+        "380 TFLOP/s/GPU",
+    ),
+]
+PUBLISHED_TFLOPS = {"405B TP8 PP16 DP64, 8K": 430.0, "405B TP8 PP16 DP128, 8K": 400.0,
+                    "405B TP8 CP16 PP16 DP8, 128K": 380.0}  # fmt: skip
+
+
+def forecast(overrides: list[str], world: int, watts: float) -> tuple[dict, float]:
+    """(the prediction, tokens per second per GPU) of one row's layout at `watts`."""
+    cfg = compose([*overrides, f"plan.gpu_power_w={watts}"])
+    p = predict(cfg, world, machine_profile(cfg, world, "config"))
+    layout_dp = world // (cfg.parallel.get("tp", 1) * cfg.parallel.get("pp", 1) * cfg.parallel.get("cp", 1))
+    tokens = cfg.data.batch_size * cfg.accumulation_steps * cfg.data.seq_len * layout_dp
+    return p, tokens / p["step_time_s"] / world
+
+
+def plan_rows() -> list[dict]:
+    """One dict per published row: the forecast beside the published figure, and the split."""
+    out = []
+    for name, source, overrides, world, watts, tps, gib, published in ROWS:
+        p, forecast_tps = forecast(overrides, world, watts)
+        count = p["model_flops_per_token"]
+        if tps is None:  # published as TFLOP/s per GPU: tokens at the planner's count of a token's FLOPs
+            tps = PUBLISHED_TFLOPS[name] * 1e12 / count
+        peak = p["peak_bytes"] / 2**30
+        out.append({"name": name, "source": source, "gpus": world, "watts": watts, "published": published,
+                    "published_tps": tps, "forecast_tps": forecast_tps, "ratio": forecast_tps / tps,
+                    "published_gib": gib, "forecast_gib": peak, "peak_ratio": peak / gib if gib else None,
+                    "tflops": forecast_tps * count / 1e12, "split": p["split"], "step": p["step_time_s"]})  # fmt: skip
+    return out
+
+
+def main() -> None:
+    rows = plan_rows()
+    text = table(
+        ["row", "GPUs", "power limit W", "published", "published tokens/s/GPU", "forecast tokens/s/GPU", "forecast / published",
+         "published GiB", "forecast GiB", "peak ratio", "forecast TFLOP/s/GPU", "step s",
+         *(f"{k} s" for k in SPLIT), "source"],
+        [[r["name"], r["gpus"], r["watts"], r["published"], r["published_tps"], r["forecast_tps"], f"{r['ratio']:.3f}",
+          r["published_gib"], r["forecast_gib"], f"{r['peak_ratio']:.3f}" if r["peak_ratio"] else "not published",
+          r["tflops"], r["step"], *(r["split"][k] for k in SPLIT), r["source"]] for r in rows],
+    )  # fmt: skip
+    print(text)
+    write_result("plan_h100", "python benchmarks/plan_h100.py", HEADER, text + NOTES)
+
+
+HEADER = ""
+NOTES = ""
+
+if __name__ == "__main__":
+    main()
