@@ -317,8 +317,7 @@ def pipeline_torch_too_old(version: str) -> bool:
 
 
 def check_pipeline(cfg: DictConfig) -> None:
-    """parallel with pp > 1: the model has blocks and splits cleanly around them; a zero-bubble
-    schedule (its backward split into input and weight gradients) runs uncompiled blocks."""
+    """parallel with pp > 1: the model has blocks and splits cleanly around them."""
     from framework.parallel.pipeline import trace_split
 
     if pipeline_torch_too_old(torch.__version__):
@@ -327,12 +326,6 @@ def check_pipeline(cfg: DictConfig) -> None:
             f"pipeline parallel needs torch >= {PIPELINE_TORCH}; this is torch {torch.__version__.split('+')[0]}, "
             "whose torch.distributed.pipelining (shape inference, schedule order) this project does not train "
             "right with (benchmarks/gpu_rehearsal.sh); use pp=1 here, or a newer torch",
-        )
-    if cfg.compile and "ZeroBubble" in str(cfg.parallel.get("schedule", "1F1B")):
-        raise ConfigError(
-            "compile",
-            f"parallel.schedule={cfg.parallel.schedule} splits each backward into input and weight gradients, "
-            "which compiled blocks do not; set compile=false or parallel.schedule=1F1B|Interleaved1F1B|GPipe",
         )
     model, spec = _meta(cfg)
     if spec.task != "lm" or not blocks_of(model, spec):

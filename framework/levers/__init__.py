@@ -5,6 +5,7 @@ checkpointing goes, and compiles each block through compile_block."""
 
 from __future__ import annotations
 
+import torch._functorch.config
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -40,7 +41,16 @@ def apply_memory_lever(module: nn.Module, blocks: str | None, cfg: DictConfig) -
 def compile_block(module: nn.Module, cfg: DictConfig) -> nn.Module:
     """torch.compile of one block (or a whole model without blocks) in place: `nn.Module.compile`,
     so its type and parameter names stay (FSDP units, state dicts, checkpoints); under
-    memory=budget with the partitioner's activation budget (budget.py)."""
+    memory=budget with the partitioner's activation budget (budget.py).
+
+    A zero-bubble pipeline schedule splits each backward into the input gradients (autograd.grad,
+    the graph kept) and the weight gradients later (torch.distributed.pipelining's
+    stage_backward_input, stage_backward_weight): a compiled block's backward is one autograd
+    node, which both run. AOTAutograd donates that node's saved buffers to its first run, and so
+    refuses a kept graph (pytorch/pytorch#161904): under those schedules no buffer is donated, for
+    the whole process (the check runs in backward, outside the block's call), and the weight pass
+    runs the block's backward again: the same gradients, a backward's compute more."""
+    torch._functorch.config.donated_buffer = not splits_backward(cfg)  # set anew by each run's compile
     if cfg.memory.name == "budget":
         from framework.levers.budget import budget_compiled
 
@@ -48,3 +58,9 @@ def compile_block(module: nn.Module, cfg: DictConfig) -> nn.Module:
     else:
         module.compile()
     return module
+
+
+def splits_backward(cfg: DictConfig) -> bool:
+    """The run's pipeline schedule computes input and weight gradients apart (the zero-bubble ones)."""
+    p = cfg.get("parallel") or {}
+    return p.get("pp", 1) != 1 and "ZeroBubble" in str(p.get("schedule", ""))
