@@ -14,6 +14,7 @@ from framework.config import ConfigError, validate, world_size_of
 from framework.config.overrides import compose_checked
 from framework.plan.profile import Profile
 from framework.plan.search import Ranked, choose
+from framework.plan.timing import SPLIT
 
 MB = 2**20
 
@@ -30,7 +31,7 @@ def best_per_layout(ranked: list[Ranked]) -> list[Ranked]:
 
 def table(ranked: list[Ranked], budget: float) -> str:
     head = ("#", "layout", "params", "grads", "optim", "activ.", "gathered", "peak MB", "fits",
-            "calls", "wire MB", "bubble", "step ms", "overrides")  # fmt: skip
+            "calls", "wire MB", "bubble", "step ms", "split ms", "overrides")  # fmt: skip
     rows = [head]
     for i, r in enumerate(ranked, start=1):
         p, m = r.prediction, r.prediction["memory"]
@@ -43,12 +44,41 @@ def table(ranked: list[Ranked], budget: float) -> str:
             f"{r.footprint() / MB:.1f}", "yes" if r.fits else "NO",
             f"{comm.get('calls', 0)}", f"{comm.get('wire_bytes', 0) / MB:.2f}", f"{p['bubble']:.2f}",
             f"{step * 1000:.1f}" if step is not None else f"comm {p['comm_time_s'] * 1000:.1f}",
-            " ".join(r.overrides),
+            split_cell(p.get("split")), " ".join(r.overrides),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines) + f"\nmemory budget: {budget / MB:.0f} MB per rank (plan.memory_budget_mb)"
+
+
+def split_cell(split: dict | None) -> str:
+    """A step's terms in ms, in SPLIT's order: compute / memory-bound / bubble / exposed communication."""
+    return "/".join(f"{split[k] * 1000:.1f}" for k in SPLIT) if split else "-"
+
+
+def forecast_lines(cfg: DictConfig, world: int) -> str:
+    """plan.search=false: the configured layout's forecast alone, its step taken apart (SPLIT)."""
+    from framework.plan.predict import predict
+    from framework.plan.profile import machine_profile
+
+    profile = machine_profile(cfg, world)
+    p = predict(cfg, world, profile)
+    if p["step_time_s"] is None:
+        raise ConfigError("plan.search", f"no step time for this model: {p['not_predicted']}")
+    layout_dp = world // (cfg.parallel.get("tp", 1) * cfg.parallel.get("pp", 1) * cfg.parallel.get("cp", 1))
+    tokens = cfg.data.batch_size * cfg.accumulation_steps * cfg.data.get("seq_len", 1) * max(1, layout_dp)
+    step, rate = p["step_time_s"], tokens / p["step_time_s"] / world
+    flops = p.get("model_flops_per_token") or 0
+    lines = [
+        f"{p['layout']} at {world} ranks: step {step:.4g} s, {rate:,.1f} tokens/s per rank, "
+        f"{rate * flops / 1e12:.1f} model TFLOP/s per rank; peak {(p['peak_bytes'] or 0) / 2**30:.1f} GiB per rank",
+        "split: " + ", ".join(f"{k.replace('_', ' ')} {v:.4g} s ({v / step:.0%})" for k, v in p["split"].items()),
+        machine_lines(profile),
+    ]
+    if cfg.plan.get("gpu"):
+        lines.insert(2, f"power limit: {cfg.plan.gpu_power_w or 'the TDP'} W per GPU (plan.gpu_power_w)")
+    return "\n".join(lines)
 
 
 def machine_lines(profile: Profile) -> str:
@@ -106,6 +136,9 @@ def main(argv: list[str]) -> int:
             from framework.plan.dry_run import report
 
             print(report(cfg, world))
+            return 0
+        if not cfg.plan.search:
+            print(forecast_lines(cfg, world))
             return 0
         best, ranked, budget, profile = choose(cfg, world, with_profile=True)
     except ConfigError as err:

@@ -1,0 +1,43 @@
+"""The planner on H100s (benchmarks/plan_h100.py, docs/results/plan_h100.md): published H100 rows
+forecast within 15%, the step's split summing to the step, the power limit as an input, and a bad
+power limit refused in one line naming plan.gpu_power_w. No GPU, no workers: the planner is a
+pure function of the config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from framework.config import ConfigError, validate
+from tests.helpers import compose_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from plan_h100 import ROWS, _fsdp_8b, forecast, plan_rows  # noqa: E402
+
+
+def test_every_published_h100_row_is_forecast_within_15_percent_and_the_split_sums_to_the_step():
+    rows = plan_rows()
+    assert len(rows) == len(ROWS) == 8
+    for r in rows:
+        assert abs(r["ratio"] - 1) <= 0.15, (r["name"], r["ratio"])
+        assert sum(r["split"].values()) == pytest.approx(r["step"], rel=1e-12)
+        assert all(v >= 0 for v in r["split"].values()), r["split"]
+    held_out = {r["name"]: r for r in rows if r["gpus"] >= 8192}
+    assert len(held_out) == 3 and held_out["405B TP8 PP16 DP128, 8K"]["split"]["bubble"] > 0
+
+
+def test_a_lower_power_limit_lowers_the_forecast_throughput():
+    _, at_tdp = forecast(_fsdp_8b(1, False), 8, 700)
+    _, capped = forecast(_fsdp_8b(1, False), 8, 500)
+    assert capped < at_tdp * 0.9
+
+
+def test_a_bad_power_limit_is_one_error_naming_the_key():
+    from framework.plan.profile import machine_profile
+
+    with pytest.raises(ConfigError, match=r"plan\.gpu_power_w: got -5"):
+        validate(compose_config(["plan.gpu=H100", "plan.gpu_power_w=-5"]))
+    with pytest.raises(ConfigError, match=r"plan\.gpu_power_w: got 900; an H100's power limit is 200 to 700 W"):
+        machine_profile(compose_config(["plan.gpu=H100", "plan.gpu_power_w=900"]), 8)
