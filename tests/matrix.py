@@ -169,12 +169,16 @@ def _yaml(value) -> str:
 
 
 # expert parallel (routed experts split over ep of the dp_shard ranks; a dense model is refused):
-# over fsdp's 2 ranks, and with HSDP (2 replicas of 2 shards, ep inside each)
+# over fsdp's 2 ranks, with HSDP (2 replicas of 2 shards, ep inside each), and with context
+# parallel (ep over a cp group: both halves of each sequence routed; experts FSDP over dp_shard)
 HSDP_EP = ("parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "parallel.dp_replicate=2", "parallel.dp_shard=2",
            "parallel.ep=2")  # fmt: skip
+CP_EP = ("parallel.tp=1", "parallel.pp=1", "parallel.cp=2", "parallel.dp_replicate=1", "parallel.dp_shard=2",
+         "parallel.ep=2")  # fmt: skip
 EP_STRATEGIES = [
     Value("fsdp(ep=2)", ("parallel=fsdp", "parallel.ep=2"), world=2),
     Value("hybrid(dp_replicatexep)", ("parallel=hybrid", *HSDP_EP), world=4),
+    Value("hybrid(cpxep)", ("parallel=hybrid", *CP_EP), world=4),
 ]
 
 

@@ -203,15 +203,11 @@ def test_routed_experts_are_refused_where_they_cannot_run():
     cases = [
         ("model.moe.top_k", [*base, "model.moe.top_k=5", "parallel=none"]),
         ("model.moe.balance", [*base, "model.moe.balance=loss", "parallel=none"]),
-        # under tensor parallel the routed layers run whole on each rank's replicated tokens
-        (
-            "parallel.sequence_parallel",
-            [*base, "parallel=tp", "parallel.sequence_parallel=true", "launch.nproc_per_node=2"],
-        ),
         ("parallel.ep", [*base, *EP2, "model.moe.experts=3"]),  # 3 experts do not split over 2 ranks
         ("parallel.ep", [*base, "parallel=fsdp", "parallel.ep=2", "launch.nproc_per_node=3"]),  # nor 3 dp ranks
         ("parallel.ep", ["model=llama", "model.n_layers=2", *EP2]),  # a dense model
-        ("parallel.ep", [*base, *cp2, "parallel.ep=2", "launch.nproc_per_node=4"]),  # with context parallel
+        # with context parallel ep spans whole cp groups: 2 is not a multiple of cp=4
+        ("parallel.ep", [*base, *cp2[:-1], "parallel.cp=4", "parallel.ep=2", "launch.nproc_per_node=4"]),
         ("parallel.version", [*base, *EP2, "parallel.version=1"]),
     ]
     for key, args in cases:
@@ -274,6 +270,50 @@ def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp(tmp_
     assert collectives(tmp_path / "ep") == dense_plus and len(dense_plus) == 5
 
 
+def test_sequence_parallel_and_context_parallel_route_every_token_once_as_one_process(tmp_path):
+    """tp x2 with sequence parallel (each tp rank routes its own half of each sequence through
+    experts whole on it: the routed layers' gradients summed over tp, each rank's auxiliary loss
+    weighing half) and ep x2 over a cp x2 group (both halves of each sequence routed to the
+    experts split over the two cp ranks): 5 steps in fp32 with the default balance equal one
+    process within 1e-5, losses, gradient norms and the routing figures (every token counted once)."""
+    want = moe_run(tmp_path, "one", *ONE_PROCESS)
+    layouts = {"tp_sp": ["parallel=tp", "parallel.sequence_parallel=true", "launch.nproc_per_node=2", "data.batch_size=8"],
+               "cp_ep": ["parallel=fsdp", "parallel.cp=2", "parallel.ep=2", "launch.nproc_per_node=2", "data.batch_size=8"]}  # fmt: skip
+    figures = [[m[k] for m in read_metrics(tmp_path / "one")] for k in ("moe_aux_loss", "moe_tokens_per_expert")]
+    for name, overrides in layouts.items():
+        assert close(moe_run(tmp_path, name, *overrides), want), name
+        metrics = read_metrics(tmp_path / name)
+        assert close([m["moe_aux_loss"] for m in metrics], figures[0]), name
+        assert [m["moe_tokens_per_expert"] for m in metrics] == figures[1], name
+
+
+@pytest.mark.slow
+def test_routed_layers_under_sequence_parallel_and_context_parallel_compose_as_one_process(tmp_path):
+    """The long tier of the test above: sequence parallel with FSDP (dp_shard 2 x tp 2), with
+    expert parallel (ep 2 x tp 2: each tp rank's tokens to its ep peers) and with a pipeline
+    (pp 2 x tp 2); ep 4 over dp_shard 2 x cp 2 (ep spans the cp groups of two dp_shard ranks), and
+    ep 2 over cp 2 with the experts sharded by FSDP over dp_shard 2: each equals one process
+    within 1e-5 for 5 steps and routes the same tokens to each expert."""
+    want = moe_run(tmp_path, "one", *ONE_PROCESS)
+    hybrid = ["parallel=hybrid", "parallel.dp_replicate=1", "launch.nproc_per_node=4"]
+    sp = ["parallel.sequence_parallel=true", "parallel.cp=1"]
+    layouts = {
+        "fsdp2_tp2_sp": [*hybrid, *sp, "parallel.tp=2", "parallel.pp=1", "parallel.dp_shard=2", "data.batch_size=4"],
+        "ep2_tp2_sp": [*hybrid, *sp, "parallel.tp=2", "parallel.pp=1", "parallel.dp_shard=2", "parallel.ep=2",
+                       "data.batch_size=4"],
+        "pp2_tp2_sp": [*hybrid, *sp, "parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=1", "data.batch_size=8"],
+        "cp2_ep4": [*hybrid, "parallel.tp=1", "parallel.pp=1", "parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=4",
+                    "data.batch_size=4"],
+        "cp2_ep2_fsdp2": [*hybrid, "parallel.tp=1", "parallel.pp=1", "parallel.cp=2", "parallel.dp_shard=2",
+                          "parallel.ep=2", "data.batch_size=4"],
+    }  # fmt: skip
+    routed = read_summary(tmp_path / "one")["moe"]["tokens_per_expert"]
+    for name, overrides in layouts.items():
+        got = moe_run(tmp_path, name, *overrides)
+        assert close(got, want), (name, got, want)
+        assert read_summary(tmp_path / name)["moe"]["tokens_per_expert"] == routed, name
+
+
 @pytest.mark.slow  # the default balance's parity above is the default suite's; this is bias's
 def test_bias_balancing_trains_as_one_process_under_ddp_ep_and_pp(tmp_path):
     """model.moe.balance=bias (DeepSeek-V3's loss-free balancing: each expert's routing bias moves
@@ -319,8 +359,9 @@ def test_expert_parallel_composes_with_fsdp_hsdp_tp_pipelines_and_accumulation(t
             "parallel.dp_shard=2",
             "data.batch_size=2",
         ],  # fmt: skip
-        "ep2_tp2": [
+        "ep2_tp2": [  # without sequence parallel (the planner's layout: tp ranks route the same tokens)
             *hybrid,
+            "parallel.sequence_parallel=false",
             "parallel.tp=2",
             "parallel.pp=1",
             "parallel.dp_replicate=1",

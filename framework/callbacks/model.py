@@ -25,6 +25,7 @@ class ModelSteps:
         self.kinds: dict[str, list[tuple[int, Any]]] = {}  # kind -> (row, module)
         self.shapes: dict[str, dict[str, Any]] = {}  # kind -> rows and each counter's width
         self.counted = 1.0  # tensor-parallel peers compute the same counts: one of them adds them
+        self.token_share = 1.0  # of the sequence's tokens, this rank's (sequence parallel: 1 / tp)
 
     def on_build(self, run: Run) -> None:
         self.run, parts = run, run.parts
@@ -44,7 +45,11 @@ class ModelSteps:
         for spec in {f["name"]: f for m in found.values() for f in getattr(m[0][1], "figures", ())}.values():
             run.figures.declare(spec, "model", own=True)
         mesh = parts.par.mesh
-        self.counted = float(mesh is None or mesh.tp_rank == 0)
+        # under sequence parallel each tp rank routes its own part of the sequence
+        # (framework/parallel/routed.py): every tp rank adds its counts, its aux loss weighs 1 / tp
+        split = mesh is not None and mesh.dims.tp > 1 and bool(run.cfg.parallel.get("sequence_parallel", None))
+        self.counted = float(mesh is None or mesh.tp_rank == 0 or split)
+        self.token_share = 1.0 / mesh.dims.tp if split else 1.0
 
     def on_step_start(self, step: int) -> None:
         """The auxiliary losses' gradient factor: a micro-batch's share of the step (a pipeline
@@ -56,7 +61,7 @@ class ModelSteps:
             for _, module in modules:
                 if hasattr(module, "set_aux_scale"):
                     scale = scale if scale is not None else loss_scale(parts.precision.scaler, self.run.info.device)
-                    module.set_aux_scale(scale * share)
+                    module.set_aux_scale(scale * share * self.token_share)
 
     def on_step_end(self, step: int) -> dict[str, torch.Tensor]:
         """Every module's counts of the step, in its kind's tables (zeros where this rank holds

@@ -260,10 +260,6 @@ def check_tensor_parallel(cfg: DictConfig) -> None:
         check_plan(model, spec)
     except ContractError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
-    why = _no_sequence_parallel(cfg, model, spec)
-    if cfg.parallel.get("sequence_parallel", None) and why:
-        raise ConfigError("parallel.sequence_parallel", f"{why} trains under tensor parallel without sequence "
-                          "parallel (not built yet); leave it unset or set it false")  # fmt: skip
     if cfg.parallel.get("sequence_parallel", None) and not _plans_sequence_parallel(spec):
         raise ConfigError(
             "parallel.sequence_parallel",
@@ -290,22 +286,10 @@ def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
     if p.get("sequence_parallel", None) is not None or (tp <= 1 and "sequence_parallel" not in p):
         return None
     model, spec = _meta(cfg)
-    without = _no_sequence_parallel(cfg, model, spec)
     with open_dict(p):
-        p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec) and not without
+        p.sequence_parallel = bool(spec.tp_plan) and _plans_sequence_parallel(spec)
     if tp > 1 and not p.sequence_parallel:
-        why = without or f"{type(model).__name__}'s plan has no sequence-parallel entries"
-        return f"parallel.sequence_parallel: off ({why})"
-    return None
-
-
-def _no_sequence_parallel(cfg: DictConfig, model, spec: ModelSpec) -> str | None:
-    """What in this run trains under tensor parallel without sequence parallel: routed experts
-    (run whole on each tp rank's replicated tokens); None: nothing."""
-    from framework.moe import routed_layers
-
-    if routed_layers(model, spec.blocks or ""):
-        return "a mixture of experts (model.moe)"
+        return f"parallel.sequence_parallel: off ({type(model).__name__}'s plan has no sequence-parallel entries)"
     return None
 
 

@@ -38,6 +38,7 @@ from framework.levers import apply_memory_lever, compile_block
 from framework.modules import map_blocks, materialize_model
 from framework.parallel.dims import Mesh, ParallelDims, Strategy
 from framework.parallel.pipeline import Pipeline, trace_split
+from framework.parallel.routed import summing_routed_grads
 from framework.parallel.ties import SplitTies, retie, split_ties
 
 
@@ -179,6 +180,7 @@ def _parallelize_on_mesh(
         par.pipeline = build_pipeline(stages, stage_ids, n_stages, cfg.parallel, par.pp_group, info.device)
         par.holds_loss = par.pipeline.has_last
     _sync_and_clip(par, stages[0], cfg.parallel, strategy)
+    par.clip_grad_norm = summing_routed_grads(par.clip_grad_norm, stages, spec.blocks, mesh, cfg.parallel)
     if dims.tp > 1 and cfg.parallel.get("loss_parallel", False):
         from torch.distributed.tensor.parallel import loss_parallel
 

@@ -21,6 +21,8 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # mesh by name, which torch still supports but warns about on every slice
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 EP_AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")  # dp_shard split for expert parallel
+# with context parallel, ep spans whole cp groups: ep = dp_shard_in_ep x cp (torchtitan's layout)
+EP_CP_AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 
 
 class DimsError(ValueError):
@@ -221,6 +223,14 @@ class ParallelDims:
 
         if self.ep == 1:
             return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+        if self.cp > 1:  # ep = dp_shard_in_ep x cp: the tokens of every cp rank are routed to the experts
+            in_ep = self.ep // self.cp
+            shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_CP_AXES)
+            mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
+            mesh["dp_shard_in_ep", "cp"]._flatten("ep")
+            mesh["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")  # FSDP's (Mesh.dp_mesh)
+            return mesh
         shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_AXES)
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
@@ -228,11 +238,16 @@ class ParallelDims:
 
 
 def _expert_degree(ep: int, dp_shard: int, cp: int) -> int:
-    """parallel.ep: it borrows from the dp_shard ranks (each holds experts / ep experts)."""
+    """parallel.ep: it borrows from the dp_shard ranks (each holds experts / ep experts); with
+    context parallel from dp_shard x cp, whole cp groups (torchtitan's layout)."""
     _require(ep >= 1, "parallel.ep", f"got {ep}; must be >= 1 (1: no expert parallel)")
+    if cp > 1 and ep > 1:
+        _require(ep % cp == 0 and dp_shard % (ep // cp) == 0, "parallel.ep",
+                 f"got {ep}; with context parallel expert parallel spans whole cp groups: it must be a multiple "
+                 f"of cp={cp}, and ep / cp must divide dp_shard={dp_shard}")  # fmt: skip
+        return ep
     _require(dp_shard % ep == 0, "parallel.ep",
              f"got {ep}; expert parallel splits the dp_shard={dp_shard} ranks, so it must divide them")  # fmt: skip
-    _require(ep == 1 or cp == 1, "parallel.ep", "expert parallel with context parallel is not built yet; use cp=1")
     return ep
 
 
@@ -257,8 +272,8 @@ class Mesh:
         if self.dims.cp == 1:
             shard = "dp_shard"
         else:
-            shard = "dp_shard_cp"
-            flat = self.device_mesh["dp_shard", "cp"]._flatten(shard)
+            shard = "dp_shard_cp"  # under expert parallel laid out by build_mesh already
+            flat = self.device_mesh[shard] if self.dims.ep > 1 else self.device_mesh["dp_shard", "cp"]._flatten(shard)
             if self.dims.dp_replicate == 1:
                 return flat
         return self.device_mesh["dp_replicate", shard] if self.dims.dp_replicate > 1 else self.device_mesh[shard]

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from framework.contract import ModelSpec, expand_plan
+from framework.parallel.routed import route_own_tokens
 
 
 class GatherSequence(PrepareModuleInput):
@@ -131,6 +132,8 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh, sequence_parallel: bool
             plan[path] = dtensor_style
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:  # routed experts route their tp rank's own tokens (framework/parallel/routed.py)
+        route_own_tokens(model, spec.blocks or "", tp_mesh)
     # torch's SequenceParallel re-registers a norm's parameters as new ones that require grad: a
     # frozen norm (peft=lora freezes all but the adapters) would train, and drift from one process
     for name, param in model.named_parameters():
