@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from framework.parallel.context import document_positions, zigzag_shard
+from framework.parallel.context import batch_splitter, document_positions, zigzag_indices, zigzag_shard
+from framework.parallel.ring_mask import MaskRule
 from tests.helpers import run_workers
 
 T = 16  # two ranks: chunks of 4, rank 0 holds places 0-3 and 12-15, rank 1 places 4-11
@@ -27,8 +28,8 @@ def full_mask(window: int | None, docs: torch.Tensor | None) -> torch.Tensor:
 def _masked_ring_worker(rank: int, world: int):
     import torch.distributed as dist
 
+    from framework.parallel.context import ring_sdpa
     from framework.parallel.ring import ring_attention
-    from framework.parallel.ring_mask import MaskRule
 
     group = dist.new_group(list(range(world)))
     gen = torch.Generator().manual_seed(0)
@@ -47,13 +48,18 @@ def _masked_ring_worker(rank: int, world: int):
             errors[(case, str(dtype))] = max(
                 (g.double() - w).abs().max().item() for g, w in zip(got, want, strict=True)
             )
+    # SDPA swapped for the ring: the mask a model builds for its own part is the rule's, seen locally
+    rule, local = MaskRule(6, DOCS), [zigzag_shard(t, 2, world, rank) for t in (q, k, v)]
+    own = zigzag_shard(zigzag_shard(full_mask(6, DOCS), 2, world, rank), 3, world, rank)
+    swapped = ring_sdpa(group, rule)(*local, attn_mask=own)
+    errors[("swapped sdpa", "float64")] = (swapped - ring_attention(*local, group, rule=rule)).abs().max().item()
     return errors
 
 
 def test_ring_attention_within_a_window_and_documents_equals_full_masked_attention():
     results = run_workers(_masked_ring_worker, 2)
     for rank, errors in results.items():
-        assert len(errors) == 2 * len(CASES)
+        assert len(errors) == 2 * len(CASES) + 1
         for (case, dtype), err in errors.items():
             assert err <= (1e-10 if "64" in dtype else 1e-5), f"rank {rank} {case} {dtype}: off by {err:.2e}"
 
@@ -62,3 +68,21 @@ def test_document_positions_restart_at_each_document():
     pos = document_positions(DOCS)
     assert pos[0].tolist() == [0, 1, 2, *range(7), *range(6)]
     assert pos[1].tolist() == [*range(10), *range(6)]
+
+
+def test_the_splitter_hands_the_batchs_documents_to_the_ring():
+    rule, tokens = MaskRule(), torch.arange(2 * T).view(2, T)
+    split = batch_splitter(2, 1, rule)
+    (x,), kwargs, y = split((tokens, DOCS), tokens)
+    assert rule.docs is DOCS and torch.equal(x, tokens[:, zigzag_indices(T, 2, 1)]) and torch.equal(y, x)
+    assert torch.equal(kwargs["positions"], document_positions(DOCS)[:, zigzag_indices(T, 2, 1)])
+    (x,), kwargs, _ = split((tokens,), tokens)  # a batch of one document each: global places, no ids
+    assert rule.docs is None and torch.equal(kwargs["positions"], zigzag_indices(T, 2, 1))
+
+
+def test_packed_documents_pass_validation_under_cp():
+    from framework.config import validate
+    from tests.helpers import compose_config
+
+    base = ["experiment=smoke", "parallel=cp", "launch.nproc_per_node=2"]
+    validate(compose_config([*base, "model=gpt", "data=varlen", "data.pack=true", "data.pack_len=32"]))

@@ -230,9 +230,9 @@ def _check_batching(cfg: DictConfig) -> None:
             "packing needs a model whose forward takes doc_ids (attention within documents), as gpt's does",
         )
         _require(
-            cfg.parallel.name in ("none", "ddp", "fsdp"),
+            cfg.parallel.name in ("none", "ddp", "fsdp", "cp"),  # cp: the ring masks by document
             "data.pack",
-            f"not with parallel={cfg.parallel.name}; use none, ddp or fsdp",
+            f"not with parallel={cfg.parallel.name}; use none, ddp, fsdp or cp",
         )
         _require(
             cfg.data.sampler == "distributed",
