@@ -235,6 +235,14 @@ def moe_run(tmp_path, name: str, *overrides: str) -> list[float]:
     return [m["loss"] for m in metrics] + [m["grad_norm"] for m in metrics]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """(losses then gradient norms, run folder) of MOE_RUN in one process on the global batch of 8:
+    the reference of every default-suite parity test here, run once."""
+    root = tmp_path_factory.mktemp("moe")
+    return moe_run(root, "one", *ONE_PROCESS), root / "one"
+
+
 def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want, strict=True))
 
@@ -246,14 +254,14 @@ def collectives(run) -> list[dict[str, int]]:
     return json.loads((run / "collectives-rank0.json").read_text())
 
 
-def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp(tmp_path):
+def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp(tmp_path, one_process):
     """The default config (balance=aux_loss, balance_scope=global): 5 steps in fp32 under ddp x2,
     fsdp x2, ep x2 (fsdp) and pp x2 (4 micro-batches) equal one process within 1e-5, losses and
     gradient norms (balance_scope=micro, each rank's own batch's balance, does not: the unit test
     above). A step's collectives, counted from its start to its figures' all-reduce, are a dense
     step's under ddp and fsdp, plus expert parallel's all-to-alls (5 a routed layer): the routing's
     counts ride the step's one all-reduce, and DDP leaves the routers' buffers alone."""
-    want = moe_run(tmp_path, "one", *ONE_PROCESS)
+    want = one_process[0]
     ddp = ["parallel=ddp", "launch.nproc_per_node=2", "data.batch_size=4"]
     fsdp = ["parallel=fsdp", "launch.nproc_per_node=2", "data.batch_size=4"]
     layouts = {"ddp": [*ddp, *COUNT], "fsdp": [*fsdp, *COUNT], "ep": [*fsdp, "parallel.ep=2", *COUNT],
@@ -270,16 +278,16 @@ def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp(tmp_
     assert collectives(tmp_path / "ep") == dense_plus and len(dense_plus) == 5
 
 
-def test_sequence_parallel_and_context_parallel_route_every_token_once_as_one_process(tmp_path):
+def test_sequence_parallel_and_context_parallel_route_every_token_once_as_one_process(tmp_path, one_process):
     """tp x2 with sequence parallel (each tp rank routes its own half of each sequence through
     experts whole on it: the routed layers' gradients summed over tp, each rank's auxiliary loss
     weighing half) and ep x2 over a cp x2 group (both halves of each sequence routed to the
     experts split over the two cp ranks): 5 steps in fp32 with the default balance equal one
     process within 1e-5, losses, gradient norms and the routing figures (every token counted once)."""
-    want = moe_run(tmp_path, "one", *ONE_PROCESS)
+    want, one = one_process
     layouts = {"tp_sp": ["parallel=tp", "parallel.sequence_parallel=true", "launch.nproc_per_node=2", "data.batch_size=8"],
                "cp_ep": ["parallel=fsdp", "parallel.cp=2", "parallel.ep=2", "launch.nproc_per_node=2", "data.batch_size=8"]}  # fmt: skip
-    figures = [[m[k] for m in read_metrics(tmp_path / "one")] for k in ("moe_aux_loss", "moe_tokens_per_expert")]
+    figures = [[m[k] for m in read_metrics(one)] for k in ("moe_aux_loss", "moe_tokens_per_expert")]
     for name, overrides in layouts.items():
         assert close(moe_run(tmp_path, name, *overrides), want), name
         metrics = read_metrics(tmp_path / name)
