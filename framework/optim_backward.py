@@ -13,6 +13,8 @@ When a gradient is whole depends on the layout (`layout`: the run's framework.pa
 - a pipeline: every micro-batch adds to a stage's gradients, and the schedule scales them (and
   reduces them over dp, syncs tied copies) after its last backward, so they are whole only when the
   schedule ends: the updates run then (`applied_grad_norm`), and free nothing early either.
+Where nothing is freed early the gradients stay until the run's `zero_grad`, as without the step
+in backward (so the run measures the memory they held), and `step` leaves them alone.
 
 `InBackwardOptimizer` is what the run sees as its optimizer: the param groups the scheduler
 sets the learning rate in, the state checkpoints save and load (shared with the one-parameter
@@ -44,7 +46,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         super().__init__(template.param_groups, template.defaults)
         self._squares: torch.Tensor | None = None
         self._each: dict[torch.Tensor, tuple[int, torch.optim.Optimizer]] = {}
-        self._stepped: list[torch.Tensor] = []  # this step's, their gradients freed after backward (DDP's)
+        self._stepped: set[torch.Tensor] = set()  # updated this step, their gradients kept (DDP, pipeline)
         self._layout = layout
         for index, group in enumerate(self.param_groups):
             settings = {k: v for k, v in group.items() if k != "params"}
@@ -62,8 +64,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             param.register_post_accumulate_grad_hook(lambda p: self._apply(p, p.grad))
 
     @torch.no_grad()
-    def _apply(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Step `param` on its whole gradient `grad`, then free it."""
+    def _apply(self, param: torch.Tensor, grad: torch.Tensor, free: bool = True) -> None:
+        """Step `param` on its whole gradient `grad`, then free it (or keep it till zero_grad)."""
         index, one = self._each[param]
         one.param_groups[0]["lr"] = self.param_groups[index]["lr"]  # the scheduler's, this step
         if any(p.is_partial() for p in getattr(grad, "placements", ())):  # tp: a sum over its ranks
@@ -73,17 +75,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         square = local.float().pow(2).sum() / _holders(grad)
         self._squares = square if self._squares is None else self._squares + square
         one.step()
-        param.grad = None
+        if free:
+            param.grad = None
+        else:
+            self._stepped.add(param)
 
     def _bucket_reduced(self, group, bucket):  # unannotated: DDP checks a string annotation against its type
         """DDP's communication hook: the bucket (a dist.GradBucket) averaged over the ranks (torch's
-        default hook), then its parameters stepped on it, in the backward's thread. DDP points the
-        gradients at the bucket again when backward ends: applied_grad_norm frees them."""
+        default hook), then its parameters stepped on it, in the backward's thread (their
+        gradients: views of the bucket, which DDP keeps anyway)."""
         default_hooks.allreduce_hook(group, bucket).wait()
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
             if param in self._each:
-                self._apply(param, grad)
-                self._stepped.append(param)
+                self._apply(param, grad, free=False)
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
@@ -93,9 +97,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """The updates ran in backward. A gradient set by hand is stepped here: torch's checkpoint
         loading creates the state to load into with zero gradients at lr 0."""
         for param, (index, one) in self._each.items():
-            if param.grad is not None:
+            if param.grad is not None and param not in self._stepped:
                 one.param_groups[0]["lr"] = self.param_groups[index]["lr"]
                 one.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._stepped.clear()
 
     @torch.no_grad()
     def applied_grad_norm(self) -> torch.Tensor:
@@ -104,9 +112,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         of every gradient this step applied (each counted once over the ranks that hold it): what
         the run reports as the step's gradient norm (framework.run.step)."""
         held = self._step_held()
-        for param in self._stepped:
-            param.grad = None
-        self._stepped = []
         squares, self._squares = self._squares, None
         if squares is None:
             return held if held is not None else torch.zeros(())
@@ -123,7 +128,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if param.grad is not None:
                 one.param_groups[0]["lr"] = self.param_groups[index]["lr"]
                 one.step()
-                param.grad = None
+                self._stepped.add(param)
         return norm
 
     def load_state_dict(self, state_dict: dict) -> None:
