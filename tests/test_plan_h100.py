@@ -41,3 +41,38 @@ def test_a_bad_power_limit_is_one_error_naming_the_key():
         validate(compose_config(["plan.gpu=H100", "plan.gpu_power_w=-5"]))
     with pytest.raises(ConfigError, match=r"plan\.gpu_power_w: got 900; an H100's power limit is 200 to 700 W"):
         machine_profile(compose_config(["plan.gpu=H100", "plan.gpu_power_w=900"]), 8)
+
+
+def test_a_probe_row_refines_the_matmul_and_copy_rates(tmp_path):
+    """plan.profile=<rows.jsonl> (benchmarks/gpu.sh's probe row): the measured bf16 matmul and
+    device copy replace the published rates; a file without a probe row is one error naming the key."""
+    import json
+
+    from framework.plan.gpu import HBM_SHARE
+    from framework.plan.profile import machine_profile
+
+    rows = tmp_path / "rows.jsonl"
+    data = {"matmul_tflops": 650.0, "copy_gb_per_s": 2600.0, "nvidia_smi": "NVIDIA H100 80GB HBM3, 550.54, 81559 MiB"}
+    rows.write_text(json.dumps({"row": "probe", "status": "ok", "figures": "", "data": data}) + "\n")
+    profile = machine_profile(compose_config(["precision=bf16", f"plan.profile={rows}"]), 8)
+    assert profile.kernels.matmul_flops == pytest.approx(650e12)
+    assert profile.kernels.bytes_per_s == pytest.approx(2600e9) and profile.sources["kernels"] == "probe row"
+    assert profile.kernels.spec.hbm_tb_s == pytest.approx(2.6 / HBM_SHARE)
+    rows.write_text(json.dumps({"row": "parity", "status": "ok", "figures": "", "data": {}}) + "\n")
+    with pytest.raises(ConfigError, match=r"plan\.profile: .* holds no probe row"):
+        machine_profile(compose_config(["precision=bf16", f"plan.profile={rows}"]), 8)
+    with pytest.raises(ConfigError, match=r"plan\.profile: got 'nope'"):
+        validate(compose_config(["plan.profile=nope"]))
+
+
+def test_the_user_command_prints_the_configured_layouts_forecast_and_its_split(capsys):
+    """`python -m framework.plan ... plan.search=false`: one layout, its tokens/s and its split."""
+    from framework.doors.plan import main
+
+    args = [o for o in _fsdp_8b(1, False) if o != "device=cpu"] + ["plan.world_size=8", "plan.search=false",
+                                                                     "plan.gpu_power_w=500"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rate = float(out.split(" tokens/s per rank")[0].rsplit(" ", 1)[1].replace(",", ""))
+    assert out.startswith("fsdp at 8 ranks") and rate == pytest.approx(5762, rel=0.01)
+    assert "split: compute" in out and "power limit: 500" in out

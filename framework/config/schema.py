@@ -25,7 +25,6 @@ from framework.config.choices import (
     OnError,
     Optimize,
     OptimName,
-    PlanProfile,
     PrecisionName,
     StartMethod,
     Verify,
@@ -221,8 +220,9 @@ class PlanConfig:
     dry_run: bool = False  # python -m framework.plan: lay out the configured strategy on a fake world (no search)
     # the figures not given above: probe (the cache, else measured once and cached), cache (the
     # cache, else nominal), config (nominal: no probe, no cache, as ranks a launcher started use;
-    # a plan, and so parallel=auto's pick, that no machine's speed or load can change)
-    profile: PlanProfile = PlanProfile.probe
+    # a plan, and so parallel=auto's pick, that no machine's speed or load can change); or a
+    # rows.jsonl of benchmarks/gpu.sh: its probe row's matmul and copy rates refine the GPU's
+    profile: str = "probe"
 
 
 @dataclass

@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import is_dataclass
+from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from omegaconf import DictConfig
 
 from framework.config.callback_checks import check_callbacks
-from framework.config.choices import Choice
+from framework.config.choices import Choice, PlanProfile
 from framework.config.data_checks import check_data_plan, check_val_split
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
 from framework.config.memory_checks import check_memory
@@ -101,6 +102,10 @@ def _check_values(cfg: DictConfig) -> None:
     power = cfg.get("plan", {}).get("gpu_power_w")
     _require(power is None or power > 0, "plan.gpu_power_w",
              f"got {power}; must be > 0 watts (the GPUs' power limit), or null: the part's TDP")  # fmt: skip
+    measure = str(cfg.get("plan", {}).get("profile", "probe"))
+    _require(measure in {c.value for c in PlanProfile} or (measure.endswith(".jsonl") and Path(measure).is_file()),
+             "plan.profile", f"got {measure!r}; allowed: probe, cache, config, or a rows.jsonl of "
+             "benchmarks/gpu.sh (an existing file)")  # fmt: skip
     budget = cfg.get("plan", {}).get("memory_budget_mb")
     _require(budget is None or budget > 0, "plan.memory_budget_mb",
              f"got {budget}; must be > 0 (MB per rank), or null: the device's memory")  # fmt: skip

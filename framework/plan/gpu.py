@@ -180,3 +180,37 @@ def power_share(spec: GpuSpec, watts: float | None) -> float:
 
 def gpu_kernels(spec: GpuSpec, peak_flops: float, dtype: torch.dtype, watts: float | None = None) -> GpuKernels:
     return GpuKernels(spec, peak_flops, torch.empty((), dtype=dtype).element_size(), clock=power_share(spec, watts))
+
+
+def probe_row(path: str) -> dict:
+    """The probe row of `benchmarks/gpu.sh`'s rows.jsonl (`plan.profile=<rows.jsonl>`): its data
+    (matmul_tflops, copy_gb_per_s, nvidia_smi), or a ConfigError naming plan.profile."""
+    import json
+    from pathlib import Path
+
+    from framework.config import ConfigError
+
+    try:
+        lines = Path(path).read_text().splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError) as err:
+        raise ConfigError("plan.profile", f"cannot read {path!r} as gpu.sh's rows.jsonl: {err}") from None
+    found = [r.get("data") or {} for r in rows if r.get("row") == "probe" and r.get("status") == "ok"]
+    if not found or not {"matmul_tflops", "copy_gb_per_s"} <= set(found[-1]):
+        raise ConfigError("plan.profile", f"{path!r} holds no probe row that ran (bash benchmarks/gpu.sh --rows probe)")
+    return found[-1]
+
+
+def probed_part(data: dict) -> str | None:
+    """The part the probe ran on, from its nvidia-smi line ("NVIDIA H100 80GB HBM3, 550.54, ...")."""
+    name = (data.get("nvidia_smi") or "").split(",")[0].strip()
+    return name or None
+
+
+def refined(spec: GpuSpec, data: dict) -> GpuSpec:
+    """`spec` with the probe's own rates: its bf16 matmul (an 8192^3 product: the part's best
+    rate, MAMF's role) and its device copy (bytes read and written a second: HBM's achievable
+    rate, which GpuKernels reads as hbm_tb_s x HBM_SHARE)."""
+    from dataclasses import replace
+
+    return replace(spec, mamf_tflops=data["matmul_tflops"], hbm_tb_s=data["copy_gb_per_s"] / 1e3 / HBM_SHARE)

@@ -35,6 +35,9 @@ from framework.plan.gpu import (
     GpuKernels,
     gpu_kernels,
     gpu_spec,
+    probe_row,
+    probed_part,
+    refined,
 )
 from framework.plan.kernels import Kernels, probe_kernels
 from framework.plan.link import probe_link
@@ -101,10 +104,15 @@ def machine_profile(cfg: DictConfig, world: int, measure: str = "probe") -> Prof
     `source` says which was used, `sources` figure by figure."""
     from framework.config import resolve_device
 
-    if cfg.plan.get("gpu"):
-        return gpu_profile(cfg, cfg.plan.gpu)
+    rows = probe_rows(cfg)
+    if cfg.plan.get("gpu") or rows:
+        return gpu_profile(cfg, cfg.plan.gpu or probed_part(rows) or "", rows)
     measure = max(measure, str(cfg.plan.get("profile", "probe")), key=MEASURES.index)
     device = resolve_device(cfg)
+    if device != "cuda" and cfg.plan.get("gpu_power_w") is not None:
+        from framework.config import ConfigError
+
+        raise ConfigError("plan.gpu_power_w", "a GPU's power limit: set plan.gpu (A100, H100, H200) too")
     local = local_ranks(world, cfg.plan.nodes, cfg.launch.nproc_per_node, device)
     plan, sources, where = cfg.plan, [], {}
     peak = _peak(cfg, device, local, sources, measure)
@@ -263,19 +271,26 @@ def _peak(cfg: DictConfig, device: str, local: int, sources: list[str], measure:
     return flops * min(1.0, cores / (threads * local))
 
 
-def gpu_profile(cfg: DictConfig, part: str) -> Profile:
+def probe_rows(cfg: DictConfig) -> dict | None:
+    """`plan.profile=<rows.jsonl>`: the probe row's data of benchmarks/gpu.sh's file, else None."""
+    measure = str(cfg.plan.get("profile", "probe"))
+    return None if measure in MEASURES else probe_row(measure)
+
+
+def gpu_profile(cfg: DictConfig, part: str, rows: dict | None = None) -> Profile:
     """The profile of a GPU cluster from the part's published figures (framework.plan.gpu), on any
-    machine: no probe, no cache; `plan.*` figures still come first."""
+    machine: no probe, no cache; `plan.*` figures still come first. `rows`: a probe row's data
+    (gpu.sh on a device of the part), whose matmul and copy rates replace the published ones."""
     from framework.config import ConfigError
     from framework.measure.datasheet import PLANNED_PARTS, is_planned_part
 
     if not is_planned_part(part):  # validate says the same of plan.gpu; a device's own name lands here
         raise ConfigError("plan.gpu", f"{part!r} is not a part the time model knows; one of {', '.join(PLANNED_PARTS)}")
-    spec = gpu_spec(part)
+    spec = refined(gpu_spec(part), rows) if rows else gpu_spec(part)
     plan = cfg.plan
     kernels = _gpu_kernels(cfg, spec)
     intra, inter = spec.link_bytes_per_s()
-    where = {"peak_flops": "config" if plan.peak_tflops else "datasheet", "kernels": "datasheet",
+    where = {"peak_flops": "config" if plan.peak_tflops else "datasheet", "kernels": "probe row" if rows else "datasheet",
              "overlap": "config" if plan.overlap is not None else "nominal", "baseline_bytes": "nominal"}  # fmt: skip
 
     def given(key: str, figure: str, default: float, scale: float) -> float:
