@@ -14,6 +14,28 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from framework.levers import compile_block
+from framework.run.sweep import run_configs
+from tests.helpers import losses, world_config
+
+# 4 samples of 8 tokens a step, 8 samples from step 3 (index 2), 16 tokens from step 4: each
+# change makes the micro-batches of another shape
+RAMP = ["experiment=smoke", "logger=none", "steps=5", "model.n_layer=4", "data.batch_schedule=[[0,4],[2,8]]",
+        "data.seq_len_schedule=[[0,8],[3,16]]", "metrics.sample_every=0"]  # fmt: skip
+PIPELINES = {"1F1B": ["parallel=pp"], "ZBVZeroBubble": ["parallel=pp", "parallel.schedule=ZBVZeroBubble"]}
+
+
+def test_a_pipeline_follows_a_batch_and_a_length_ramp_as_one_process(tmp_path):
+    """The schedule is built anew where the batch or the length changes (it was refused: torch's
+    stages keep the shape of their first step); the losses are one process's."""
+    from framework.run.trainer import run
+
+    one = tmp_path / "one"
+    run(OmegaConf.create(world_config([*RAMP, "parallel=none"], 1)), str(one), {"parallel": "none"})
+    summaries = run_configs({name: world_config([*RAMP, *args], 2) for name, args in PIPELINES.items()}, 2,
+                            str(tmp_path))  # fmt: skip
+    assert set(summaries) == set(PIPELINES)
+    for name in PIPELINES:
+        assert losses(tmp_path / name) == pytest.approx(losses(one), rel=1e-5), name
 
 
 @torch._functorch.config.patch(donated_buffer=True)  # torch's default, restored after the test

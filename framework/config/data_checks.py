@@ -4,6 +4,7 @@ calls them)."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -81,20 +82,21 @@ def check_curriculum(cfg: DictConfig, dp: int, tp: int, pp: int, cp: int) -> Non
         pairs = schedule_pairs(key, d.batch_schedule)
         if d.sampler == "token_budget" or d.rank_batch_sizes:
             raise ConfigError(key, "token_budget and rank_batch_sizes make their own batches; ramp data.batch_size")
-        if pp > 1:
-            raise ConfigError(key, "a pipeline's schedule is built for one batch; not with pipeline parallel")
-        unit = cfg.accumulation_steps * dp
+        unit, parts = cfg.accumulation_steps * dp, "accumulation_steps x data-parallel ranks"
+        if pp > 1:  # each rank's batch is also cut into the pipeline's micro-batches (Pipeline.fit)
+            unit = math.lcm(unit, dp * cfg.parallel.get("n_microbatches", 4))
+            parts += " and parallel.n_microbatches"
         if bad := [v for _, v in pairs if v % unit]:
-            raise ConfigError(key, f"{bad[0]} samples do not split into accumulation_steps x data-parallel ranks "
-                                   f"= {unit} equal micro-batches; use multiples of {unit}")  # fmt: skip
+            raise ConfigError(key, f"{bad[0]} samples do not split into {parts} equal micro-batches; use multiples "
+                                   f"of {unit}")  # fmt: skip
     if d.get("seq_len_schedule"):
         key = "data.seq_len_schedule"
         pairs = schedule_pairs(key, d.seq_len_schedule)
         if d.name not in TOKEN_WINDOWS or d.get("pack"):
             raise ConfigError(key, f"for token windows of data.seq_len ({', '.join(TOKEN_WINDOWS)}), not data={d.name}"
                                    + (" with packing" if d.get("pack") else ""))  # fmt: skip
-        if pp > 1 or cp > 1:
-            raise ConfigError(key, "pipeline and context parallel are built for one sequence length; not with them")
+        if cp > 1:
+            raise ConfigError(key, "context parallel is built for one sequence length; not with it")
         if bad := [v for _, v in pairs if v > d.seq_len or v % tp]:
             raise ConfigError(key, f"{bad[0]} tokens: each length is at most data.seq_len={d.seq_len}"
                                    + (f" and a multiple of tensor parallel's {tp}" if tp > 1 else ""))  # fmt: skip

@@ -160,7 +160,8 @@ def _parallelize_on_mesh(
     model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, strategy: Strategy
 ) -> Parallelized:
     """fsdp, tp, pp and hybrid: degrees from the config, one mesh pp x dp_replicate x dp_shard x tp."""
-    from framework.parallel.pipeline import LocalStages, build_pipeline
+    from framework.parallel.pipeline import LocalStages
+    from framework.parallel.schedules import build_pipeline
 
     dims = ParallelDims.from_config(cfg.parallel, info.world_size, *model_dims(model, spec))
     mesh = Mesh(dims, dims.build_mesh(info.device.type))

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from framework.contract import WRAPPER_PREFIXES, ContractError, ModelSpec, blocks_of, forget_counts, logits_of
+from framework.contract import WRAPPER_PREFIXES, ContractError, ModelSpec, blocks_of, logits_of
 from framework.loss import ScaledLoss
 
 WRAPPED = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES)  # the wrapped module's attribute
@@ -246,6 +246,8 @@ class Pipeline:
     n_microbatches: int
     stages: dict[int, nn.Module] = field(default_factory=dict)  # this rank's stage modules by stage id
     loss: ScaledLoss = field(default_factory=ScaledLoss)  # the schedule's loss_fn
+    rebuild: Callable[[], object] | None = None  # the schedule built anew over the same stage modules
+    shape: tuple[int, ...] | None = None  # the local batch's shape the schedule last stepped on
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor, positions: torch.Tensor | None = None,
              weight: torch.Tensor | float = 1.0) -> torch.Tensor:  # fmt: skip
@@ -254,6 +256,7 @@ class Pipeline:
         (context parallel: the places of this rank's share of each sequence) go to every stage's
         embedding and blocks; `weight` multiplies each micro-batch's summed loss (ScaledLoss)."""
         self.place(positions)
+        self.fit(tuple(inputs.shape))
         self.loss.weight = weight
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
@@ -262,6 +265,15 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros((), device=target.device)
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def fit(self, shape: tuple[int, ...]) -> None:
+        """A step of another batch or sequence length (data.batch_schedule, data.seq_len_schedule)
+        than the last: torch's stages infer their micro-batch shapes (and size their receive
+        buffers) in their first step, so the schedule is built anew, with as many micro-batches,
+        each of the new shape. Every rank of a pipeline steps on the same shape, and rebuilds alike."""
+        if self.shape is not None and shape != self.shape and self.rebuild is not None:
+            self.schedule = self.rebuild()
+        self.shape = shape
 
     def place(self, positions: torch.Tensor | None) -> None:
         """Context parallel: the places of this rank's share of each sequence, for every stage."""
@@ -278,42 +290,6 @@ def build_stages(
     ids = stage_ids(pp_rank, pp, per_rank, cfg.get("schedule", "1F1B"))
     stages = [make_stage(model, split, layers[s], first=s == 0, last=s == n_stages - 1) for s in ids]
     return stages, ids, n_stages
-
-
-def build_pipeline(
-    stage_modules: list[nn.Module], ids: list[int], n_stages: int, cfg: DictConfig, pp_group, device
-) -> Pipeline:
-    import torch.distributed.pipelining as pipelining
-
-    stages = [
-        pipelining.PipelineStage(m, s, n_stages, device, group=pp_group)
-        for m, s in zip(stage_modules, ids, strict=True)
-    ]
-    for stage in stages:
-        forget_inference_counts(stage)
-    name, n_microbatches, loss = cfg.get("schedule", "1F1B"), cfg.get("n_microbatches", 4), ScaledLoss()
-    if name in SINGLE_STAGE:
-        schedule = getattr(pipelining, SINGLE_STAGE[name])(stages[0], n_microbatches, loss_fn=loss)
-    else:
-        schedule = getattr(pipelining, MULTI_STAGE[name])(stages, n_microbatches, loss_fn=loss)
-    modules = dict(zip(ids, stage_modules, strict=True))
-    return Pipeline(schedule, 0 in ids, n_stages - 1 in ids, n_microbatches, modules, loss)
-
-
-def forget_inference_counts(stage) -> None:
-    """torch's pipelining infers a stage's shapes from a real forward and backward in its first
-    step, and restores the stage's buffers after it; a module that counts its steps (the
-    contract's step protocol) would count that forward as the step's own: its counts are dropped
-    once the inference is done."""
-    cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
-    if cleanup is None:  # a torch whose inference runs no forward
-        return
-
-    def cleared() -> None:
-        cleanup()
-        forget_counts(stage.submod)
-
-    stage._post_metadata_inference_cleanup = cleared
 
 
 class LocalStages(nn.Module):
