@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from framework.config import ConfigError, validate
 from framework.levers import compile_block
 from framework.run.sweep import run_configs
-from tests.helpers import losses, world_config
+from tests.helpers import compose_config, losses, world_config
 
 # 4 samples of 8 tokens a step, 8 samples from step 3 (index 2), 16 tokens from step 4: each
 # change makes the micro-batches of another shape
@@ -66,3 +67,11 @@ def test_donated_buffers_only_where_backward_splits(schedule):
     cfg = OmegaConf.create({"memory": {"name": "none"}, "parallel": {"pp": 2, "schedule": schedule}})
     compile_block(nn.Linear(2, 2), cfg)
     assert torch._functorch.config.donated_buffer == (schedule == "1F1B")
+
+
+def test_a_ramp_that_does_not_split_into_the_micro_batches_is_refused():
+    """6 samples do not split into pp's 4 micro-batches: one line naming the key, before any worker."""
+    args = ["experiment=smoke", "parallel=pp", "launch.nproc_per_node=2", "data.batch_schedule=[[0,4],[2,6]]"]
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(args))
+    assert err.value.key == "data.batch_schedule" and "parallel.n_microbatches" in str(err.value), str(err.value)
