@@ -58,7 +58,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if getattr(layout, "pipeline", None) is not None:
             return  # whole when the schedule ends: applied_grad_norm steps them
         if isinstance(module, DistributedDataParallel):
-            module.register_comm_hook(module.process_group, self._bucket_reduced)
+            if (compressed := getattr(module, "reduce_then", None)) is not None:  # framework/parallel/ddp.py
+                compressed.after = self._step_bucket
+            else:
+                module.register_comm_hook(module.process_group, self._bucket_reduced)
             return
         for param in self._each:
             param.register_post_accumulate_grad_hook(lambda p: self._apply(p, p.grad))
@@ -85,12 +88,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         default hook), then its parameters stepped on it, in the backward's thread (their
         gradients: views of the bucket, which DDP keeps anyway)."""
         default_hooks.allreduce_hook(group, bucket).wait()
-        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            if param in self._each:
-                self._apply(param, grad, free=False)
+        self._step_bucket(bucket)
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
+
+    def _step_bucket(self, bucket) -> None:
+        """Each of a reduced DDP bucket's parameters stepped on its gradient there."""
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            if param in self._each:
+                self._apply(param, grad, free=False)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002

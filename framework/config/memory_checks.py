@@ -59,9 +59,6 @@ def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int
         return f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {cfg.optim.grad_clip})"
     if accumulation > 1:
         return f"with accumulation_steps={accumulation} the update would run on the first micro-batch's gradients"
-    if parallel.name == "ddp" and parallel.get("comm_hook", "none") != "none":
-        return (f"parallel.comm_hook={parallel.comm_hook}: the step in backward runs in DDP's communication "
-                "hook, which is not combined with compression yet; use parallel.comm_hook=none")  # fmt: skip
     if parallel.name != "ddp" and parallel.get("version", 2) == 1:
         return "FSDP1 flattens the parameters, so their hooks never see a gradient; use parallel.version=2"
     if cfg.precision.name == "amp":

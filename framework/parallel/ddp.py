@@ -4,7 +4,9 @@ with the backward pass. Optional communication hooks compress gradients before t
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
@@ -36,10 +38,11 @@ def apply_ddp(model: nn.Module, cfg: DictConfig, info: DistInfo) -> DDP:
         find_unused_parameters=cfg.find_unused_parameters,
         **{buffers_kw: cfg.broadcast_buffers},
     )
+    state, reduce = dist.group.WORLD, None
     if cfg.comm_hook == "fp16":
-        ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+        reduce = default_hooks.fp16_compress_hook
     elif cfg.comm_hook == "bf16":
-        ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+        reduce = default_hooks.bf16_compress_hook
     elif cfg.comm_hook == "powersgd":
         # Low-rank gradient compression with error feedback; plain all-reduce for the first steps.
         state = powerSGD_hook.PowerSGDState(
@@ -47,5 +50,31 @@ def apply_ddp(model: nn.Module, cfg: DictConfig, info: DistInfo) -> DDP:
             matrix_approximation_rank=cfg.powersgd_rank,
             start_powerSGD_iter=2,
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        reduce = powerSGD_hook.powerSGD_hook
+    if reduce is not None:
+        ddp.reduce_then = ReduceThen(reduce)  # what the step in backward extends (framework/optim_backward.py)
+        ddp.register_comm_hook(state, ddp.reduce_then)
     return ddp
+
+
+class ReduceThen:
+    """A communication hook: `reduce` (a compression hook), then, where the step in backward set
+    `after` (framework/optim_backward.py), `after(bucket)` on the reduced bucket, in the backward's
+    thread (DDP allows one hook per module: the compression and the step share it)."""
+
+    def __init__(self, reduce: Callable):
+        self.reduce, self.after = reduce, None
+        self.__name__ = self.__qualname__ = reduce.__name__  # DDP's logger names the hook
+
+    def __call__(self, state, bucket):  # unannotated: DDP checks a string annotation against its type
+        reduced = self.reduce(state, bucket)
+        if self.after is None:
+            return reduced
+        buffer = bucket.buffer()
+        value = reduced.wait()
+        if value.data_ptr() != buffer.data_ptr():
+            buffer.copy_(value)
+        self.after(bucket)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
