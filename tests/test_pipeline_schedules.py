@@ -20,7 +20,7 @@ from tests.helpers import compose_config, losses, world_config
 
 # 4 samples of 8 tokens a step, 8 samples from step 3 (index 2), 16 tokens from step 4: each
 # change makes the micro-batches of another shape
-RAMP = ["experiment=smoke", "logger=none", "steps=5", "model.n_layer=4", "data.batch_schedule=[[0,4],[2,8]]",
+RAMP = ["experiment=smoke", "logger=none", "steps=4", "model.n_layer=4", "data.batch_schedule=[[0,4],[2,8]]",
         "data.seq_len_schedule=[[0,8],[3,16]]", "metrics.sample_every=0"]  # fmt: skip
 PIPELINES = {"1F1B": ["parallel=pp"], "ZBVZeroBubble": ["parallel=pp", "parallel.schedule=ZBVZeroBubble"]}
 
