@@ -62,8 +62,8 @@ class Layout:
 
     @property
     def expert_shard(self) -> int:
-        """Ranks FSDP shards each ep rank's experts over: the dp_shard ranks ep leaves."""
-        return self.dp_shard // self.ep
+        """Ranks FSDP shards each ep rank's experts over: the dp_shard (x cp) ranks ep leaves."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def stages(self) -> int:
