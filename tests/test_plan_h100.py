@@ -75,4 +75,4 @@ def test_the_user_command_prints_the_configured_layouts_forecast_and_its_split(c
     out = capsys.readouterr().out
     rate = float(out.split(" tokens/s per rank")[0].rsplit(" ", 1)[1].replace(",", ""))
     assert out.startswith("fsdp at 8 ranks") and rate == pytest.approx(5762, rel=0.01)
-    assert "split: compute" in out and "power limit: 500" in out
+    assert "split: compute" in out and "power limit: 500 W per GPU" in out

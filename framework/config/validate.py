@@ -8,16 +8,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import is_dataclass
-from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from omegaconf import DictConfig
 
 from framework.config.callback_checks import check_callbacks
-from framework.config.choices import Choice, PlanProfile
+from framework.config.choices import Choice
 from framework.config.data_checks import check_data_plan, check_val_split
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
 from framework.config.memory_checks import check_memory
+from framework.config.plan_checks import check_plan
 from framework.config.range_checks import check_ranges
 from framework.config.resolve import cuda_device_count, resolve_device, resolve_nproc, world_size_of
 
@@ -94,21 +94,7 @@ def _check_values(cfg: DictConfig) -> None:
     _require(step_timeout is None or step_timeout > 0, "backend.step_timeout_s",
              f"got {step_timeout}; must be null or > 0 seconds")  # fmt: skip
     _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
-    from framework.measure.datasheet import PLANNED_PARTS, is_planned_part  # torch: once a config is checked
-
-    gpu = cfg.get("plan", {}).get("gpu")
-    _require(gpu is None or is_planned_part(gpu), "plan.gpu",
-             f"{gpu!r} is not a part the time model knows; one of {', '.join(PLANNED_PARTS)} (SXM)")  # fmt: skip
-    power = cfg.get("plan", {}).get("gpu_power_w")
-    _require(power is None or power > 0, "plan.gpu_power_w",
-             f"got {power}; must be > 0 watts (the GPUs' power limit), or null: the part's TDP")  # fmt: skip
-    measure = str(cfg.get("plan", {}).get("profile", "probe"))
-    _require(measure in {c.value for c in PlanProfile} or (measure.endswith(".jsonl") and Path(measure).is_file()),
-             "plan.profile", f"got {measure!r}; allowed: probe, cache, config, or a rows.jsonl of "
-             "benchmarks/gpu.sh (an existing file)")  # fmt: skip
-    budget = cfg.get("plan", {}).get("memory_budget_mb")
-    _require(budget is None or budget > 0, "plan.memory_budget_mb",
-             f"got {budget}; must be > 0 (MB per rank), or null: the device's memory")  # fmt: skip
+    check_plan(cfg)
     version = cfg.parallel.get("version", 2)
     _require(version in (1, 2), "parallel.version", f"got {version!r}; allowed: 1, 2")
     if cfg.profile:

@@ -31,7 +31,7 @@ def best_per_layout(ranked: list[Ranked]) -> list[Ranked]:
 
 def table(ranked: list[Ranked], budget: float) -> str:
     head = ("#", "layout", "params", "grads", "optim", "activ.", "gathered", "peak MB", "fits",
-            "calls", "wire MB", "bubble", "step ms", "split ms", "overrides")  # fmt: skip
+            "calls", "wire MB", "bubble", "step ms", "overrides", "split ms")  # fmt: skip
     rows = [head]
     for i, r in enumerate(ranked, start=1):
         p, m = r.prediction, r.prediction["memory"]
@@ -44,7 +44,7 @@ def table(ranked: list[Ranked], budget: float) -> str:
             f"{r.footprint() / MB:.1f}", "yes" if r.fits else "NO",
             f"{comm.get('calls', 0)}", f"{comm.get('wire_bytes', 0) / MB:.2f}", f"{p['bubble']:.2f}",
             f"{step * 1000:.1f}" if step is not None else f"comm {p['comm_time_s'] * 1000:.1f}",
-            split_cell(p.get("split")), " ".join(r.overrides),
+            " ".join(r.overrides), split_cell(p.get("split")),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
@@ -77,7 +77,8 @@ def forecast_lines(cfg: DictConfig, world: int) -> str:
         machine_lines(profile),
     ]
     if cfg.plan.get("gpu"):
-        lines.insert(2, f"power limit: {cfg.plan.gpu_power_w or 'the TDP'} W per GPU (plan.gpu_power_w)")
+        watts = cfg.plan.gpu_power_w
+        lines.insert(2, f"power limit: {f'{watts:g} W' if watts else 'the TDP'} per GPU (plan.gpu_power_w)")
     return "\n".join(lines)
 
 
