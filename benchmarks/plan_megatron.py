@@ -126,7 +126,7 @@ cli99/llm-analysis's `examples/megatron-lm/run_train.sh`, which replays the Tabl
 does not say which pipeline schedule the rows ran, nor the 1T row's micro-batch (taken as 1), so
 both schedules are shown.
 
-**Where the time goes** (the 384-GPU row, 1F1B, per GPU and step of 75 s): the matmuls at the
+**Where the time goes** (the 384-GPU row, 1F1B, per GPU and step of 74 s): the matmuls at the
 A100's measured rate with its quantization (the block's (2,048 x 1,536)-tile outputs fill 96 of
 108 SMs a wave: 89%) about 50 s; the memory-bound work (the replicated LayerNorms and residual
 adds of a block that is not sequence-parallel, GELU, the casts) about 7 s; the tensor-parallel
@@ -140,7 +140,8 @@ all-reduces, which block, 11.5 s; the pipeline's sends across nodes 1.7 s; the b
   forecast slower than Megatron, the second faster.
 - The tensor-parallel traffic counts no recomputed forward all-reduce (a checkpointed block runs
   its row-wise all-reduces again in backward): slower if counted.
-- Attention is priced whole: causal skipping would save about 1.4% of a block's FLOPs at this width.
+- Attention is priced over half its scores (FlashAttention skips a causal mask's upper blocks; the
+  diagonal blocks' extra work is not counted): about 1.4% of a block's FLOPs at this width.
 - Smaller cuBLAS tiles than 256 x 128, kernel fusion and the kernels' launch gaps are not
   modelled; data loading, logging and stragglers neither.
 - The data-parallel all-reduce is left exposed (`plan.overlap=0`), as in Megatron-LM's training
