@@ -154,6 +154,12 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("evaluation under cp not split", "framework/callbacks/evaluation.py",
      "    inputs, kwargs, target = par.split_batch(inputs, target)", "    kwargs = {}",
      "tests/test_context.py::test_evaluation_under_cp_runs_each_ranks_part_of_the_sequence_through_the_ring"),
+    ("the ring ignores the sliding window", "framework/parallel/ring_mask.py",
+     "        mask = mask & (gap < rule.window)", "        pass",
+     "tests/test_ring_mask.py::test_ring_attention_within_a_window_and_documents_equals_full_masked_attention"),
+    ("the ring ignores packed documents", "framework/parallel/ring_mask.py",
+     "        mask = mask & (qdoc[:, None, :, None] == kdoc[:, None, None, :])", "        pass",
+     "tests/test_ring_mask.py::test_ring_attention_within_a_window_and_documents_equals_full_masked_attention"),
     # mixture of experts (issue 40) and LoRA under tensor parallel (issue 38)
     ("expert-parallel gradients not scaled by 1/ep", "framework/parallel/expert.py",
      "GradScale.apply(w, 1.0 / self.size)", "GradScale.apply(w, 1.0)",
