@@ -213,11 +213,11 @@ def ring_backward(rows: Rows, k, v, ring: Ring, scale: float, rule: MaskRule | N
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of zigzag-sharded (B, H, 2c, D) q, k, v over the ranks of `group`, within
-    `rule`'s window and documents where it has them."""
+    `rule`'s window and documents where it has them (`how`: (scale, rule))."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, rule=None):
-        ring = Ring(group)
+    def forward(ctx, q, k, v, group, how):
+        ring, (scale, rule) = Ring(group), how
         # this batch's rule, kept for backward (the splitter sets the next batch's documents on `rule`)
         rule = MaskRule(rule.window, rule.docs) if rule is not None and rule.active() else None
         with torch.autocast(q.device.type, enabled=False):
@@ -233,7 +233,7 @@ class RingAttention(torch.autograd.Function):
         with torch.autocast(dout.device.type, enabled=False):
             delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
             dq, dk, dv = ring_backward(Rows(q, dout, out, lse, delta), k, v, ctx.ring, ctx.scale, ctx.rule)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(q, k, v, group: dist.ProcessGroup, scale: float | None = None, rule: MaskRule | None = None):
@@ -243,4 +243,4 @@ def ring_attention(q, k, v, group: dist.ProcessGroup, scale: float | None = None
         raise ValueError("ring attention needs a group of at least 2 ranks")
     if q.size(-2) % 2 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"ring attention: q, k, v must be equal (B, H, 2c, D) shards, got {q.shape}, {k.shape}")
-    return RingAttention.apply(q, k, v, group, q.size(-1) ** -0.5 if scale is None else scale, rule)
+    return RingAttention.apply(q, k, v, group, (q.size(-1) ** -0.5 if scale is None else scale, rule))
