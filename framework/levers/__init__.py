@@ -63,4 +63,4 @@ def compile_block(module: nn.Module, cfg: DictConfig) -> nn.Module:
 def splits_backward(cfg: DictConfig) -> bool:
     """The run's pipeline schedule computes input and weight gradients apart (the zero-bubble ones)."""
     p = cfg.get("parallel") or {}
-    return p.get("pp", 1) != 1 and "ZeroBubble" in str(p.get("schedule", ""))
+    return p.get("pp", 1) != 1 and "ZeroBubble" in str(p.get("schedule", "1F1B"))

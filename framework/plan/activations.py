@@ -164,9 +164,10 @@ def _llama_block_bytes(tokens: int, g: SimpleNamespace, e: int, layout: Layout, 
     seq_split = tp if layout.sequence_parallel else 1
     if casts:  # autocast over fp32 weights: _llama_autocast_bytes
         return _llama_autocast_bytes(tokens, g, layout)
-    norms = 2 * ((4 + e) * D / seq_split + e * D + 4 / seq_split)
+    routed = getattr(g, "moe_experts", 0)  # under sequence parallel it takes its T / tp tokens local
+    norms = 2 * (4 + e) * D / seq_split + e * D * (1 + (1 / seq_split if routed else 1)) + 8 / seq_split
     attention = 5 * e * D / tp + 4 * g.n_head / tp
-    mlp = 4 * e * F / tp if not getattr(g, "moe_experts", 0) else _routed_bytes(g, e, layout)
+    mlp = 4 * e * F / tp if not routed else _routed_bytes(g, e, layout) / seq_split
     weights = 2 * (2 * D * D + 2 * D * g.kv_width + 3 * D * F) / tp if e == 2 and layout.fsdp == 0 else 0
     return tokens * (norms + attention + mlp) + weights
 
@@ -183,13 +184,16 @@ def _llama_autocast_bytes(tokens: int, g: SimpleNamespace, layout: Layout) -> fl
     norms = (16 * D + 8) / seq_split
     inputs = 2 * 5 * D + 2 * D / tp
     attention = (8 * D + 4 * g.n_head) / tp
-    mlp = 8 * F / tp if not getattr(g, "moe_experts", 0) else _routed_bytes(g, 2, layout)
+    routed = getattr(g, "moe_experts", 0)  # under sequence parallel it takes its T / tp tokens local
+    inputs -= 2 * 2 * D * (1 - 1 / seq_split) if routed else 0  # w1 and w3 are the routed layer's
+    mlp = 8 * F / tp if not routed else _routed_bytes(g, 2, layout) / seq_split
     weights = 2 * (2 * D * D + 2 * D * g.kv_width + 3 * D * F) / tp
     return tokens * (norms + inputs + attention + mlp) + weights
 
 
 def _routed_bytes(g: SimpleNamespace, e: int, layout: Layout) -> float:
-    """A routed layer (models/moe.py) in place of the MLP, per token, whole on every tp rank: each
+    """A routed layer (models/moe.py) in place of the MLP, per token it routes (all of them on every
+    tp rank; T / tp of them under sequence parallel, framework/parallel/routed.py): each
     of its top_k assignments' gathered row, its expert's two projections, silu's output and their
     product (moe_hidden wide), the expert's output row and its weighted copy, its fp32 routing
     weight and the three int64 indices that choose, sort and scatter it; the router's fp32 scores
