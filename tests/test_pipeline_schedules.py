@@ -2,7 +2,8 @@
 backward (input gradients, then weight gradients: torch.distributed.pipelining's
 stage_backward_input and stage_backward_weight) gives eager's gradients; a step whose batch or
 sequence length changes (data.batch_schedule, data.seq_len_schedule) rebuilds the schedule for
-the new micro-batch shape and trains as one process does."""
+the new micro-batch shape and trains as one process does; context parallel's zigzag split and
+ring follow the length too."""
 
 from __future__ import annotations
 
@@ -22,20 +23,22 @@ from tests.helpers import compose_config, losses, world_config
 # change makes the micro-batches of another shape
 RAMP = ["experiment=smoke", "logger=none", "steps=4", "model.n_layer=4", "data.batch_schedule=[[0,4],[2,8]]",
         "data.seq_len_schedule=[[0,8],[3,16]]", "metrics.sample_every=0"]  # fmt: skip
-PIPELINES = {"1F1B": ["parallel=pp"], "ZBVZeroBubble": ["parallel=pp", "parallel.schedule=ZBVZeroBubble"]}
+LAYOUTS = {"1F1B": ["parallel=pp"], "ZBVZeroBubble": ["parallel=pp", "parallel.schedule=ZBVZeroBubble"],
+           "cp": ["parallel=cp"]}  # fmt: skip
 
 
-def test_a_pipeline_follows_a_batch_and_a_length_ramp_as_one_process(tmp_path):
+def test_a_pipeline_and_context_parallel_follow_a_batch_and_a_length_ramp_as_one_process(tmp_path):
     """The schedule is built anew where the batch or the length changes (it was refused: torch's
-    stages keep the shape of their first step); the losses are one process's."""
+    stages keep the shape of their first step), and cp x2 splits each step's length in 2 x cp
+    chunks (it was refused too); the losses are one process's."""
     from framework.run.trainer import run
 
     one = tmp_path / "one"
     run(OmegaConf.create(world_config([*RAMP, "parallel=none"], 1)), str(one), {"parallel": "none"})
-    summaries = run_configs({name: world_config([*RAMP, *args], 2) for name, args in PIPELINES.items()}, 2,
+    summaries = run_configs({name: world_config([*RAMP, *args], 2) for name, args in LAYOUTS.items()}, 2,
                             str(tmp_path))  # fmt: skip
-    assert set(summaries) == set(PIPELINES)
-    for name in PIPELINES:
+    assert set(summaries) == set(LAYOUTS)
+    for name in LAYOUTS:
         assert losses(tmp_path / name) == pytest.approx(losses(one), rel=1e-5), name
 
 
@@ -75,3 +78,11 @@ def test_a_ramp_that_does_not_split_into_the_micro_batches_is_refused():
     with pytest.raises(ConfigError) as err:
         validate(compose_config(args))
     assert err.value.key == "data.batch_schedule" and "parallel.n_microbatches" in str(err.value), str(err.value)
+
+
+def test_a_length_that_does_not_split_into_cp_chunks_is_refused():
+    """6 tokens do not cut into cp=2's 4 zigzag chunks: one line naming the key and the multiple."""
+    args = ["experiment=smoke", "parallel=cp", "launch.nproc_per_node=2", "data.seq_len_schedule=[[0,6],[2,16]]"]
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(args))
+    assert err.value.key == "data.seq_len_schedule" and "multiple of 4 (2 x cp=4)" in str(err.value), str(err.value)

@@ -95,11 +95,12 @@ def check_curriculum(cfg: DictConfig, dp: int, tp: int, pp: int, cp: int) -> Non
         if d.name not in TOKEN_WINDOWS or d.get("pack"):
             raise ConfigError(key, f"for token windows of data.seq_len ({', '.join(TOKEN_WINDOWS)}), not data={d.name}"
                                    + (" with packing" if d.get("pack") else ""))  # fmt: skip
-        if cp > 1:
-            raise ConfigError(key, "context parallel is built for one sequence length; not with it")
-        if bad := [v for _, v in pairs if v > d.seq_len or v % tp]:
+        # zigzag cuts a sequence into 2 x cp chunks, and sequence parallel a rank's T / cp over tp
+        unit = math.lcm(tp * cp, 2 * cp if cp > 1 else 1)
+        if bad := [v for _, v in pairs if v > d.seq_len or v % unit]:
+            parts = " and ".join(([f"tp={tp}"] if tp > 1 else []) + ([f"2 x cp={2 * cp}"] if cp > 1 else []))
             raise ConfigError(key, f"{bad[0]} tokens: each length is at most data.seq_len={d.seq_len}"
-                                   + (f" and a multiple of tensor parallel's {tp}" if tp > 1 else ""))  # fmt: skip
+                                   + (f" and a multiple of {unit} ({parts})" if unit > 1 else ""))  # fmt: skip
 
 
 def check_sources(d: DictConfig) -> None:
