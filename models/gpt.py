@@ -162,7 +162,9 @@ class GPT(nn.Module):
             mask = (same_doc & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril())[:, None]
         if positions is not None:
             pos = positions
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        # (B, T) positions (packed) go in sequence-first: sequence parallel splits the output's dim 0
+        pos_emb = self.pos_emb(pos) if pos.dim() == 1 else self.pos_emb(pos.t()).transpose(0, 1)
+        x = self.drop(self.tok_emb(idx) + pos_emb)
         for block in self.blocks:
             x = block(x, mask)
         return self.head(x)

@@ -254,6 +254,7 @@ BAD = [
     (["parallel=cp", "model=gpt", "data=varlen"], 2, "data", "varlen with data.pack=true"),
     (["parallel=cp", "model=gpt", "data=varlen", "data.pack=true", "data.pack_len=30"], 2, "data.pack_len", "4 chunks"),
     (["parallel=cp", "model.dropout=0.1"], 2, "model.dropout", "no dropout"),
+    (["parallel=pp", "model=gpt", "data=varlen", "data.pack=true"], 2, "data.pack", "document ids"),
 ]
 
 

@@ -1,10 +1,11 @@
 """Ring attention within a sliding window and packed documents (framework/parallel/ring_mask.py)
 against full attention under the same mask on one process: on two gloo ranks, forward and
-gradients, with blocks the mask wholly hides (skipped) among them; and the batch splitter's
-places within documents."""
+gradients, with blocks the mask wholly hides (skipped) among them; the batch splitter's
+places within documents; and packed documents trained under cp and sequence parallel."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -80,9 +81,21 @@ def test_the_splitter_hands_the_batchs_documents_to_the_ring():
     assert rule.docs is None and torch.equal(kwargs["positions"], zigzag_indices(T, 2, 1))
 
 
-def test_packed_documents_pass_validation_under_cp():
-    from framework.config import validate
-    from tests.helpers import compose_config
+def test_packed_documents_train_under_cp_and_sequence_parallel_as_one_process(tmp_path):
+    """gpt on packed variable-length documents: cp x2 (the ring masks by document) and tp x2 with
+    sequence parallel (the (B, T) places within documents split along the sequence) give one
+    process's losses (both were refused before)."""
+    from omegaconf import OmegaConf
 
-    base = ["experiment=smoke", "parallel=cp", "launch.nproc_per_node=2"]
-    validate(compose_config([*base, "model=gpt", "data=varlen", "data.pack=true", "data.pack_len=32"]))
+    from framework.run.sweep import run_configs
+    from framework.run.trainer import run
+    from tests.helpers import losses, world_config
+
+    packed = ["experiment=smoke", "logger=none", "steps=4", "model=gpt", "data=varlen", "data.pack=true",
+              "data.pack_len=32", "data.batch_size=4", "metrics.sample_every=0"]  # fmt: skip
+    run(OmegaConf.create(world_config([*packed, "parallel=none"], 1)), str(tmp_path / "one"), {"parallel": "none"})
+    layouts = {"cp": ["parallel=cp"], "tp": ["parallel=tp", "parallel.sequence_parallel=true"]}
+    got = run_configs({k: world_config([*packed, *v], 2) for k, v in layouts.items()}, 2, str(tmp_path))
+    assert got["cp"]["parallel_dims"]["cp"] == 2 and got["tp"]["parallel_dims"]["tp"] == 2
+    for name in layouts:
+        assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "one"), rel=1e-5), name

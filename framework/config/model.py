@@ -311,6 +311,12 @@ def check_pipeline(cfg: DictConfig) -> None:
             "whose torch.distributed.pipelining (shape inference, schedule order) this project does not train "
             "right with (benchmarks/gpu_rehearsal.sh); use pp=1 here, or a newer torch",
         )
+    if cfg.data.get("pack"):
+        raise ConfigError(
+            "data.pack",
+            "a pipeline's stages hand each other one activation, not each micro-batch's document ids, "
+            "which every block's mask reads; set parallel.pp=1 or data.pack=false",
+        )
     model, spec = _meta(cfg)
     if spec.task != "lm" or not blocks_of(model, spec):
         raise ConfigError(

@@ -221,9 +221,9 @@ def _check_batching(cfg: DictConfig) -> None:
             "packing needs a model whose forward takes doc_ids (attention within documents), as gpt's does",
         )
         _require(
-            cfg.parallel.name in ("none", "ddp", "fsdp", "cp"),  # cp: the ring masks by document
+            cfg.parallel.name != "dp",  # cp: the ring masks by document; pp: check_pipeline
             "data.pack",
-            f"not with parallel={cfg.parallel.name}; use none, ddp, fsdp or cp",
+            "not with parallel=dp (nn.DataParallel); use ddp",
         )
         _require(
             cfg.data.sampler == "distributed",
