@@ -21,6 +21,7 @@ LEVERS = {
     "checkpoint": ["memory=checkpoint"],
     "selective": ["memory=selective"],
     "selective_matmul_every_2": ["memory=selective", "memory.save_ops=[matmul]", "memory.checkpoint_every=2"],
+    "selective_op": ["memory=selective", "memory.matmul_every=2"],  # torchtitan's "op" policy
     "offload_activations": ["memory=offload_activations"],
     "no_clipping": ["optim.grad_clip=0"],  # the reference of the step in backward, which cannot clip
     "in_backward": ["optim.grad_clip=0", "optim.in_backward=true"],
@@ -35,7 +36,8 @@ def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
     configs = {name: world_config([*BASE, "parallel=none", *lever], 1) for name, lever in LEVERS.items()}
     configs |= {
-        f"llama_{name}": world_config([*LLAMA, "parallel=none", *LEVERS[name]], 1) for name in ("none", "selective")
+        f"llama_{name}": world_config([*LLAMA, "parallel=none", *LEVERS[name]], 1)
+        for name in ("none", "selective", "selective_op")
     }
     for name in ("none", "selective"):  # under autocast: 16-bit copies beside fp32 weights
         configs[f"llama_{name}_bf16"] = world_config([*LLAMA, "parallel=none", *LEVERS[name], "precision=bf16"], 1)
@@ -81,6 +83,8 @@ def test_selective_and_the_budget_keep_less_than_nothing_and_more_than_checkpoin
     assert kept["checkpoint"] < kept["selective_matmul_every_2"] < kept["none"]
     assert kept["checkpoint"] < kept["selective"] < kept["none"]
     assert kept["llama_selective"] < kept["llama_none"]
+    assert kept["checkpoint"] < kept["selective_op"] < kept["selective"]  # every other matmul's output
+    assert kept["llama_selective_op"] < kept["llama_selective"]
     # the compiler's budget, measured on a sampled step (which must run compiled to show it)
     assert kept["checkpoint"] < kept["budget"] < 0.5 * kept["compiled"]
     # on the CPU the host is the device: offloaded tensors stay, and count, where they were
@@ -93,6 +97,7 @@ def test_selective_and_the_budget_keep_less_than_nothing_and_more_than_checkpoin
         (["memory=selective", "memory.save_ops=[matmull]"], "memory.save_ops", "got 'matmull'; one of matmul"),
         (["memory=selective", "memory.save_ops=[]"], "memory.save_ops", "name what to keep"),
         (["memory=selective", "memory.checkpoint_every=0"], "memory.checkpoint_every", "must be an integer >= 1"),
+        (["memory=selective", "memory.matmul_every=0"], "memory.matmul_every", "must be an integer >= 1"),
         (["memory=offload_activations", "compile=true"], "memory", "compile=true does not trace"),
         (["memory=selective", "model=lstm", "data=varlen"], "memory", "works on a model's blocks"),
         (["memory=selective", "parallel=cp"], "memory", "ring attention updates its outputs in place"),

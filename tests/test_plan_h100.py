@@ -1,5 +1,5 @@
 """The planner on H100s (benchmarks/plan_h100.py, docs/results/plan_h100.md): published H100 rows
-forecast within 15%, the step's split summing to the step, the power limit as an input, and a bad
+forecast within 15%, their published peak memory within 10%, the step's split summing to the step, the power limit as an input, and a bad
 power limit refused in one line naming plan.gpu_power_w. No GPU, no workers: the planner is a
 pure function of the config."""
 
@@ -26,6 +26,16 @@ def test_every_published_h100_row_is_forecast_within_15_percent_and_the_split_su
         assert all(v >= 0 for v in r["split"].values()), r["split"]
     held_out = {r["name"]: r for r in rows if r["gpus"] >= 8192}
     assert len(held_out) == 3 and held_out["405B TP8 PP16 DP128, 8K"]["split"]["bubble"] > 0
+
+
+def test_every_published_peak_is_forecast_within_10_percent():
+    """torchtitan's GiB (the allocator's reserved peak) against the forecast reserved peak: the
+    8B rows under its selective "op" checkpointing (memory=selective, memory.matmul_every=2)."""
+    rows = [r for r in plan_rows() if r["published_gib"]]
+    assert len(rows) == 4
+    for r in rows:
+        assert abs(r["peak_ratio"] - 1) <= 0.10, (r["name"], r["reserved_gib"], r["published_gib"])
+        assert r["forecast_gib"] < r["reserved_gib"]  # the cached blocks on top of the allocated peak
 
 
 def test_a_lower_power_limit_lowers_the_forecast_throughput():

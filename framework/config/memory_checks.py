@@ -24,6 +24,8 @@ def check_memory(cfg: DictConfig) -> None:
         raise ConfigError("memory.checkpoint_every", f"got {memory.checkpoint_every}; must be an integer >= 1")
     if memory.name == "selective":
         _check_save_ops(memory.save_ops)
+        if memory.matmul_every < 1:
+            raise ConfigError("memory.matmul_every", f"got {memory.matmul_every}; must be an integer >= 1")
         _check_selective_layout(cfg)
     if cfg.optim.get("in_backward"):
         _check_in_backward(cfg)

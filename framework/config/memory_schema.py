@@ -38,6 +38,8 @@ class SelectiveMemoryConfig(CheckpointMemoryConfig):
     name: MemoryName = MemoryName.selective
     # matmul | attention | collectives, or an aten operator's name (aten.mm)
     save_ops: list[str] = field(default_factory=lambda: ["matmul", "attention"])
+    # keep every k-th matmul's output in a block's order (1: all; 2: torchtitan's "op" policy)
+    matmul_every: int = 1
 
 
 @dataclass

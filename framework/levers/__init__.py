@@ -31,7 +31,7 @@ def apply_memory_lever(module: nn.Module, blocks: str | None, cfg: DictConfig) -
     elif name == "selective":
         from framework.levers.selective import apply_selective_checkpointing
 
-        apply_selective_checkpointing(module, blocks, cfg.memory.save_ops, cfg.memory.checkpoint_every, cfg.compile)
+        apply_selective_checkpointing(module, blocks, cfg.memory, cfg.compile)
     elif name == "offload_activations":
         from framework.levers.offload import apply_activation_offload
 

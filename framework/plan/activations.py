@@ -50,23 +50,52 @@ def selected_bytes(tokens: int, g: SimpleNamespace, cfg: DictConfig, layout: Lay
     """What memory=selective keeps of a block beyond its input, for `tokens` positions on a rank:
     the outputs of the named operators (framework/levers/selective.py). Matmuls: column-parallel
     outputs split 1/tp, row-parallel ones whole (partial sums before their collective), in 16 bits
-    unless fp32; attention: SDPA's output (1/tp) and its fp32 log-sum-exp; collectives: tensor
-    parallel's outputs. None where the planner cannot tell (a routed MLP, an aten operator by name)."""
+    unless fp32, every `matmul_every`-th in the block's order; attention: SDPA's output (1/tp) and
+    its fp32 log-sum-exp; collectives: tensor parallel's outputs. None where the planner cannot
+    tell (a routed MLP, an aten operator by name)."""
     names, tp, D = set(cfg.memory.save_ops), layout.tp, g.n_embd
     if names - {"matmul", "attention", "collectives"} or getattr(g, "moe_experts", 0):
         return None
     m = 4 if cfg.precision.name == "fp32" else 2
     kept = 0.0
     if "matmul" in names:
-        if getattr(g, "ffn_hidden", None):  # Llama: wq, wk, wv, w1, w3 split; wo, w2 whole
-            kept += m * ((D + 2 * g.kv_width + 2 * g.ffn_hidden) / tp + 2 * D)
-        else:  # gpt: q, k, v, fc split; the two projections whole
-            kept += m * (7 * D / tp + 2 * D)
+        kept += m * sum(width for width, _, _ in kept_matmuls(g, cfg, layout))
     if "attention" in names:
         kept += m * D / tp + 4 * g.n_head / tp
     if "collectives" in names and tp > 1:  # two per block: gathers to whole, or reductions
         kept += 2 * m * (D + (D / tp if layout.sequence_parallel else 0))
     return tokens * kept
+
+
+def block_matmuls(g: SimpleNamespace, layout: Layout) -> list[tuple[float, float, bool]]:
+    """A block's matmuls in the order its forward runs them, on a rank: (output width, weight
+    elements, row-parallel). Llama: wq, wk, wv, wo, w1, w3, w2; gpt: q, k, v, proj, fc, proj.
+    The column-parallel ones split 1/tp; the row-parallel ones output whole partial sums."""
+    tp, D = layout.tp, g.n_embd
+    if getattr(g, "ffn_hidden", None):
+        kv, F = g.kv_width, g.ffn_hidden
+        shapes = [(D, D), (kv, D), (kv, D), (D, -D), (F, D), (F, D), (D, -F)]
+    else:
+        shapes = [(D, D)] * 3 + [(D, -D), (4 * D, D), (D, -4 * D)]
+    # (out, in): a negative in marks a row-parallel matmul (its input split 1/tp)
+    return [(o, o * -i / tp, True) if i < 0 else (o / tp, o * i / tp, False) for o, i in shapes]
+
+
+def kept_matmuls(g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> list[tuple[float, float, bool]]:
+    """The matmuls memory=selective keeps: every `matmul_every`-th. Under compile the partitioner
+    saves only what backward reads: not the row-parallel outputs (wo, w2), which only the
+    residual add takes."""
+    kept = block_matmuls(g, layout)[:: cfg.memory.get("matmul_every", 1)]
+    return [mm for mm in kept if not (cfg.compile and mm[2])]
+
+
+def recomputed_matmul_share(g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float:
+    """The share of a block's matmul FLOPs memory=selective runs again in backward: those whose
+    outputs it does not keep (all of them where it keeps no matmul)."""
+    if "matmul" not in cfg.memory.save_ops:
+        return 1.0
+    every, flops = cfg.memory.get("matmul_every", 1), [mm[1] for mm in block_matmuls(g, layout)]
+    return 1 - sum(flops[::every]) / sum(flops)
 
 
 def budgeted_bytes(b: int, g: SimpleNamespace, cfg: DictConfig, layout: Layout) -> float | None:

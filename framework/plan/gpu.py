@@ -31,7 +31,8 @@ Sources of the constants (none fitted to the tables the planner is checked again
 - TDP: NVIDIA's datasheets (A100 SXM 400 W, H100 and H200 SXM 700 W); the least limit
   nvidia-smi takes on these parts (`-pl`): 100 W (A100), 200 W (H100, H200).
 - POWER_EXPONENT is the one fitted constant: on torchtitan's Table 1 FSDP row (Llama 3.1 8B,
-  8 H100s at 500 W, 5,762 tokens/s per GPU) alone, checked on every other H100 row of
+  8 H100s at 500 W, 5,762 tokens/s per GPU) alone, its selective "op" checkpointing planned as
+  memory=selective memory.matmul_every=2, checked on every other H100 row of
   benchmarks/plan_h100.py (docs/results/plan_h100.md).
 - NVLink: NCCL's maintainer in NVIDIA/nccl-tests#212: "450GB/s is the line rate. With the
   protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" (H100), a
@@ -56,7 +57,7 @@ NIC_SHARE = 0.90
 HOST_SHARE = 0.8  # pinned copies over PCIe (CUDA's bandwidthTest: about 25 of gen4's 31.5 GB/s)
 ATTENTION_SHARE = 0.6  # FlashAttention-2 on an A100 (Hopper: GpuSpec.attention_share)
 CAUSAL_SHARE = 0.5  # of a causal mask's scores that FlashAttention computes (its diagonal blocks aside)
-POWER_EXPONENT = 1.14  # fitted (above): matmul rate ~ (power limit / TDP) ** this
+POWER_EXPONENT = 1.22  # fitted (above): matmul rate ~ (power limit / TDP) ** this
 TILE = (256, 128)  # an output tile per SM (cuBLAS's largest for 16-bit GEMMs on these parts)
 SPLIT_K_DEPTH = 512  # the least of the reduction a split-K slice keeps
 NCCL_BASE_S, NCCL_NVLINK_STEP_S, NCCL_NET_STEP_S = 8.4e-6, 3.4e-6, 14e-6

@@ -16,6 +16,9 @@ allocator's peak), what decides whether a layout fits.
   reduce-scatter input (one unit's unsharded gradient, in the reduce dtype) at each unit's end;
 - slack: what the allocator keeps beyond the live bytes, a share measured on this machine
   (`profile.slack`).
+
+On CUDA the allocator's reserved peak (`torch.cuda.max_memory_reserved`, what torchtitan's tables
+publish) is more by the cached blocks that nothing live at the peak can use (`cached_bytes`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import math
 
 from omegaconf import DictConfig
 
-from framework.plan.activations import micro_batch, tokens_per_rank
+from framework.plan.activations import host_apart, micro_batch, tokens_per_rank
 from framework.plan.model import Layout, Shapes
 
 PARTS = ("baseline", "state", "buffers", "gathered", "transient", "slack")
@@ -45,14 +48,37 @@ def head_transient(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
     return 2 * 4 * micro_batch(cfg, layout) * tokens_per_rank(cfg, layout) * vocab
 
 
+def cached_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
+    """CUDA's reserved peak beyond the allocated one: blocks the caching allocator keeps that no
+    tensor live at the peak can take. FSDP's all-gather output of its largest unit (allocated on
+    FSDP's copy-in stream, torch's _fsdp_collectives.foreach_all_gather; freed once copied out
+    into the parameters, its block stays in that stream's pool, which the default stream's tensors
+    cannot use); the forward's 16-bit logits (freed by the peak at the start of backward, where
+    every tensor the loss allocates is fp32, twice its size: none fits its block). 0 on a CPU."""
+    if shapes.gpt is None or not host_apart(cfg):
+        return 0
+    size = 4 if cfg.precision.name == "fp32" else 2
+    logits = 0
+    if size == 2 and layout.fsdp:  # under FSDP's mixed precision the head outputs 16 bits
+        vocab = shapes.gpt["vocab_size"] // (layout.tp if layout.loss_parallel else 1)
+        logits = 2 * micro_batch(cfg, layout) * tokens_per_rank(cfg, layout) * vocab
+    gathered = size * max(_units(shapes, layout).values()) if layout.fsdp and layout.shard > 1 else 0
+    return logits + gathered
+
+
+def _units(shapes: Shapes, layout: Layout) -> dict[str, int]:
+    """FSDP's units: elements each gathers on a rank (whole over the shards, 1/tp)."""
+    units: dict[str, int] = {}
+    for p in shapes.params:
+        units[p.unit] = units.get(p.unit, 0) + math.prod(p.shape) // layout.tp
+    return units
+
+
 def reduce_buffer(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
     """FSDP: one unit's unsharded gradient, the reduce-scatter's input (the largest unit)."""
     if not layout.fsdp or layout.shard < 2:
         return 0
-    units: dict[str, int] = {}
-    for p in shapes.params:
-        units[p.unit] = units.get(p.unit, 0) + math.prod(p.shape) // layout.tp
-    return 4 * max(units.values())
+    return 4 * max(_units(shapes, layout).values())
 
 
 def peak_parts(shapes: Shapes, cfg: DictConfig, layout: Layout, memory: dict, profile) -> dict[str, int] | None:

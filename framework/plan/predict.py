@@ -13,7 +13,7 @@ from framework.config.model import meta_model, model_dims_of, model_spec
 from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
 from framework.plan.model import Layout, Shapes, layout_of, model_shapes, state_bytes
 from framework.plan.ops import Trace, trace_forward
-from framework.plan.peak import peak_parts
+from framework.plan.peak import cached_bytes, peak_parts
 from framework.plan.profile import Profile
 from framework.plan.timing import bubble, comm_s, step_split
 from framework.plan.traffic import traffic
@@ -72,6 +72,8 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
         "total_bytes": sum(v or 0 for v in memory.values()),
         "peak": parts,
         "peak_bytes": sum(parts.values()) if parts else None,
+        # CUDA's reserved peak: the allocated one and the cached blocks nothing live can use
+        "reserved_bytes": sum(parts.values()) + cached_bytes(shapes, cfg, layout) if parts else None,
         "comm": comm,
         # expert parallel: the all-to-all bytes the mean rank sends (summary `moe`; exact when dropless)
         "all_to_all_bytes": sum(t.bytes["all_to_all"] for t in ranks) / len(ranks) if layout.ep > 1 and ranks else None,

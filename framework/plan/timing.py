@@ -17,7 +17,13 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
-from framework.plan.activations import budget_kept_share, checkpoint_every, offloaded_bytes, tokens_per_rank
+from framework.plan.activations import (
+    budget_kept_share,
+    checkpoint_every,
+    offloaded_bytes,
+    recomputed_matmul_share,
+    tokens_per_rank,
+)
 from framework.plan.model import Layout, Shapes, stage_rank
 from framework.plan.ops import BACKWARD_ATTENTION, BACKWARD_BYTES, BACKWARD_OPS, Region, Trace
 
@@ -105,8 +111,9 @@ def _redo(shapes: Shapes, cfg: DictConfig, layout: Layout) -> Redo:
     """Checkpointing: all of a block; memory=selective: none of what it keeps; memory=budget: the
     matmuls and attention whose outputs its knapsack leaves (in the planner's count of bytes)."""
     if cfg.memory.name == "selective":
-        saved = set(cfg.memory.save_ops)
-        return Redo(float("matmul" not in saved), float("attention" not in saved))
+        g = SimpleNamespace(**shapes.gpt) if shapes.gpt else None
+        matmuls = recomputed_matmul_share(g, cfg, layout) if g else float("matmul" not in cfg.memory.save_ops)
+        return Redo(matmuls, float("attention" not in cfg.memory.save_ops))
     if cfg.memory.name == "budget" and cfg.compile:
         redo = 1 - budget_kept_share(SimpleNamespace(**shapes.gpt), cfg, layout) if shapes.gpt else 0.0
         return Redo(redo, redo, elementwise=False)
