@@ -169,8 +169,9 @@ order are kept (a Llama block: wq, wv, w1, w2; wk, wo and w3 run again in backwa
 recomputed; on the CPU the framework's meter measures what it keeps within 0.04% of the forecast
 (tests/test_memory_levers.py). The compiled rows are priced as the eager ones for time (the
 planner does not model the compiler's fusion: they read 11-14% slow); for memory, the compiler's
-partitioner saves only the kept outputs that backward reads, so wo's and w2's (taken by the
-residual add alone) are not held: 4.0 GiB less, against the 5.4 and 5.0 GiB the tables show. The
+partitioner saves only the kept outputs that backward reads, so w2's (taken by the residual add
+alone; wo's likewise, where kept) is not held: 4.0 GiB less, against the 5.4 and 5.0 GiB the
+tables show. The
 Llama 3 rows: FSDP without resharding over DP, micro-batch 1 (32 or 16 micro-batches per pipeline),
 interleaved 1F1B at 4 stages per rank (the paper gives no count), no activation checkpointing. The
 torchtitan hosts' HBM2e (2.4 TB/s) is priced as the SXM part's 3.35 TB/s: the fitted power exponent
