@@ -336,9 +336,11 @@ def subset_cells() -> list[Cell]:
 # schedule (the pairs alone meet it only where the scaler's warm-up skips the comparison); a stream's
 # padded rows through a pipeline (a mean per micro-batch read 303x the floor from step 3); LoRA under
 # sequence parallel (torch's SequenceParallel made the frozen norms trainable: 198x from step 2);
-# evaluation under cp x pp (the full matrix found it reading whole sequences into the ring)
+# evaluation under cp x pp (the full matrix found it reading whole sequences into the ring); a
+# compiled zero-bubble pipeline (Inductor's in-place buffers read again by the weight pass: 2950x)
 PINNED = ("resnet|fsdp(version=1,reshard_after_forward=false)|memory=checkpoint", "gpt|pp|precision=amp",
-          "gpt|pp|data=hf streamed", "gpt|tp(sequence_parallel=true)|peft=lora", "gpt|hybrid(ppxcp)|eval.every=2")  # fmt: skip
+          "gpt|pp|data=hf streamed", "gpt|tp(sequence_parallel=true)|peft=lora", "gpt|hybrid(ppxcp)|eval.every=2",
+          "llama(tie_embeddings=true)|pp(schedule=ZBVZeroBubble)|compile=true")  # fmt: skip
 
 
 def pinned_cells() -> list[Cell]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._functorch.config
+import torch._inductor.config
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -66,10 +67,12 @@ def test_compiled_block_splits_its_backward():
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
 @torch._functorch.config.patch(donated_buffer=True)
+@torch._inductor.config.patch(inplace_buffers=True)
 def test_donated_buffers_only_where_backward_splits(schedule):
     cfg = OmegaConf.create({"memory": {"name": "none"}, "parallel": {"pp": 2, "schedule": schedule}})
     compile_block(nn.Linear(2, 2), cfg)
     assert torch._functorch.config.donated_buffer == (schedule == "1F1B")
+    assert torch._inductor.config.inplace_buffers == (schedule == "1F1B")
 
 
 def test_a_ramp_that_does_not_split_into_the_micro_batches_is_refused():

@@ -6,6 +6,7 @@ checkpointing goes, and compiles each block through compile_block."""
 from __future__ import annotations
 
 import torch._functorch.config
+import torch._inductor.config
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -47,10 +48,15 @@ def compile_block(module: nn.Module, cfg: DictConfig) -> nn.Module:
     the graph kept) and the weight gradients later (torch.distributed.pipelining's
     stage_backward_input, stage_backward_weight): a compiled block's backward is one autograd
     node, which both run. AOTAutograd donates that node's saved buffers to its first run, and so
-    refuses a kept graph (pytorch/pytorch#161904): under those schedules no buffer is donated, for
-    the whole process (the check runs in backward, outside the block's call), and the weight pass
-    runs the block's backward again: the same gradients, a backward's compute more."""
-    torch._functorch.config.donated_buffer = not splits_backward(cfg)  # set anew by each run's compile
+    refuses a kept graph (pytorch/pytorch#161904); and Inductor writes a kernel's output over an
+    input buffer it reads last (`inplace_buffers`), which the weight pass, running the same
+    backward again, would read overwritten (the tied Llama's losses moved 2.6e-4 from one
+    process's by step 2). Under those schedules neither, for the whole process (the backward
+    compiles and runs outside the block's call): the weight pass gets the same gradients, for a
+    backward's compute more."""
+    splits = splits_backward(cfg)  # set anew by each run's compile
+    torch._functorch.config.donated_buffer = not splits
+    torch._inductor.config.inplace_buffers = not splits
     if cfg.memory.name == "budget":
         from framework.levers.budget import budget_compiled
 
