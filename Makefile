@@ -47,7 +47,7 @@ matrix: $(STAMP)
 	HYDRADIST_RESULTS_DIR=docs/results $(VENV)/bin/python -m pytest tests/test_matrix.py -m matrix $(ARGS)
 
 # the covering subset of the matrix (every pair of a model, a strategy family and a feature meets;
-# part of `make test`), alone, on this CPU's kernels and another family's, its tables written to
+# `make test` runs its one- and two-process cells), alone, on this CPU's kernels and another family's, its tables written to
 # docs/results/matrix-subset/ (matrix.md, matrix_wide.md, matrix_kernels.md)
 matrix-subset: $(STAMP)
 	HYDRADIST_RESULTS_DIR=docs/results/matrix-subset $(VENV)/bin/python -m pytest -n 2 --dist loadfile -m "not matrix" \

@@ -254,6 +254,7 @@ def collectives(run) -> list[dict[str, int]]:
     return json.loads((run / "collectives-rank0.json").read_text())
 
 
+@pytest.mark.slow  # the covering subset trains llama(moe) on its defaults under ddp, fsdp, tp, pp, cp, hybrid
 def test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp(tmp_path, one_process):
     """The default config (balance=aux_loss, balance_scope=global): 5 steps in fp32 under ddp x2,
     fsdp x2, ep x2 (fsdp) and pp x2 (4 micro-batches) equal one process within 1e-5, losses and
