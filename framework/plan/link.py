@@ -72,6 +72,20 @@ def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, flo
         destroy_distributed()
 
 
+def _all_gather(output: torch.Tensor, shard: torch.Tensor) -> None:
+    """Into one tensor: `all_gather_single` where torch has it (it deprecates the older name)."""
+    import torch.distributed as dist
+
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, shard)
+
+
+def _reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> None:
+    """From one tensor: `reduce_scatter_single` where torch has it (it deprecates the older name)."""
+    import torch.distributed as dist
+
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, full)
+
+
 def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, float]:
     """{collective: seconds a small call takes when calls follow each other}."""
     import torch.distributed as dist
@@ -80,8 +94,8 @@ def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, f
     gathered = torch.empty(1024 * world, device=dev)
     ops = {
         "all_reduce": lambda: dist.all_reduce(x),
-        "all_gather": lambda: dist.all_gather_into_tensor(gathered, x),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(x, gathered),
+        "all_gather": lambda: _all_gather(gathered, x),
+        "reduce_scatter": lambda: _reduce_scatter(x, gathered),
         "send": lambda: _ping_pong(x, rank, world),
     }
     out = {name: _per_call(call, dev, calls) for name, call in ops.items()}
@@ -102,8 +116,8 @@ def _bandwidths(world: int, dev: torch.device, numel: int, small: dict[str, floa
     full = torch.empty(numel * world, device=dev)
     ops = {  # payload: the full tensor, as framework.measure.comm counts it
         "all_reduce": (lambda: dist.all_reduce(x), numel),
-        "all_gather": (lambda: dist.all_gather_into_tensor(full, x), numel * world),
-        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(x, full), numel * world),
+        "all_gather": (lambda: _all_gather(full, x), numel * world),
+        "reduce_scatter": (lambda: _reduce_scatter(x, full), numel * world),
     }  # (a pipeline's sends: the all-reduce's rate; a ping-pong's small-message time is too jittery here to subtract)
     out = {}
     for name, (call, payload) in ops.items():
