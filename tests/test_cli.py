@@ -196,13 +196,19 @@ README_STRATEGIES = [
 
 
 # the 4-rank examples, FSDP1 and the interleaved pipeline in `make test-all`; their layouts meet
-# one process in the matrix (the default run keeps 1F1B's pp through the matrix and the README)
+# one process in the matrix (the default run keeps 1F1B's pp through the matrix and the README).
+# Plain fsdp there too: tests/test_readme.py runs the README's own-model example under fsdp and
+# reads it for warnings the same way
 LONG_EXAMPLES = ("launch.nproc_per_node=4", "parallel.version=1", "parallel.schedule=Interleaved1F1B")
+
+
+def long_example(args: list[str]) -> bool:
+    return bool(set(LONG_EXAMPLES) & set(args)) or args == ["parallel=fsdp"]
 
 
 @pytest.mark.parametrize(
     "args",
-    [a if not set(LONG_EXAMPLES) & set(a) else pytest.param(a, marks=pytest.mark.slow) for a in README_STRATEGIES],
+    [pytest.param(a, marks=pytest.mark.slow) if long_example(a) else a for a in README_STRATEGIES],
     ids=lambda a: " ".join(a),
 )
 def test_strategy_examples_print_no_warnings(tmp_path, args):

@@ -247,3 +247,22 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     assert "Traceback" not in out + err, err[-3000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(("error: stopped by SIGINT", "preempted by SIGINT")), err[-3000:]
+
+
+def test_the_launcher_checks_a_run_without_importing_the_compiler(tmp_path):
+    """What train.py does before its workers start (its imports, composing, `admit`) leaves
+    torch._dynamo and Inductor unimported: a second of CPU in every launch otherwise (the
+    workers' forkserver imports them once, for the optimizer's first step). Under compile too:
+    compile_block imports Inductor's config when it compiles."""
+    script = (
+        "import sys, train\n"
+        "from framework.doors.launch import admit\n"
+        "from tests.helpers import compose_config\n"
+        "cfg = compose_config(['parallel=fsdp', 'launch.nproc_per_node=2', 'compile=true', 'memory=checkpoint'])\n"
+        f"admit(cfg, {str(tmp_path)!r}, {{}})\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
+    )
+    proc = cli(["-c", script], ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[]", (
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    )

@@ -5,8 +5,6 @@ checkpointing goes, and compiles each block through compile_block."""
 
 from __future__ import annotations
 
-import torch._functorch.config
-import torch._inductor.config
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -54,6 +52,9 @@ def compile_block(module: nn.Module, cfg: DictConfig) -> nn.Module:
     process's by step 2). Under those schedules neither, for the whole process (the backward
     compiles and runs outside the block's call): the weight pass gets the same gradients, for a
     backward's compute more."""
+    import torch._functorch.config
+    import torch._inductor.config  # here, not at the top: it imports torch._dynamo (a second of start-up)
+
     splits = splits_backward(cfg)  # set anew by each run's compile
     torch._functorch.config.donated_buffer = not splits
     torch._inductor.config.inplace_buffers = not splits
