@@ -19,7 +19,7 @@ def build_optimizer(
     """AdamW or SGD. Weight decay applies to matrices only (not to biases, norms, or 1-d params):
     those named in `decay` (the plain model's matrices, by name: FSDP1 flattens every parameter
     to 1-d, so a wrapped model's shapes cannot tell), else those with 2 or more dims. `layout`:
-    the run's framework.parallel.Parallelized, where the step in backward asks when a gradient is whole."""
+    the run's framework.parallel.apply.Parallelized, where the step in backward asks when a gradient is whole."""
     if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
         model = model.module  # the same parameters, under the plain model's names
     named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]

@@ -2,7 +2,7 @@
 as its gradient is whole, and its gradient freed at once, so a rank never holds more than the
 gradients of the parameters whose backward is running: about one block's, not the model's.
 
-When a gradient is whole depends on the layout (`layout`: the run's framework.parallel.Parallelized):
+When a gradient is whole depends on the layout (`layout`: the run's framework.parallel.apply.Parallelized):
 - one process, FSDP (and FSDP over dp x cp, HSDP): a post-accumulate-grad hook, which FSDP runs
   after its reduce-scatter;
 - tensor parallel: the same hook, a partial gradient (a sequence-parallel norm's weight) first

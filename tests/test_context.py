@@ -255,7 +255,9 @@ BAD = [
     (["parallel=cp", "model=gpt", "data=varlen", "data.pack=true", "data.pack_len=30"], 2, "data.pack_len", "4 chunks"),
     (["parallel=cp", "model.dropout=0.1"], 2, "model.dropout", "no dropout"),
     (["parallel=pp", "model=gpt", "data=varlen", "data.pack=true"], 2, "data.pack", "document ids"),
-]
+    (["parallel=hybrid", "model=gpt", "data=varlen", "data.pack=true", "parallel.cp=2", "parallel.pp=2",
+      "parallel.tp=1", "model.n_layer=2"], 4, "data.pack", "document ids"),  # the pipeline's check, cp or not
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("overrides,world,key,message", BAD)

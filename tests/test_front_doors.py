@@ -249,18 +249,20 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     assert len(lines) == 1 and lines[0].startswith(("error: stopped by SIGINT", "preempted by SIGINT")), err[-3000:]
 
 
-def test_the_launcher_checks_a_run_without_importing_the_compiler(tmp_path):
+def test_the_launcher_checks_a_run_without_importing_what_only_workers_use(tmp_path):
     """What train.py does before its workers start (its imports, composing, `admit`) leaves
-    torch._dynamo and Inductor unimported: a second of CPU in every launch otherwise (the
-    workers' forkserver imports them once, for the optimizer's first step). Under compile too:
-    compile_block imports Inductor's config when it compiles."""
+    torch._dynamo and Inductor unimported, and under fsdp DTensor and the pipelining package too:
+    a second and a half of CPU in every launch otherwise (the workers' forkserver imports them
+    once). Under compile too: compile_block imports Inductor's config when it compiles, and the
+    checks read the degrees from framework.parallel.dims, whose package imports nothing."""
     script = (
         "import sys, train\n"
+        "HEAVY = ('torch._dynamo', 'torch._inductor', 'torch.distributed.tensor', 'torch.distributed.pipelining')\n"
         "from framework.doors.launch import admit\n"
         "from tests.helpers import compose_config\n"
         "cfg = compose_config(['parallel=fsdp', 'launch.nproc_per_node=2', 'compile=true', 'memory=checkpoint'])\n"
         f"admit(cfg, {str(tmp_path)!r}, {{}})\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(HEAVY)))\n"
     )
     proc = cli(["-c", script], ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[]", (

@@ -217,7 +217,7 @@ def _clip_today(grads: list[tuple[torch.Tensor, int]], max_norm: float) -> torch
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e9, float("inf")])
 def test_fused_clipping_matches_the_per_parameter_loop(max_norm):
-    from framework.parallel import clip_local_grad_norm, local_squared_norm, scale_grads_
+    from framework.parallel.apply import clip_local_grad_norm, local_squared_norm, scale_grads_
 
     torch.manual_seed(0)
     shapes = [(64, 32), (32,), (7, 3, 5), (1,)]

@@ -58,7 +58,7 @@ def _no_sync_worker(rank: int, world: int):
     from framework.config.schema import MemoryConfig
     from framework.contract import build_model, spec_of
     from framework.dist import DistInfo
-    from framework.parallel import parallelize
+    from framework.parallel.apply import parallelize
 
     linear = {"_target_": "torch.nn.Linear", "in_features": 4, "out_features": 1, "bias": False}
     parts = {"parallel": DDPConfig(), "memory": MemoryConfig(), "model": linear}

@@ -147,8 +147,6 @@ def cp_config_problem(dims, cfg: DictConfig) -> tuple[str, str] | None:
          f"{cfg.model._target_} does not declare context parallel (its forward takes no `positions`)"),
         (name in TOKEN_DATA or packed, "data", f"context parallel takes fixed-length token batches (data="
          f"{','.join(TOKEN_DATA)}, or varlen with data.pack=true); got data={name}"),
-        (not (cfg.data.get("pack") and dims.pp > 1), "data.pack",
-         "packed documents' ids do not pass through pipeline stages under context parallel; set parallel.pp=1"),
         (not (cfg.data.get("pack") and p.get("cp_impl", "ring") == "torch"), "data.pack",
          "torch's context parallel has no document masks; use parallel.cp_impl=ring"),
         (seq_len % (2 * cp) == 0, f"data.{'pack_len' if packed else 'seq_len'}",  # no seq_len: data= above refuses

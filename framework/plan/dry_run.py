@@ -2,7 +2,7 @@
 one process, on torch's fake process group (every collective returns at once, nothing is sent)
 with fake tensors (shapes and dtypes, no memory): the real device mesh, the model built on the
 meta device, the real pipeline split, tensor parallel, checkpointing and FSDP2 sharding
-(`framework.parallel.parallelize`), the real optimizer. Each rank then runs one micro-batch's
+(`framework.parallel.apply.parallelize`), the real optimizer. Each rank then runs one micro-batch's
 forward and backward through its stages and an optimizer step, and reports what it holds,
 counted from its tensors as a real run counts them (`framework.measure.memory`):
 
@@ -109,7 +109,7 @@ def _one_rank(cfg: DictConfig, world: int, layout: Layout, rank: int) -> RankRep
     from framework.dist import DistInfo
     from framework.measure.memory import model_state_bytes
     from framework.optim import build_optimizer
-    from framework.parallel import parallelize
+    from framework.parallel.apply import parallelize
 
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

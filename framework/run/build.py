@@ -3,7 +3,7 @@
 The build order. Process group (already up) -> model on the meta device, from the same seed on
 every rank so replicas start identical -> parallelize (pipeline split, tensor parallel, context
 parallel, activation checkpointing, compile, FSDP/DDP: that order, written once in
-framework.parallel.parallelize, which also materialises this rank's part) -> optimizer (over the
+framework.parallel.apply.parallelize, which also materialises this rank's part) -> optimizer (over the
 final, possibly sharded parameters) -> data (split over the data-parallel ranks the strategy
 defines) -> precision -> resume."""
 
@@ -27,7 +27,7 @@ from framework.measure.memory import SavedActivationMeter
 from framework.measure.metrics import ForwardTimer, count_flops, peak_flops
 from framework.measure.peak import PeakProbe
 from framework.optim import build_optimizer, build_scheduler, resumed_schedule
-from framework.parallel import Parallelized, parallelize
+from framework.parallel.apply import Parallelized, parallelize
 from framework.parallel.dims import Strategy
 from framework.precision import build_precision
 from framework.run.measurements import Measurements

@@ -18,7 +18,7 @@ from framework.figures import Registry
 from framework.loss import cross_entropy, loss_elements
 from framework.measure.metrics import Flops
 from framework.optim import step_unless
-from framework.parallel import Parallelized
+from framework.parallel.apply import Parallelized
 from framework.precision import Precision, loss_scale
 from framework.run.measurements import Measurements
 from framework.run.resilience import faulty
