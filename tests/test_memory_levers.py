@@ -114,7 +114,11 @@ def test_selective_and_the_budget_keep_less_than_nothing_and_more_than_checkpoin
         (["memory=budget", "compile=true", "memory.activation_budget=1.5"], "memory.activation_budget", "in (0, 1]"),
         (["memory=budget"], "memory", "set compile=true"),
         (["optim.in_backward=true"], "optim.in_backward", "set optim.grad_clip=0"),
-        (["optim.in_backward=true", "optim.grad_clip=0", "accumulation_steps=2"], "optim.in_backward", "first micro"),
+        (
+            ["optim.in_backward=true", "optim.grad_clip=0", "accumulation_steps=2"],
+            "optim.in_backward",
+            "first micro-batch's gradients; set accumulation_steps=1",
+        ),
         (["optim.in_backward=true", "optim.grad_clip=0", "nonfinite=skip"], "optim.in_backward", "nonfinite=skip"),
         (
             ["optim.in_backward=true", "optim.grad_clip=0", "parallel=fsdp", "parallel.version=1"],

@@ -60,7 +60,10 @@ def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int
     if cfg.optim.grad_clip > 0:
         return f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {cfg.optim.grad_clip})"
     if accumulation > 1:
-        return f"with accumulation_steps={accumulation} the update would run on the first micro-batch's gradients"
+        return (
+            f"with accumulation_steps={accumulation} the update would run on the first micro-batch's gradients; "
+            "set accumulation_steps=1 (a larger data.batch_size keeps the global batch) or optim.in_backward=false"
+        )
     if parallel.name != "ddp" and parallel.get("version", 2) == 1:
         return "FSDP1 flattens the parameters, so their hooks never see a gradient; use parallel.version=2"
     if cfg.precision.name == "amp":
