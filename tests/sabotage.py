@@ -204,7 +204,7 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
      "tests/test_moe.py::test_the_default_balance_trains_as_one_process_under_ddp_fsdp_ep_and_pp"),
     ("a callback's state left out of the checkpoint", "framework/run/trainer.py",
      '"callbacks": self.callbacks.state_dict()', '"callbacks": {}',
-     "tests/test_callbacks.py::test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resumes[ddp]"),
+     "tests/test_callbacks.py::test_a_users_callback_sees_every_step_adds_a_figure_stops_the_run_and_resumes[fsdp]"),
     ("the loop's stop and save flags read before the callbacks' on_step_end", "framework/run/trainer.py",
      '        theirs = hooks.gather("on_step_end", step)  # their requests so far ride the all-reduce with them\n',
      "        theirs = {}\n",

@@ -197,8 +197,8 @@ README_STRATEGIES = [
 
 # the 4-rank examples, FSDP1 and the interleaved pipeline in `make test-all`; their layouts meet
 # one process in the matrix (the default run keeps 1F1B's pp through the matrix and the README).
-# Plain fsdp there too: tests/test_readme.py runs the README's own-model example under fsdp and
-# reads it for warnings the same way
+# Plain fsdp there too: the default run reads the README's own-model example under fsdp for
+# warnings (tests/test_readme.py, its TinyLM rather than the smoke gpt)
 LONG_EXAMPLES = ("launch.nproc_per_node=4", "parallel.version=1", "parallel.schedule=Interleaved1F1B")
 
 

@@ -44,16 +44,25 @@ def one_process(tmp_path_factory):
     return out, run_configs(configs, 1, str(out))
 
 
-# the fsdp x2 runs in the long tier (the matrix's covering subset runs fsdp with each lever against one process)
-RUNS = ["one_process", pytest.param("fsdp2", marks=pytest.mark.slow)]
+# under fsdp x2: selective checkpointing and the step in backward in the default tier, every lever
+# in the long one (compile, the compiler's budget, offload, the other selective policies)
+FSDP_DEFAULT = ("none", "selective", "no_clipping", "in_backward")
+RUNS = ["one_process", "fsdp2", pytest.param("fsdp2_every_lever", marks=pytest.mark.slow)]
+
+
+def fsdp_runs(out, names) -> tuple:
+    configs = {name: world_config([*BASE, "parallel=fsdp", "data.batch_size=4", *LEVERS[name]], 2) for name in names}
+    return out, run_configs(configs, 2, str(out))
 
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    configs = {name: world_config([*BASE, "parallel=fsdp", "data.batch_size=4", *lever], 2)
-               for name, lever in LEVERS.items() if name != "checkpoint"}  # fmt: skip
-    return out, run_configs(configs, 2, str(out))
+    return fsdp_runs(tmp_path_factory.mktemp("fsdp"), FSDP_DEFAULT)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_every_lever(tmp_path_factory):
+    return fsdp_runs(tmp_path_factory.mktemp("fsdp_all"), [name for name in LEVERS if name != "checkpoint"])
 
 
 @pytest.mark.parametrize("runs", RUNS)
