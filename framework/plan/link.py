@@ -72,18 +72,14 @@ def _probe_worker(device: str) -> tuple[list[tuple[float, float]], dict[str, flo
         destroy_distributed()
 
 
-def _all_gather(output: torch.Tensor, shard: torch.Tensor) -> None:
-    """Into one tensor: `all_gather_single` where torch has it (it deprecates the older name)."""
+def _into_one_tensor() -> tuple:
+    """(all-gather, reduce-scatter) into and from one tensor: torch's `*_single` where it has them
+    (it deprecates the older names, which torch before 2.14 alone has); looked up once, outside
+    the timed calls."""
     import torch.distributed as dist
 
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, shard)
-
-
-def _reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> None:
-    """From one tensor: `reduce_scatter_single` where torch has it (it deprecates the older name)."""
-    import torch.distributed as dist
-
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, full)
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)  # fmt: skip
 
 
 def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, float]:
@@ -92,10 +88,11 @@ def _back_to_back(world: int, dev: torch.device, calls: int = 20) -> dict[str, f
 
     rank, x = dist.get_rank(), torch.ones(1024, device=dev)
     gathered = torch.empty(1024 * world, device=dev)
+    all_gather, reduce_scatter = _into_one_tensor()
     ops = {
         "all_reduce": lambda: dist.all_reduce(x),
-        "all_gather": lambda: _all_gather(gathered, x),
-        "reduce_scatter": lambda: _reduce_scatter(x, gathered),
+        "all_gather": lambda: all_gather(gathered, x),
+        "reduce_scatter": lambda: reduce_scatter(x, gathered),
         "send": lambda: _ping_pong(x, rank, world),
     }
     out = {name: _per_call(call, dev, calls) for name, call in ops.items()}
@@ -114,10 +111,11 @@ def _bandwidths(world: int, dev: torch.device, numel: int, small: dict[str, floa
 
     x = torch.ones(numel, device=dev)
     full = torch.empty(numel * world, device=dev)
+    all_gather, reduce_scatter = _into_one_tensor()
     ops = {  # payload: the full tensor, as framework.measure.comm counts it
         "all_reduce": (lambda: dist.all_reduce(x), numel),
-        "all_gather": (lambda: _all_gather(full, x), numel * world),
-        "reduce_scatter": (lambda: _reduce_scatter(x, full), numel * world),
+        "all_gather": (lambda: all_gather(full, x), numel * world),
+        "reduce_scatter": (lambda: reduce_scatter(x, full), numel * world),
     }  # (a pipeline's sends: the all-reduce's rate; a ping-pong's small-message time is too jittery here to subtract)
     out = {}
     for name, (call, payload) in ops.items():
