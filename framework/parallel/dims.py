@@ -128,7 +128,9 @@ class ParallelDims:
             if world_size % (tp * pp * rep * cp):
                 raise DimsError(
                     "parallel.dp_shard",
-                    f"world size {world_size} does not divide by tp x pp x dp_replicate x cp = {tp * pp * rep * cp}",
+                    f"-1 (the ranks left over): the world size {world_size} does not divide by tp x pp x dp_replicate "
+                    f"x cp = {tp * pp * rep * cp} (tp={tp}, pp={pp}, dp_replicate={rep}, cp={cp}); change those "
+                    "degrees or launch.nproc_per_node",
                 )
             shard = world_size // (tp * pp * rep * cp)
         if shard < 1:
