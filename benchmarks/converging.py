@@ -80,7 +80,7 @@ def corpus(path: Path, n_bytes: int = 300_000, seed: int = 0) -> Path:
 def overrides(model: str, layout: list[str], data: Path, steps: int = STEPS) -> list[str]:
     """The run's train.py overrides: bf16, AdamW at 3e-3 with 20 warm-up steps, seed 0."""
     return [*MODELS[model], "data=text", f"data.path={data}", f"data.seq_len={SEQ}", "precision=bf16",
-            "optim.lr=3e-3", "optim.warmup_steps=20", f"steps={steps}", "seed=0", "logger=none", "progress=false",
+            "optim.lr=3e-3", "schedule.warmup_steps=20", f"steps={steps}", "seed=0", "logger=none", "progress=false",
             "device=cpu", "metrics.sample_every=0", "metrics.log_every=1", *layout]  # fmt: skip
 
 

@@ -243,6 +243,15 @@ def blocks_of(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
 
 
+def block_matrices(model: nn.Module, spec: ModelSpec) -> set[str]:
+    """The plain model's weight matrices of its blocks (2-D and up), by name; for a model without
+    blocks, every one but the embeddings' tables (what Muon orthogonalises, as Moonlight does)."""
+    tables = {f"{m}.weight" if m else "weight" for m, mod in model.named_modules() if isinstance(mod, nn.Embedding)}
+    if blocks_of(model, spec):
+        return {n for n, p in model.named_parameters() if p.dim() >= 2 and n.startswith(f"{spec.blocks}.")}
+    return {n for n, p in model.named_parameters() if p.dim() >= 2 and n not in tables}
+
+
 def block_index(name: str, spec: ModelSpec) -> int | None:
     """The block a parameter name belongs to (``layers.3.attention.wq.weight`` -> 3), else None."""
     if spec.blocks is None or not name.startswith(spec.blocks + "."):

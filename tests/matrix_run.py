@@ -217,7 +217,7 @@ def save_plan(cell: Cell, folders: dict[str, str]) -> tuple[list[str], int]:
     """A resumed cell's first part: SAVED_AT steps at another world size (one process for a
     strategy of several; ddp at 2 for one of one process), on the schedule of the whole run."""
     other = ["parallel=none"] if cell.strategy.world > 1 else ["parallel=ddp"]
-    extra = [f"steps={SAVED_AT}", f"optim.schedule_steps={STEPS}", f"checkpoint.every={SAVED_AT}"]
+    extra = [f"steps={SAVED_AT}", f"schedule.steps={STEPS}", f"checkpoint.every={SAVED_AT}"]
     return _fill([*model_part(cell), *cell.feature.reference], folders) + other + extra, (
         1 if cell.strategy.world > 1 else 2
     )

@@ -30,8 +30,8 @@ BAD: dict[str, tuple[list[str], str]] = {
                                            "data.batch_schedule"),
     "sequence schedule past seq_len": (["data.seq_len_schedule=[[0,4096]]"], "data.seq_len_schedule"),
     "unknown plan.gpu": (["plan.gpu=Z100"], "plan.gpu"),
-    "negative warm-up": (["optim.warmup_steps=-1"], "optim.warmup_steps"),
-    "lr floor above 1": (["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
+    "negative warm-up": (["schedule.warmup_steps=-1"], "schedule.warmup_steps"),
+    "lr floor above 1": (["schedule.min_lr_ratio=2"], "schedule.min_lr_ratio"),
     "moe aux weight below 0": (["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=-1"],
                                "model.moe.aux_loss_coef"),
     "stream shuffle buffer 0": (["data=hf", "data.path={rows}", "data.streaming=true", "data.shuffle_buffer=0"],
@@ -152,12 +152,12 @@ def test_the_harness_names_model_args_it_cannot_read(tmp_path, inputs, monkeypat
 
 # values out of range (overrides on experiment=smoke, the key named, what the line says is allowed)
 OUT_OF_RANGE = [
-    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio", "in [0, 1]"),
-    (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio", "in [0, 1]"),
+    (["schedule.min_lr_ratio=2"], "schedule.min_lr_ratio", "in [0, 1]"),
+    (["schedule.min_lr_ratio=-0.1"], "schedule.min_lr_ratio", "in [0, 1]"),
     (["optim.weight_decay=-1"], "optim.weight_decay", ">= 0"),
     (["optim=sgd", "optim.weight_decay=-1"], "optim.weight_decay", ">= 0"),
     (["optim.grad_clip=-1"], "optim.grad_clip", ">= 0 (0: no clipping)"),
-    (["optim.schedule_steps=-5"], "optim.schedule_steps", ">= 1, or 0 / null: the run's steps"),
+    (["schedule.steps=-5"], "schedule.steps", ">= 1, or 0 / null: the run's steps"),
     (["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=-1"],
      "model.moe.aux_loss_coef", ">= 0"),
     (["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.balance=bias", "model.moe.bias_rate=-1"],
@@ -177,11 +177,11 @@ OUT_OF_RANGE = [
     (["model=llama", "model.head_dim=0"], "model.head_dim", ">= 1, or null"),
     (["model=llama", "model.sliding_window=-1"], "model.sliding_window", ">= 1, or null"),
 ]  # fmt: skip
-# what these keys allow at their edges: 0 (no clipping, no decay, no balancing loss; schedule_steps: null's alias,
-# as framework/optim.py reads it), null (the default)
-IN_RANGE = [["optim.min_lr_ratio=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.schedule_steps=null"],
-            ["optim.schedule_steps=0"],
-            ["optim.min_lr_ratio=1", "optim.schedule_steps=1", "plan.memory_budget_mb=null"],
+# what these keys allow at their edges: 0 (no clipping, no decay, no balancing loss; schedule.steps: null's alias,
+# as framework/schedules reads it), null (the default)
+IN_RANGE = [["schedule.min_lr_ratio=0", "optim.weight_decay=0", "optim.grad_clip=0", "schedule.steps=null"],
+            ["schedule.steps=0"],
+            ["schedule.min_lr_ratio=1", "schedule.steps=1", "plan.memory_budget_mb=null"],
             ["model=llama", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=0",
              "model.moe.bias_rate=0"],
             ["data=hf", "data.path={rows}", "data.streaming=true", "data.shuffle_buffer=1"],

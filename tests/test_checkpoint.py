@@ -15,7 +15,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, parallel):
         "logger=none",
         f"parallel={parallel}",
         "steps=8",
-        "optim.warmup_steps=2",
+        "schedule.warmup_steps=2",
     ]
     full = tmp_path / "full"
     proc = train_cli([*args, "checkpoint.every=4"], full)

@@ -46,8 +46,9 @@ LAYERS: list[tuple[str, ...]] = [
         "peft",
         "moe",
         "hf",
-        "optim",
-        "optim_backward",  # the optimizer step in backward (optim.in_backward)
+        "components",  # the component protocol: a choice is a `_target_` class and its kwargs
+        "optimizers",  # the optimizer components (Muon), the step in backward, the skipped update
+        "schedules",  # the LR schedule components (warm-up + cosine, WSD)
         "figures",
         "hooks",  # the callbacks' contract: hooks, Control, Run (validation reads it)
         "convert",  # model converters (peft=lora), applied at one point of the build

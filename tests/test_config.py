@@ -8,6 +8,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.components import locate
 from framework.config import ConfigError, validate
 from framework.config.resolve import cuda_device_count
 from tests.helpers import CONF, compose_config, write_tiny_llama_config
@@ -19,7 +20,8 @@ DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "ml
               "text_smoke": "gpt", "chat": "llama", "hf": "gpt"}  # fmt: skip
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
-GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger", "callbacks"]
+GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "schedule", "logger",
+          "callbacks"]
 HEALTH_ORDER = ["spike", "straggler", "checksum"]  # callbacks/default.yaml's entries, a part file each in health/
 HEALTH = set(HEALTH_ORDER)
 
@@ -95,6 +97,8 @@ def test_every_group_choice_composes(group, name, tmp_path):
     cfg = compose_config(overrides)
     if group == "callbacks":  # named entries, no `name`: a choice holds its files' entries
         assert set(cfg.callbacks) == {"default": HEALTH, "none": set()}[name]
+    elif group in ("optim", "schedule"):  # components: a class by `_target_` (framework/components.py)
+        assert isinstance(locate(cfg[group], group), type)
     else:
         assert cfg[group].name == {"gpt_smoke": "gpt", "text_smoke": "text"}.get(name, name)  # smoke's gpt is a gpt
     if group == "parallel" and name == "auto":  # the planner puts a real layout in its place before validation
@@ -216,7 +220,7 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         (["checkpoint.preempt_grace_s=0"], "checkpoint.preempt_grace_s", "> 0"),
         (["backend.step_timeout_s=0"], "backend.step_timeout_s", "null or > 0"),
         (["optim.lr=0"], "optim.lr", "> 0"),
-        (["optim.warmup_steps=-2"], "optim.warmup_steps", ">= 0"),
+        (["schedule.warmup_steps=-2"], "schedule.warmup_steps", ">= 0"),
         (["peft=lora", "peft.rank=0"], "peft.rank", ">= 1"),
         (
             ["parallel=tp", "model.n_head=3", "model.n_embd=48", "launch.nproc_per_node=2"],

@@ -29,7 +29,7 @@ def test_the_convergence_reference_follows_its_golden_curve(model, tmp_path):
     golden = json.loads(GOLDEN.read_text())["losses"][model]
     assert len(golden) == STEPS
     layout = next(lay for family, m, lay in RUNS if family == "fsdp" and m == model)
-    args = [*overrides(model, layout, corpus(tmp_path / "grammar.txt"), CHECKED), f"optim.schedule_steps={STEPS}"]
+    args = [*overrides(model, layout, corpus(tmp_path / "grammar.txt"), CHECKED), f"schedule.steps={STEPS}"]
     proc = train_cli(args, tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [m["loss"] for m in read_metrics(tmp_path / "run")]

@@ -97,7 +97,7 @@ def test_a_mixture_trains_with_its_shares_logged(tmp_path):
 # workers each; 4 samples of 8 tokens a step, 16 tokens from step 3 (index 2), 8 samples from step 4
 CURRICULUM = ["data=hf", "data.tokens_column=tokens", "data.vocab_size=256", "data.streaming=true",
               "data.shuffle_buffer=64", "data.seq_len=16", "data.seq_len_schedule=[[0,8],[2,16]]",
-              "data.batch_schedule=[[0,4],[3,8]]", "steps=6", "checkpoint.every=2", "optim.warmup_steps=2",
+              "data.batch_schedule=[[0,4],[3,8]]", "steps=6", "checkpoint.every=2", "schedule.warmup_steps=2",
               "metrics.sample_every=0"]  # fmt: skip
 
 

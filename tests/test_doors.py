@@ -217,7 +217,7 @@ def test_export_reads_a_run_folder_and_checks_its_overrides(inputs, tmp_path, ca
     assert json.loads((out / "config.json").read_text()) == json.loads((run / "hf" / "config.json").read_text())
     saved = find_config(str(next((run / "checkpoints").glob("step-*"))))
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**saved, "optim": {**saved["optim"], "weight_decay": -1}}))
-    for args, key in ((["optim.min_lr_ratio=2"], "optim.min_lr_ratio"), (["model.n_layrs=3"], "model.n_layrs"),
+    for args, key in ((["schedule.min_lr_ratio=2"], "schedule.min_lr_ratio"), (["model.n_layrs=3"], "model.n_layrs"),
                       (["precision=bf17"], "precision"), (["--config", str(tmp_path / "bad.yaml")],
                       "optim.weight_decay")):  # fmt: skip
         assert export([str(run), str(tmp_path / "refused"), *args]) == 2, args

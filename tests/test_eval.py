@@ -153,7 +153,7 @@ def test_validation_split_never_overlaps_training():
 def test_best_checkpoint_is_the_argmin_and_resume_best_continues_exactly(tmp_path):
     from framework.run.trainer import run
 
-    base = [*GPT, "optim.schedule=constant", "eval.at_start=false", "eval.every=2", "checkpoint.monitor=val_loss"]
+    base = [*GPT, "schedule=constant", "eval.at_start=false", "eval.every=2", "checkpoint.monitor=val_loss"]
     first = tmp_path / "first"
     run(OmegaConf.create(world_config([*base, "parallel=none", "steps=4"], 1)), str(first), {})
     logged = [(m["step"], m["val_loss"]) for m in read_metrics(first) if "val_loss" in m]

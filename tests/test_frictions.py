@@ -14,7 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.optim import build_scheduler, resumed_schedule
+from framework.config import compose
+from framework.schedules import build_scheduler, resumed_schedule
 from tests.helpers import read_metrics, train_cli
 
 TINY = ["experiment=smoke", "parallel=none", "checkpoint.every=3", "checkpoint.resume=auto", "metrics.sample_every=0"]
@@ -74,16 +75,17 @@ def test_resumed_run_says_so_and_reports_its_own_segment(runs):
 
 def test_raised_steps_keep_the_schedule_and_say_so(runs):
     run_dir, _, resumed = runs
-    assert "steps=10: the LR schedule spans 6 steps (as saved; optim.schedule_steps=N re-plans it)" in resumed.stdout
+    assert "steps=10: the LR schedule spans 6 steps (as saved; schedule.steps=N re-plans it)" in resumed.stdout
     lrs = [m["lr"] for m in read_metrics(run_dir)]
-    # cosine down over the saved 6 steps, then flat at its floor: no jump at step 7
+    # cosine down over the saved 6 steps, then flat at its floor: no jump at step 7 (each step
+    # logs the LR its update applied)
     assert all(b <= a + 1e-12 for a, b in zip(lrs[:-1], lrs[1:], strict=True)), lrs
-    assert math.isclose(lrs[-1], lrs[5], rel_tol=1e-9), lrs
+    assert math.isclose(lrs[-1], lrs[6], rel_tol=1e-9) and lrs[5] > lrs[6], lrs
 
 
 def test_schedule_steps_replans_a_resumed_schedule():
-    """`optim.schedule_steps` set on resume stretches the schedule; unset, the saved length stays."""
-    cfg = OmegaConf.create({"warmup_steps": 0, "schedule": "cosine", "min_lr_ratio": 0.1, "schedule_steps": None})
+    """`schedule.steps` set on resume stretches the schedule; unset, the saved length stays."""
+    cfg = compose([]).schedule  # warm-up + cosine, its span unset
     param = torch.nn.Parameter(torch.zeros(1))
     first = build_scheduler(torch.optim.SGD([param], lr=1.0), cfg, 6)
     for _ in range(3):
@@ -99,8 +101,8 @@ def test_schedule_steps_replans_a_resumed_schedule():
 
     stretched = build_scheduler(torch.optim.SGD([param], lr=1.0), cfg, 10)
     stretched.load_state_dict(state)
-    line = resumed_schedule(stretched, OmegaConf.merge(cfg, {"schedule_steps": 20}), 10)
-    assert stretched.schedule_steps == 20 and "spans 20 steps (set by optim.schedule_steps)" in line
+    line = resumed_schedule(stretched, OmegaConf.merge(cfg, {"steps": 20}), 10)
+    assert stretched.schedule_steps == 20 and "spans 20 steps (set by schedule.steps)" in line
     stretched.optimizer.step()
     stretched.step()
     assert stretched.get_last_lr()[0] > first.get_last_lr()[0] * 0.99  # a longer cosine decays slower

@@ -139,7 +139,7 @@ def test_a_step_a_callback_skips_outright_is_no_spike(tmp_path):
 def test_a_device_skip_of_a_fused_sgd_leaves_it_as_if_that_step_never_came():
     """step_unless on the first step (no momentum yet) and a later one: as an optimizer that never
     took them (fused SGD takes the skip as found_inf once its state exists)."""
-    from framework.optim import step_unless
+    from framework.optimizers.skip import step_unless
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8))

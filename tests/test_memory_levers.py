@@ -1,4 +1,4 @@
-"""The memory levers (framework/levers/, framework/optim_backward.py): selective checkpointing,
+"""The memory levers (framework/levers/, framework/optimizers/in_backward.py): selective checkpointing,
 activation offload, the compiler's activation budget and the optimizer step in backward leave fp32
 training exact, alone and under fsdp x2; the activation meter sees what each keeps, and the
 planner forecasts it (summary.json `plan`, the run's own check); selective and the budget keep
@@ -193,7 +193,7 @@ def test_the_step_in_backward_holds_one_parameters_gradient_at_a_time():
     from omegaconf import OmegaConf
 
     from framework.contract import build_model
-    from framework.optim import build_optimizer
+    from framework.optimizers import build_optimizer
 
     def most_alive(in_backward: bool) -> tuple[int, int]:
         cfg = OmegaConf.create(world_config([*BASE, "parallel=none", "optim.grad_clip=0",

@@ -73,7 +73,7 @@ def test_a_signal_saves_exits_and_resume_auto_continues_bitwise(tmp_path, monkey
     scheduler would): every rank stops after the same step, saves, and the run exits 143 (130)
     with one line saying how to resume. `checkpoint.resume=auto` into the same run directory then
     gives the losses of an uninterrupted run, bit for bit."""
-    args = [*SMOKE, f"parallel={parallel}", "steps=60", "optim.warmup_steps=4"]
+    args = [*SMOKE, f"parallel={parallel}", "steps=60", "schedule.warmup_steps=4"]
     clean = tmp_path / "clean"
     assert train_cli(args, clean).returncode == 0
 
@@ -136,7 +136,7 @@ def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
     from tests.helpers import free_port, slurm_tasks, task_outputs, wait_tasks
 
     def tasks(steps: int):
-        args = [*SMOKE, f"steps={steps}", "optim.schedule=constant", "optim.warmup_steps=2",
+        args = [*SMOKE, f"steps={steps}", "schedule=constant", "schedule.warmup_steps=2",
                 f"launch.master_port={free_port()}", "checkpoint.resume=auto"]  # fmt: skip
         return slurm_tasks(args, tmp_path, job="77")
 
@@ -157,7 +157,7 @@ def test_sigterm_to_every_slurm_task_stops_the_run_together(tmp_path, marked):
     procs = tasks(stopped + 4)  # the requeued job
     assert wait_tasks(procs, tmp_path, timeout=300) == [0, 0], task_outputs(tmp_path, 2)
     local = tmp_path / "local"
-    proc = train_cli([*SMOKE, f"steps={stopped + 4}", "optim.schedule=constant", "optim.warmup_steps=2"], local)
+    proc = train_cli([*SMOKE, f"steps={stopped + 4}", "schedule=constant", "schedule.warmup_steps=2"], local)
     assert proc.returncode == 0
     assert losses(run) == pytest.approx(losses(local), rel=1e-6)
 
@@ -195,7 +195,7 @@ def test_resume_across_an_epoch_boundary_is_bitwise(tmp_path, case):
     """A checkpoint taken after the first epoch ended resumes to the uninterrupted run's losses
     exactly: the data position (epoch, samples read), LR schedule, loss scaler and every rank's
     random generators (device-side augmentation's included) are all in the checkpoint."""
-    args = [*EPOCH_CASES[case], "steps=10", "checkpoint.every=6", "optim.warmup_steps=3"]
+    args = [*EPOCH_CASES[case], "steps=10", "checkpoint.every=6", "schedule.warmup_steps=3"]
     if case == "amp_device_augment":
         args.append(f"data.root={make_image_folder(tmp_path / 'images')}")
     full = tmp_path / "full"
@@ -235,7 +235,7 @@ def test_async_save_with_keep_last_keeps_the_newest_complete_checkpoints(tmp_pat
 
 def _reshard(tmp_path: Path, saved: list[str], resumed: list[str]) -> tuple[list[float], list[float]]:
     """Train 8 steps under `saved`, checkpointing at 4; resume step 4 under `resumed`."""
-    base = [*SMOKE, "steps=8", "optim.warmup_steps=2"]
+    base = [*SMOKE, "steps=8", "schedule.warmup_steps=2"]
     first = tmp_path / "first"
     proc = train_cli([*base, *saved, "checkpoint.every=4"], first)
     assert proc.returncode == 0, proc.stderr[-3000:]

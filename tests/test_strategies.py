@@ -226,7 +226,7 @@ def test_grad_clip_scales_the_update_in_a_run_designed_to_clip(tmp_path):
     from framework.dist import DistInfo
     from framework.run.trainer import build, run
 
-    sgd = ["optim=sgd", "optim.momentum=0.0", "optim.lr=0.5", "optim.schedule=constant", "optim.warmup_steps=0",
+    sgd = ["optim=sgd", "optim.momentum=0.0", "optim.lr=0.5", "schedule=constant", "schedule.warmup_steps=0",
            "steps=1", "parallel=none", f"data.batch_size={GLOBAL_BATCH}"]  # fmt: skip
     cfg = OmegaConf.create(config(sgd, 1))
     start = build(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), None)).par.module.state_dict()

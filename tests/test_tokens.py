@@ -147,7 +147,7 @@ def test_llama_on_tokens_resumes_across_an_epoch_boundary_bitwise(tmp_path, shar
     per_epoch = len(TokenShards(str(shards), 16)) // 4  # steps of 2 ranks x 2 windows
     at = per_epoch + 1  # a checkpoint in the second epoch
     args = [*TINY_LLAMA, "data=tokens", f"data.path={shards}", "parallel=ddp", "launch.nproc_per_node=2",
-            f"steps={at + 3}", f"checkpoint.every={at}", "optim.warmup_steps=2"]  # fmt: skip
+            f"steps={at + 3}", f"checkpoint.every={at}", "schedule.warmup_steps=2"]  # fmt: skip
     full = tmp_path / "full"
     proc = train_cli(args, full)
     assert proc.returncode == 0, proc.stderr[-3000:]

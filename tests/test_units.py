@@ -13,13 +13,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.config.schema import AdamWConfig, AmpConfig, OptimConfig, PrecisionConfig
+from framework.config import compose
+from framework.config.schema import AmpConfig, PrecisionConfig
 from framework.data.datasets import VarlenSequences, VarlenShape
 from framework.data.samplers import BatchSizes, distributed_sampler, permutation
 from framework.levers import apply_activation_checkpointing
 from framework.measure.memory import SavedActivationMeter, model_state_bytes
-from framework.optim import build_optimizer, lr_factor
+from framework.optimizers import build_optimizer
 from framework.precision import build_precision
+from framework.schedules.shapes import WarmupCosine
 from models import GPT, MLP, LSTMClassifier, ResNet
 from tests.helpers import ROOT
 
@@ -102,7 +104,7 @@ def test_gpt_flops_per_token_match_flops_counted_on_a_real_training_step(checkpo
 
 def test_state_bytes_are_exact_on_a_known_model():
     model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Linear(5, 2, bias=False))  # 55 + 10 params
-    opt = build_optimizer(model, OmegaConf.structured(AdamWConfig()))
+    opt = build_optimizer(model, compose([]).optim)
     assert model_state_bytes(model, opt) == {
         "param_bytes": 65 * 4,
         "grad_bytes": 0,
@@ -180,11 +182,12 @@ def test_amp_scales_the_loss_and_bf16_does_not():
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    cfg = OmegaConf.structured(OptimConfig(warmup_steps=10, min_lr_ratio=0.1))
-    assert lr_factor(0, cfg, 100) == pytest.approx(0.1)
-    assert lr_factor(9, cfg, 100) == pytest.approx(1.0)
-    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
-    assert lr_factor(55, cfg, 100) < lr_factor(20, cfg, 100)
+    schedule = WarmupCosine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 100, 10, 0.1)
+    factor = schedule.factor
+    assert factor(0) == pytest.approx(0.1)
+    assert factor(9) == pytest.approx(1.0)
+    assert factor(100) == pytest.approx(0.1)
+    assert factor(55) < factor(20)
 
 
 def distributed(n: int, world: int, rank: int, seed: int, batch: int = 4, drop_last: bool = True):

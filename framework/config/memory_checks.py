@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from framework.components import locate
 from framework.config.errors import ConfigError
 from framework.config.resolve import resolve_device
+from framework.optimizers import setting
 
 
 def check_memory(cfg: DictConfig) -> None:
@@ -27,7 +29,7 @@ def check_memory(cfg: DictConfig) -> None:
         if memory.matmul_every < 1:
             raise ConfigError("memory.matmul_every", f"got {memory.matmul_every}; must be an integer >= 1")
         _check_selective_layout(cfg)
-    if cfg.optim.get("in_backward"):
+    if setting(cfg.optim, "in_backward"):
         _check_in_backward(cfg)
     if memory.name == "budget":
         _check_budget(cfg)
@@ -55,10 +57,11 @@ def _check_in_backward(cfg: DictConfig) -> None:
 
 def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int) -> str | None:
     """Why optim.in_backward cannot be exact for `cfg` under `parallel` with `accumulation`
-    micro-batches (the hook's gradient must be the step's whole one: framework/optim_backward.py),
+    micro-batches (the hook's gradient must be the step's whole one: framework/optimizers/in_backward.py),
     or None. parallel=auto's search asks it of each layout it tries (with `in_backward_frees`)."""
-    if cfg.optim.grad_clip > 0:
-        return f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {cfg.optim.grad_clip})"
+    if setting(cfg.optim, "grad_clip") > 0:
+        clip = setting(cfg.optim, "grad_clip")
+        return f"clipping needs the global gradient norm before any update; set optim.grad_clip=0 (got {clip})"
     if accumulation > 1:
         return (
             f"with accumulation_steps={accumulation} the update would run on the first micro-batch's gradients; "
@@ -70,13 +73,16 @@ def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int
         return "amp's loss scaler unscales and checks the whole gradient first; use precision=bf16 or fp32"
     if cfg.get("nonfinite") == "skip":
         return "nonfinite=skip decides after the whole backward, when the update has run; use nonfinite=stop"
+    cls = locate(cfg.optim, "optim")
+    if not getattr(cls, "steps_in_backward", True):  # the component says it cannot step one parameter alone
+        return f"{cfg.optim._target_} cannot step one parameter alone in its gradient's hook ({cls.steps_in_backward_why})"
     return None
 
 
 def in_backward_frees(parallel: DictConfig) -> bool:
     """Whether the step in backward frees each gradient as its update runs (what the planner
     counts on): not under DDP, whose buckets hold every gradient, nor a pipeline, whose gradients
-    add up over the micro-batches until its schedule ends (framework/optim_backward.py)."""
+    add up over the micro-batches until its schedule ends (framework/optimizers/in_backward.py)."""
     return parallel.name not in ("ddp", "pp") and parallel.get("pp", 1) == 1
 
 

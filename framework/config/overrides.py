@@ -281,7 +281,19 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-GROUPS = ("backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger", "callbacks")
+GROUPS = (
+    "backend",
+    "parallel",
+    "precision",
+    "memory",
+    "peft",
+    "data",
+    "model",
+    "optim",
+    "schedule",
+    "logger",
+    "callbacks",
+)
 
 
 def _replace_group(cfg: DictConfig, group: str, line: str) -> None:

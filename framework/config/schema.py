@@ -19,12 +19,10 @@ from framework.config.choices import (
     BackendName,
     Device,
     LoggerName,
-    LRSchedule,
     Monitor,
     Nonfinite,
     OnError,
     Optimize,
-    OptimName,
     PrecisionName,
     StartMethod,
     Verify,
@@ -104,31 +102,6 @@ class AmpConfig(PrecisionConfig):
     name: PrecisionName = PrecisionName.amp
     init_scale: float = 65536.0  # GradScaler's starting loss scale
     growth_interval: int = 2000
-
-
-@dataclass
-class OptimConfig:
-    name: OptimName = MISSING
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
-    schedule: LRSchedule = LRSchedule.cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    schedule_steps: int | None = None  # the LR schedule's length (null or 0: steps; a resumed run keeps its own)
-    in_backward: bool = False  # each parameter's update as its gradient is ready, the gradient freed (docs/memory.md)
-
-
-@dataclass
-class AdamWConfig(OptimConfig):
-    name: OptimName = OptimName.adamw
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-
-
-@dataclass
-class SGDConfig(OptimConfig):
-    name: OptimName = OptimName.sgd
-    momentum: float = 0.9
 
 
 @dataclass
@@ -252,7 +225,10 @@ class Config:
     # hydra.searchpath) is a choice with keys of its own, which a typed group would refuse
     data: Any = MISSING
     model: Any = MISSING
-    optim: OptimConfig = MISSING
+    # components (framework/components.py): a class by `_target_` and its kwargs, checked against
+    # the class's signature before any worker starts (a user's class takes keys of its own)
+    optim: Any = MISSING
+    schedule: Any = MISSING
     logger: LoggerConfig = MISSING
     seed: int = 1337
     steps: int = 100  # optimizer steps
@@ -305,7 +281,6 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "lstm": LSTMConfig,
         "hf": HFConfig,
     },
-    "optim": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "logger": {"base": LoggerConfig, "wandb": WandbLoggerConfig, "all": WandbLoggerConfig},
 }
 

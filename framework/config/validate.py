@@ -85,7 +85,7 @@ def _check_values(cfg: DictConfig) -> None:
     for key, low in (("steps", 1), ("accumulation_steps", 1), ("data.batch_size", 1), ("backend.timeout_s", 1),
                      ("launch.max_restarts", 0), ("checkpoint.every", 0), ("checkpoint.keep_last", 0),
                      ("backend.trace_buffer", 0), ("metrics.log_every", 1), ("metrics.sample_every", 0),
-                     ("memory.empty_cache_every", 0), ("optim.warmup_steps", 0)):  # fmt: skip
+                     ("memory.empty_cache_every", 0)):  # fmt: skip
         _at_least(cfg, key, low)
     if cfg.launch.nproc_per_node is not None:
         _at_least(cfg, "launch.nproc_per_node", 1)
@@ -93,7 +93,6 @@ def _check_values(cfg: DictConfig) -> None:
     _require(grace > 0, "checkpoint.preempt_grace_s", f"got {grace}; must be > 0 seconds")
     _require(step_timeout is None or step_timeout > 0, "backend.step_timeout_s",
              f"got {step_timeout}; must be null or > 0 seconds")  # fmt: skip
-    _require(cfg.optim.lr > 0, "optim.lr", f"got {cfg.optim.lr}; must be > 0")
     check_plan(cfg)
     version = cfg.parallel.get("version", 2)
     _require(version in (1, 2), "parallel.version", f"got {version!r}; allowed: 1, 2")

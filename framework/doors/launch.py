@@ -39,7 +39,7 @@ from framework.run.run_files import Summary, read_summary, write_summary
 
 log = logging.getLogger(__name__)
 
-GROUPS = ("backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "logger")
+GROUPS = ("backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "schedule", "logger")
 ONE_LINE = (CheckpointError, DataError)  # a worker's errors that say it all in their message: no traceback
 
 _SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob

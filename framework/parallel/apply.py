@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from framework import peft
-from framework.contract import ModelSpec, blocks_of, build_model
+from framework.contract import ModelSpec, block_matrices, blocks_of, build_model
 from framework.dist import DistInfo
 from framework.levers import apply_memory_lever, compile_block
 from framework.modules import map_blocks, materialize_model
@@ -62,6 +62,7 @@ class Parallelized:
     ties: SplitTies = field(default_factory=SplitTies)  # copies of tied parameters on other pipeline ranks
     tie_names: dict[str, str] = field(default_factory=dict)  # the model's ties (ModelSpec.ties), for loading
     decay: set[str] = field(default_factory=set)  # parameters with weight decay: the plain model's matrices
+    matrices: set[str] = field(default_factory=set)  # the blocks' weight matrices (Muon's: framework/optimizers)
 
     def __post_init__(self):
         if self.clip_grad_norm is None:
@@ -116,7 +117,7 @@ def parallelize(
     par = _wrap(model, spec, cfg, info, strategy)
     if late:
         materialise(par.module, spec, cfg, info.device)
-    par.decay, par.tie_names = decay, spec.ties
+    par.decay, par.matrices, par.tie_names = decay, block_matrices(model, spec), spec.ties
     return par
 
 

@@ -52,14 +52,14 @@ def apply_ddp(model: nn.Module, cfg: DictConfig, info: DistInfo) -> DDP:
         )
         reduce = powerSGD_hook.powerSGD_hook
     if reduce is not None:
-        ddp.reduce_then = ReduceThen(reduce)  # what the step in backward extends (framework/optim_backward.py)
+        ddp.reduce_then = ReduceThen(reduce)  # what the step in backward extends (framework/optimizers/in_backward.py)
         ddp.register_comm_hook(state, ddp.reduce_then)
     return ddp
 
 
 class ReduceThen:
     """A communication hook: `reduce` (a compression hook), then, where the step in backward set
-    `after` (framework/optim_backward.py), `after(bucket)` on the reduced bucket, in the backward's
+    `after` (framework/optimizers/in_backward.py), `after(bucket)` on the reduced bucket, in the backward's
     thread (DDP allows one hook per module: the compression and the step share it)."""
 
     def __init__(self, reduce: Callable):

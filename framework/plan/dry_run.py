@@ -108,7 +108,7 @@ def _one_rank(cfg: DictConfig, world: int, layout: Layout, rank: int) -> RankRep
     from framework.contract import build_model, spec_of
     from framework.dist import DistInfo
     from framework.measure.memory import model_state_bytes
-    from framework.optim import build_optimizer
+    from framework.optimizers import build_optimizer
     from framework.parallel.apply import parallelize
 
     start = time.perf_counter()
@@ -119,7 +119,7 @@ def _one_rank(cfg: DictConfig, world: int, layout: Layout, rank: int) -> RankRep
         meta = build_model(cfg.model, "meta")
         spec = spec_of(meta, cfg.model)
         par = parallelize(meta, spec, cfg, info, materialise=_fake_materialiser(fake))
-        optimizer = build_optimizer(par.module, cfg.optim, par.decay)
+        optimizer = build_optimizer(par.module, cfg.optim, par.decay, matrices=par.matrices)
         stages = list(par.pipeline.stages.items()) if par.pipeline is not None else [(0, par.module)]
         with fake:
             saved = sum(_stage_activations(cfg, layout, par, s, m) for s, m in stages)

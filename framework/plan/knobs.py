@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from framework.config.schema import group_schema
 from framework.parallel.pipeline import least_microbatches, stages_per_rank
@@ -68,7 +68,8 @@ class Knobs:
         cfg.data.batch_size, cfg.accumulation_steps = self.batch_size, self.accumulation_steps
         if self.n_microbatches is not None:
             cfg.parallel.n_microbatches = self.n_microbatches
-        cfg.optim.in_backward = self.in_backward
+        with open_dict(cfg.optim):  # a user's optim file may leave the run's own settings out
+            cfg.optim.in_backward = self.in_backward
 
 
 def knob_options(base: DictConfig, trial: DictConfig, n_layer: int | None) -> list[Knobs]:

@@ -112,6 +112,7 @@ class Param:
     style: str | None = None  # its module's entry in the tensor-parallel plan
     trainable: bool = True  # False: frozen (peft=lora's base), no gradient or optimizer state
     expert: bool = False  # a routed layer's grouped expert weight (experts x ...): split over ep
+    matrix: bool = False  # one of the blocks' weight matrices (contract.block_matrices: Muon's)
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class Shapes:
 def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     """Parameter shapes from the model built on the meta device (no memory) and its contract."""
     from framework.config.model import meta_model, model_spec
-    from framework.contract import block_index, blocks_of, expand_plan
+    from framework.contract import block_index, block_matrices, blocks_of, expand_plan
     from framework.measure.metrics import model_flops, recomputed_blocks
     from framework.parallel.pipeline import split_layers
 
@@ -166,7 +167,7 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     first_stage = _first_stage(model, spec) if layout.pp > 1 else set()
     plan = expand_plan(model, spec) if layout.tp > 1 else {}
     moe, experts = routed_shape(model, spec)
-    params = []
+    params, matrices = [], block_matrices(model, spec)
     for name, p in model.named_parameters():
         layer = block_index(name, spec)
         if layer is not None:
@@ -177,7 +178,9 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
         unit = f"{spec.blocks}.{layer}" if layer is not None else "root"
         style = plan.get(name.rpartition(".")[0])
         tp_dim, expert = _tp_dim(name, plan, layout), name.rpartition(".")[0] in experts
-        params.append(Param(name, tuple(p.shape), stage, unit, tp_dim, style, p.requires_grad, expert))
+        params.append(
+            Param(name, tuple(p.shape), stage, unit, tp_dim, style, p.requires_grad, expert, name in matrices)
+        )
     counted = model_flops(model, spec, cfg.data.get("seq_len"), recomputed_blocks(cfg, n_blocks))
     buffers: dict[str, int] = defaultdict(int)
     for b in model.buffers():
@@ -286,14 +289,17 @@ def fsdp_rows(rows: int, n: int) -> tuple[int, int]:
 
 
 def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, int]:
-    """Parameter, gradient and optimizer bytes on the rank holding most (fp32 throughout)."""
-    # pp rank -> [elements, trainable tensors, extra grad, trainable elements]
-    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    """Parameter, gradient and optimizer bytes on the rank holding most (fp32 throughout); the
+    optimizer's state as its component prices it (framework/optimizers/prices.py; none: 0)."""
+    # pp rank -> [elements, trainable tensors, extra grad, trainable elements, of them the blocks'
+    # matrices' elements and tensors]
+    per_rank: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0, 0])
     units: dict[tuple[int, str, bool], int] = defaultdict(int)
     for p in shapes.params:
         local = _tp_local(p, layout.tp)
         rank = stage_rank(p.stage, layout)
         per_rank[rank][1] += p.trainable
+        per_rank[rank][5] += p.trainable and p.matrix
         if (
             p.tp_dim is not None
             and p.style in ("embedding", "position_embedding", "vocab_embedding")
@@ -313,18 +319,29 @@ def state_bytes(shapes: Shapes, layout: Layout, cfg: DictConfig) -> dict[str, in
             held = _numel(local)
         per_rank[rank][0] += held
         per_rank[rank][3] += held * p.trainable
+        per_rank[rank][4] += held * (p.trainable and p.matrix)
     for (rank, _, trainable), numel in units.items():  # FSDP1: one flat parameter per unit, split evenly
         per_rank[rank][0] += -(-numel // layout.shard)
         per_rank[rank][3] += -(-numel // layout.shard) * trainable
-    optim = cfg.optim
+    price = optimizer_price(cfg.optim) or (lambda elements, tensors, matrix: 0)
 
-    def optim_bytes(elements: int, tensors: int) -> int:
-        if optim.name == "adamw":
-            return 2 * 4 * elements + 4 * tensors  # exp_avg, exp_avg_sq, a 0-d step per tensor
-        return 4 * elements if optim.momentum > 0 else 0
+    def optim_bytes(counts: list[int]) -> int:
+        _, tensors, _, elements, matrix_elements, matrix_tensors = counts
+        return price(elements - matrix_elements, tensors - matrix_tensors, False) + price(
+            matrix_elements, matrix_tensors, True
+        )
 
     # each kind on the rank holding most of it (a tp embedding's whole-size gradient can put the
     # most gradient bytes on another pipeline rank than the most parameter bytes)
     ranks = per_rank.values()
-    return {"param_bytes": max(4 * e for e, _, _, _ in ranks), "grad_bytes": max(4 * (g + x) for _, _, x, g in ranks),
-            "optim_bytes": max(optim_bytes(g, t) for _, t, _, g in ranks)}  # fmt: skip
+    return {"param_bytes": max(4 * c[0] for c in ranks), "grad_bytes": max(4 * (c[3] + c[2]) for c in ranks),
+            "optim_bytes": max(optim_bytes(c) for c in ranks)}  # fmt: skip
+
+
+def optimizer_price(optim: DictConfig):
+    """The optimizer component's state price (framework/optimizers/prices.py), or None."""
+    from framework.components import locate
+    from framework.optimizers import optimizer_kwargs
+    from framework.optimizers.prices import state_price
+
+    return state_price(locate(optim, "optim"), optimizer_kwargs(optim))

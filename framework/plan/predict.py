@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.config.memory_checks import in_backward_frees
 from framework.config.model import meta_model, model_dims_of, model_spec
@@ -57,7 +57,7 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
     layout = layout_of(cfg.parallel, world, *(facts[2] if facts else model_dims_of(cfg)))
     shapes = shapes_of(cfg, layout, facts)
     model = facts[0] if facts else meta_model(cfg)
-    key = ("state", id(model), layout, cfg.data.get("seq_len"), cfg.optim.name, cfg.optim.get("momentum"))
+    key = ("state", id(model), layout, cfg.data.get("seq_len"), OmegaConf.to_yaml(cfg.optim))
     memory = dict(_cached(key, model, lambda: state_bytes(shapes, layout, cfg)))
     if cfg.optim.get("in_backward") and in_backward_frees(cfg.parallel):  # each gradient freed in backward
         memory["grad_bytes"] = 0

@@ -26,13 +26,14 @@ from framework.dist import DistInfo, restart_count
 from framework.measure.memory import SavedActivationMeter
 from framework.measure.metrics import ForwardTimer, count_flops, peak_flops
 from framework.measure.peak import PeakProbe
-from framework.optim import build_optimizer, build_scheduler, resumed_schedule
+from framework.optimizers import build_optimizer
 from framework.parallel.apply import Parallelized, parallelize
 from framework.parallel.dims import Strategy
 from framework.precision import build_precision
 from framework.run.measurements import Measurements
 from framework.run.run_files import checkpoint_root
 from framework.run.step import Parts, Resumed
+from framework.schedules import build_scheduler, resumed_schedule
 
 
 def seed_everything(seed: int) -> None:
@@ -51,8 +52,8 @@ def build(cfg: DictConfig, info: DistInfo, train_data: bool = True) -> Parts:
     n_blocks = len(blocks_of(meta, spec))
     par = parallelize(meta, spec, cfg, info)
     del meta  # the plain model object keeps nothing alive beyond what `par` holds
-    optimizer = build_optimizer(par.module, cfg.optim, par.decay, par)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    optimizer = build_optimizer(par.module, cfg.optim, par.decay, par, par.matrices)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps)
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
     if not train_data:
         return Parts(flops, par, optimizer, scheduler, None, precision, spec, n_blocks)
@@ -76,7 +77,7 @@ def resume(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Resum
     t0 = time.perf_counter()
     resumed = resume_from(path, parts, info)
     resumed = replace(resumed, verify_s=verify_s, load_s=verify_s + time.perf_counter() - t0)
-    horizon = resumed_schedule(parts.scheduler, cfg.optim, cfg.steps)  # kept unless optim.schedule_steps
+    horizon = resumed_schedule(parts.scheduler, cfg.schedule, cfg.steps)  # kept unless schedule.steps
     if info.is_main:  # a resumed run says so, and from where
         print(f"resumed from step {resumed.step} (checkpoint {path})", flush=True)
         if horizon:

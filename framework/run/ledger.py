@@ -127,7 +127,7 @@ def log_step(entry: Entry, stats: RunStats, parts: Parts, peak: float | None, fi
     record = {
         "step": step + 1,
         "loss": figures.loss,
-        "lr": parts.scheduler.get_last_lr()[0],
+        "lr": entry.pending.lr,
         "grad_norm": figures.grad_norm,
         "step_time_s": seconds,
         "samples_per_s": figures.samples / seconds,

@@ -17,7 +17,7 @@ from framework.dist import DistInfo, all_reduce_sum, host_values
 from framework.figures import Registry
 from framework.loss import cross_entropy, loss_elements
 from framework.measure.metrics import Flops
-from framework.optim import step_unless
+from framework.optimizers.skip import step_unless
 from framework.parallel.apply import Parallelized
 from framework.precision import Precision, loss_scale
 from framework.run.measurements import Measurements
@@ -71,6 +71,7 @@ class PendingStep:
     values: torch.Tensor  # loss sum, terms, tokens, samples, grad norm, applied, loss scale, registry's figures
     sampled: bool
     started: float  # the host clock when the step began (its batches' reading included)
+    lr: float | None = None  # the learning rate the update applied (the first parameter group's)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def optimizer_step(parts: Parts, grad_clip: float, skip_nonfinite: bool,
     whether the update was applied: amp's scaler skips steps with inf/nan gradients (and lowers
     its scale); with `skip_nonfinite` so does every precision; `gate(norm)` (the callbacks'
     requests, framework.hooks.Control.skip_update) may skip it outright (True: every rank asked
-    alike) or where a device bool holds, decided on the device (framework.optim.step_unless).
+    alike) or where a device bool holds, decided on the device (framework.optimizers.skip.step_unless).
     The norm is global, so every rank decides the same. Under amp, "applied" is a device bool (the
     scale did not drop): `get_scale()` would be a host sync."""
     applied = getattr(parts.optimizer, "applied_grad_norm", None)  # an optimizer whose update already ran

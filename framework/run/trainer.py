@@ -29,6 +29,7 @@ from framework.measure.memory import (
     reset_peaks,
     set_host_allocator,
 )
+from framework.optimizers import setting
 from framework.parallel.dims import Strategy
 from framework.run.build import build, build_measurements, generators, layout, resume, resume_from
 from framework.run.ledger import Entry, Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
@@ -112,11 +113,10 @@ def train(cfg: DictConfig, info: DistInfo, files: RunFiles, choices: dict[str, s
 
 @dataclass
 class Trainer:
-    """One rank's training, its parts named: what it trains (`parts`), from where (`resumed`),
-    what it gathers (`stats`) and measures (`measure`), where it writes (`files`, `saver`), what
-    watches it (`callbacks`, asking through `control`), and who tells it to stop (`guard`:
-    signals, a failed peer). The loop below is the order of a step; every capability beside it
-    is a callback (framework/callbacks/)."""
+    """One rank's training, its parts named: what it trains (`parts`), from where (`resumed`), what it
+    gathers (`stats`) and measures (`measure`), where it writes (`files`, `saver`), what watches it
+    (`callbacks`, asking through `control`), and who tells it to stop (`guard`: signals, a failed peer).
+    The loop below is the order of a step; every capability beside it is a callback (framework/callbacks/)."""
 
     cfg: DictConfig
     info: DistInfo
@@ -205,7 +205,7 @@ class Trainer:
             step_batches = [next(batches) for _ in range(cfg.accumulation_steps)]
         work = StepInput(step_batches, sampled, fault)
         try:
-            values = self.train_step(step, work)
+            values, lr = self.train_step(step, work)
         except RuntimeError as err:
             if info.distributed and is_collective_failure(err):
                 raise diagnose(err, self.guard, step + 1) from None
@@ -213,7 +213,7 @@ class Trainer:
         self.measure.forward_timer.end_step()
         if step == start:
             self.guard.shorten_timeout(cfg.backend.step_timeout_s)
-        ledger.add(PendingStep(values, sampled, started), step, work.batches, self.parts.data)
+        ledger.add(PendingStep(values, sampled, started, lr), step, work.batches, self.parts.data)
         if not (syncs_after(cfg, step, start) or self.control.sync_requested):
             return False  # its figures wait on the device (framework.run.ledger): no host sync
         settled = ledger.settle()  # the one host sync of these steps: their window ends here
@@ -227,20 +227,20 @@ class Trainer:
     def train_step(self, step: int, work: StepInput):
         """One optimizer step: forward and backward over the micro-batches, the update (skipped for
         non-finite gradients under nonfinite=skip, by amp's scaler, or at a callback's request);
-        returns the step's figures, waiting on the device (framework.run.step.reduce_step_figures)."""
+        returns the step's figures, waiting on the device (framework.run.step.reduce_step_figures), and its LR."""
         cfg, info, parts, hooks = self.cfg, self.info, self.parts, self.callbacks
         with self.measure.sampled_step(work.sampled) as counter:
             before_backward = lambda micro: hooks.call("on_before_backward", step, micro)  # noqa: E731
             step_loss = forward_backward(cfg, info, parts, work, self.measure, before_backward)
             hooks.call("on_before_optimizer_step", step)
-            update = optimizer_step(
-                parts, cfg.optim.grad_clip, cfg.nonfinite == "skip", self.gate(step, work, step_loss)
-            )
+            gate, clip = self.gate(step, work, step_loss), setting(cfg.optim, "grad_clip")
+            update = optimizer_step(parts, clip, cfg.nonfinite == "skip", gate)
         if work.sampled:
             # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
             self.stats.state_bytes = model_state_bytes(parts.par.module, parts.optimizer, info.device)
             self.stats.comm.append(counter.totals())
         parts.optimizer.zero_grad(set_to_none=True)
+        lr = parts.optimizer.param_groups[0]["lr"]  # the LR applied, whoever set it (a callback may)
         parts.scheduler.step()
         if cfg.memory.empty_cache_every and (step + 1) % cfg.memory.empty_cache_every == 0:
             release_cached_memory(info.device)
@@ -250,7 +250,7 @@ class Trainer:
         extra = self.figures.pack(theirs | own, info.rank, info.device)
         values, totals = reduce_step_figures(info, parts, work.batches, step_loss, update, extra)
         hooks.call("on_step_reduced", step, self.figures.totals(totals))
-        return values
+        return values, lr
 
     def gate(self, step: int, work: StepInput, step_loss: Any) -> Any:
         """What decides whether this step's update is skipped, once the gradient norm is known:

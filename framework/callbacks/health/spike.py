@@ -9,7 +9,7 @@ device bool: no step waits for the host.
 
 - `warn`: the step is flagged (`spike/flag` in its metrics.jsonl line, a console line, the event
   in summary.json's `spike` block, W&B and the sweep report's `spikes` column);
-- `skip`: and its update is not applied, decided on the device (framework.optim.step_unless);
+- `skip`: and its update is not applied, decided on the device (framework.optimizers.skip.step_unless);
 - `rollback`: and the run goes back to its newest checkpoint from before the spike, the data moved
   past every sample read since that checkpoint (the window that led to it), and goes on.
 """

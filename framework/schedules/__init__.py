@@ -1,0 +1,38 @@
+"""The learning-rate schedule, a component (framework/components.py): `conf/schedule/<name>.yaml`
+names its class by `_target_` with its kwargs; the framework passes the optimizer, and
+`total_steps` where the class takes it (the span: `schedule.steps`, else the run's `steps`). The
+framework's own (framework/schedules/shapes.py): warm-up + cosine, warm-up + constant, and
+warmup-stable-decay. A torch class (`torch.optim.lr_scheduler.StepLR`, `OneCycleLR`) or a user's
+works as it is: it is stepped once per optimizer step and saved in every checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from framework.components import build_component
+
+OWN = ("steps",)  # schedule.steps: the span (null: the run's steps; a resumed run keeps its own)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, run_steps: int) -> Any:
+    """The schedule group's class over `optimizer`, spanning `schedule.steps`, else `run_steps`."""
+    return build_component(cfg, OWN, optimizer, total_steps=cfg.get("steps") or run_steps)
+
+
+def resumed_schedule(scheduler: Any, cfg: DictConfig, steps: int) -> str | None:
+    """After loading a checkpoint's schedule: `schedule.steps` re-plans it; otherwise it keeps
+    the length it was saved with. Returns the one line to print when that length is not this run's
+    `steps`, else None. A schedule without a span of its own (a torch class) is left as loaded."""
+    if not hasattr(scheduler, "schedule_steps"):
+        return None
+    saved = scheduler.schedule_steps or steps
+    wanted = cfg.get("steps") or saved
+    scheduler.schedule_steps = wanted
+    if wanted == steps:
+        return None
+    how = "set by schedule.steps" if cfg.get("steps") else "as saved; schedule.steps=N re-plans it"
+    return f"steps={steps}: the LR schedule spans {wanted} steps ({how})"
