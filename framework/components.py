@@ -13,8 +13,8 @@ the framework and never passed to the class.
 What the framework asks of a component's class, each optional, found by attribute (a class of
 torch's is priced by its room, framework/optimizers/prices.py):
 
-- `check(cfg)`: a classmethod raising ValueError("key: why") where the run's config (its own
-  group's kwargs, the layout) cannot run it; asked before any worker starts, after the kwargs are
+- `check(cfg)`: a classmethod raising ValueError("<dotted key>: why") where the run's config (its
+  own group's kwargs, the layout) cannot run it, the key in full (`optim.momentum`, `parallel.version`); asked before any worker starts, after the kwargs are
   checked against the signature here;
 - `planner_price`: what it costs the planner's forecast (its room says in what terms); a component
   without one is planned as if it cost nothing, and the forecast says so.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import inspect
 from collections.abc import Collection
 from typing import Any
@@ -43,22 +44,28 @@ class ComponentError(ValueError):
 
 
 def locate(node: DictConfig, group: str) -> Any:
-    """The class (or function) `<group>._target_` names; one line where it cannot be imported."""
-    from hydra.utils import get_object
-
-    target = node.get("_target_")
+    """The class (or function) `<group>._target_` names; one line where it cannot be imported, with
+    its real cause (no such module, or a module without that name)."""
+    target = str(node.get("_target_") or "")
     if not target:
         raise ComponentError(f"{group}._target_", "not set: name the class, e.g. torch.optim.AdamW")
-    module, _, attr = str(target).rpartition(".")
-    try:
-        return get_object(target)
-    except Exception as err:  # noqa: BLE001 - Hydra wraps the ImportError or AttributeError in its own
-        cause = err.__cause__ or err
-        if isinstance(cause, ModuleNotFoundError) or not module:
-            why = f"no module {module or target!r} ({cause}); is its folder on PYTHONPATH?"
-        else:
-            why = f"module {module!r} has no {attr!r}"
-        raise ComponentError(f"{group}._target_", f"cannot import {target!r}: {why}") from None
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and not module_name.startswith(err.name):
+                raise ComponentError(f"{group}._target_", f"importing {module_name!r} failed: {err}") from None
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                raise ComponentError(f"{group}._target_", f"cannot import {target!r}: module {module_name!r} has no "
+                                     f"{attr!r}")  # fmt: skip
+            obj = getattr(obj, attr)
+        return obj
+    raise ComponentError(f"{group}._target_", f"cannot import {target!r}: no module {parts[0]!r}; is its folder on "
+                         "PYTHONPATH?")  # fmt: skip
 
 
 def kwargs_of(node: DictConfig, own: Collection[str] = ()) -> dict[str, Any]:
@@ -82,8 +89,8 @@ def check_component(cfg: DictConfig, group: str, own: Collection[str] = (), runt
     target = node._target_
     for key, value in kwargs_of(node, own).items():
         if key not in named and not open_ended:
-            near = difflib.get_close_matches(key, [*named, *own], n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
+            near = _nearest(key, [*named, *own])
+            hint = f"did you mean {near!r}? " if near else ""
             raise ComponentError(f"{group}.{key}", f"{target} takes no such argument; {hint}it takes: "
                               f"{', '.join([*named, *own]) or 'nothing'}")  # fmt: skip
         default = named[key].default if key in named else inspect.Parameter.empty
@@ -98,7 +105,7 @@ def check_component(cfg: DictConfig, group: str, own: Collection[str] = (), runt
             cls.check(cfg)
         except ValueError as err:
             key, _, why = str(err).partition(": ")
-            raise ComponentError(f"{group}.{key}" if why else group, why or key) from None
+            raise ComponentError(key, why) from None
     return cls
 
 
@@ -111,6 +118,15 @@ def build_component(node: DictConfig, own: Collection[str], *runtime: Any, **giv
     kwargs = kwargs_of(node, own)
     extra = {k: v for k, v in given.items() if (k in names or takes_any) and k not in kwargs}
     return cls(*runtime, **kwargs, **extra)
+
+
+def _nearest(key: str, names: list[str]) -> str | None:
+    """The name `key` misspells, or abbreviates by its words' initials (lerning_rate: lr)."""
+    initials = "".join(w[0] for w in key.split("_") if w)
+    if "_" in key and initials in names:
+        return initials
+    near = difflib.get_close_matches(key, names, n=1)
+    return near[0] if near else None
 
 
 def takes(cls: Any, name: str) -> bool:

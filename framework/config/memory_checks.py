@@ -75,7 +75,9 @@ def in_backward_refusal(cfg: DictConfig, parallel: DictConfig, accumulation: int
         return "nonfinite=skip decides after the whole backward, when the update has run; use nonfinite=stop"
     cls = locate(cfg.optim, "optim")
     if not getattr(cls, "steps_in_backward", True):  # the component says it cannot step one parameter alone
-        return f"{cfg.optim._target_} cannot step one parameter alone in its gradient's hook ({cls.steps_in_backward_why})"
+        return (
+            f"{cfg.optim._target_} cannot step one parameter alone in its gradient's hook ({cls.steps_in_backward_why})"
+        )
     return None
 
 

@@ -23,7 +23,11 @@ def check_optim(cfg: DictConfig) -> None:
     o = cfg.optim
     for key, ok, allowed in (
         ("lr", not isinstance(o.get("lr", 1), int | float) or o.get("lr", 1) > 0, "> 0"),
-        ("weight_decay", not isinstance(o.get("weight_decay", 0), int | float) or o.get("weight_decay", 0) >= 0, ">= 0"),
+        (
+            "weight_decay",
+            not isinstance(o.get("weight_decay", 0), int | float) or o.get("weight_decay", 0) >= 0,
+            ">= 0",
+        ),
         ("grad_clip", setting(o, "grad_clip") >= 0, ">= 0 (0: no clipping)"),
         ("betas", all(0 <= b < 1 for b in o.get("betas") or ()), "two values in [0, 1) (Adam's decay rates)"),
         ("momentum", (o.get("momentum") or 0) >= 0, ">= 0"),

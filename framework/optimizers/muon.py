@@ -47,12 +47,12 @@ class Muon(torch.optim.Optimizer):
         """Refusals before any worker starts (framework/components.py asks)."""
         o = cfg.optim
         if not 0 <= o.get("momentum", 0.95) < 1:
-            raise ValueError(f"momentum: got {o.momentum}; must be in [0, 1)")
+            raise ValueError(f"optim.momentum: got {o.momentum}; must be in [0, 1)")
         if o.get("ns_steps", 5) < 1:
-            raise ValueError(f"ns_steps: got {o.ns_steps}; must be >= 1 (Newton-Schulz iterations)")
+            raise ValueError(f"optim.ns_steps: got {o.ns_steps}; must be >= 1 (Newton-Schulz iterations)")
         if cfg.parallel.get("version", 2) == 1 and cfg.parallel.name in ("fsdp", "hybrid"):
-            raise ValueError("FSDP1 (parallel.version=1) flattens the parameters, and Muon orthogonalises whole "
-                             "matrices: use parallel.version=2")  # fmt: skip
+            raise ValueError("parallel.version: FSDP1 (version 1) flattens the parameters, and optim=muon orthogonalises "
+                             "whole matrices: use parallel.version=2")  # fmt: skip
 
     @classmethod
     def planner_price(cls, kwargs: dict, elements: int, tensors: int, matrix: bool) -> int:

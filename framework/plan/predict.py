@@ -11,7 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config.memory_checks import in_backward_frees
 from framework.config.model import meta_model, model_dims_of, model_spec
 from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
-from framework.plan.model import Layout, Shapes, layout_of, model_shapes, state_bytes
+from framework.components import locate
+from framework.optimizers.prices import unpriced
+from framework.plan.model import Layout, Shapes, layout_of, model_shapes, optimizer_price, state_bytes
 from framework.plan.ops import Trace, trace_forward
 from framework.plan.peak import cached_bytes, peak_parts
 from framework.plan.profile import Profile
@@ -81,7 +83,7 @@ def predict(cfg: DictConfig, world: int, profile: Profile | None = None, facts: 
         "step_time_s": None,
         "split": None,  # the step's seconds by term (framework.plan.timing.SPLIT), summing to step_time_s
         "comm_time_s": None,  # the communication part alone (what ranks models without a FLOP count)
-        "not_predicted": _not_predicted(memory, ranks, shapes),
+        "not_predicted": _not_predicted(memory, ranks, shapes, cfg),
         "hardware_flops_per_token": shapes.hardware_flops_per_token,  # with checkpointing's recomputation
         "model_flops_per_token": shapes.flops_per_token,  # without (what MFU counts)
     }
@@ -113,9 +115,12 @@ def forward_trace(cfg: DictConfig, layout: Layout, model, spec) -> Trace | None:
     return _cached(("trace", id(model), b, tokens, autocast), model, make)
 
 
-def _not_predicted(memory: dict, ranks, shapes: Shapes) -> dict[str, str]:
-    """figure -> why it is not predicted (a clear word rather than a wrong figure)."""
+def _not_predicted(memory: dict, ranks, shapes: Shapes, cfg: DictConfig) -> dict[str, str]:
+    """figure -> why it is not predicted (a clear word rather than a wrong figure); a component
+    without a price: planned as if absent, and said here."""
     why = {}
+    if optimizer_price(cfg.optim) is None:
+        why["optim_bytes"] = unpriced(locate(cfg.optim, "optim"))
     if memory["activation_bytes"] is None:
         why["activation_bytes"] = "the model declares no gpt-like block (planner_shape)"
         why["peak_bytes"] = why["activation_bytes"]

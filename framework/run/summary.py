@@ -163,6 +163,8 @@ def plan_check(cfg: DictConfig, world: int, summary: dict[str, Any], auto: dict[
     except Exception as err:  # noqa: BLE001 - reported, not raised: the run itself succeeded
         print(f"warning: the planner could not predict this run: {type(err).__name__}: {err}", flush=True)
         block = {"error": f"{type(err).__name__}: {err}"}
+    if unpriced := block.get("not_predicted", {}).get("optim_bytes"):  # a component the planner could not price
+        print(f"note: {unpriced}", flush=True)
     if auto is not None:
         block["auto"] = auto
     budget = budget_check(cfg, summary, auto)

@@ -87,9 +87,11 @@ class WarmupStableDecay(_Horizon):
         s = cfg.schedule
         _check_common(s)
         if not 0 <= s.get("decay_ratio", 0.2) <= 1:
-            raise ValueError(f"decay_ratio: got {s.decay_ratio}; must be in [0, 1] (the decay's share of the steps)")
+            raise ValueError(
+                f"schedule.decay_ratio: got {s.decay_ratio}; must be in [0, 1] (the decay's share of the steps)"
+            )
         if s.get("decay_shape", "sqrt") not in DECAY_SHAPES:
-            raise ValueError(f"decay_shape: got {s.decay_shape!r}; allowed: {', '.join(DECAY_SHAPES)}")
+            raise ValueError(f"schedule.decay_shape: got {s.decay_shape!r}; allowed: {', '.join(DECAY_SHAPES)}")
 
     def decay_start(self) -> int:
         """The first step of the decay (never inside the warm-up)."""
@@ -110,8 +112,8 @@ class WarmupStableDecay(_Horizon):
 
 def _check_common(s) -> None:
     if s.get("warmup_steps", 0) < 0:
-        raise ValueError(f"warmup_steps: got {s.warmup_steps}; must be >= 0")
+        raise ValueError(f"schedule.warmup_steps: got {s.warmup_steps}; must be >= 0")
     if not 0 <= s.get("min_lr_ratio", 0) <= 1:
-        raise ValueError(f"min_lr_ratio: got {s.min_lr_ratio}; must be in [0, 1] (a share of optim.lr)")
+        raise ValueError(f"schedule.min_lr_ratio: got {s.min_lr_ratio}; must be in [0, 1] (a share of optim.lr)")
     if s.get("steps") is not None and s.steps < 0:
-        raise ValueError(f"steps: got {s.steps}; must be >= 1, or 0 / null: the run's steps")
+        raise ValueError(f"schedule.steps: got {s.steps}; must be >= 1, or 0 / null: the run's steps")
