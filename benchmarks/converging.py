@@ -1,6 +1,7 @@
 """Convergence over a long run, per strategy family: a small Llama in bf16 for 300 steps under
 ddp, tp, pp, cp and hybrid (dp_shard x tp), each against fsdp at the same tokens per step (16
-sequences of 64 bytes); ep trains the Llama's MoE flavour against its own fsdp run. As torchtitan's docs/converging.md does
+sequences of 64 bytes); ep trains the Llama's MoE flavour against its own fsdp run; the Llama with
+optim=muon under fsdp and tp, beside AdamW's rows. As torchtitan's docs/converging.md does
 for its N-D layouts, at this framework's scale: the loss curves overlaid in a plot, each family's
 final loss (the mean of the last 20 steps) beside its reference's, and each curve's largest gap
 to the reference (20-step means, and single steps).
@@ -35,6 +36,7 @@ LLAMA = ["model=llama", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "
 MODELS = {
     "llama": LLAMA,
     "llama(moe)": [*LLAMA, "model.moe.experts=4", "model.moe.top_k=2"],
+    "llama, muon": [*LLAMA, "optim=muon"],  # Muon on the blocks' matrices (framework/optimizers/muon.py)
 }
 TWO = ["launch.nproc_per_node=2"]
 # (family, model, layout): every family's layout holds 16 sequences a step (data.batch_size is per
@@ -52,6 +54,9 @@ RUNS = [
     ),  # fmt: skip
     ("fsdp", "llama(moe)", ["parallel=fsdp", *TWO, "data.batch_size=8"]),
     ("ep", "llama(moe)", ["parallel=fsdp", "parallel.ep=2", *TWO, "data.batch_size=8"]),
+    # Muon at AdamW's settings (its update's RMS matched to AdamW's): fsdp, and tp's sharded matrices
+    ("fsdp", "llama, muon", ["parallel=fsdp", *TWO, "data.batch_size=8"]),
+    ("tp", "llama, muon", ["parallel=tp", *TWO, "data.batch_size=16"]),
 ]
 TAIL = 20  # steps averaged for a final loss and a curve's point (bf16 steps are noisy one by one)
 
@@ -148,7 +153,10 @@ def main() -> None:
     results.mkdir(parents=True, exist_ok=True)
     plot(curves, results / "converging.png")
     print(f"\n{STEPS} steps, {TOKENS_PER_STEP} tokens a step (16 x {SEQ}), bf16, AdamW 3e-3 (20 warm-up steps, "
-          f"cosine), seed 0, gloo on CPU; final: the mean of the last {TAIL} steps\n")  # fmt: skip
+          f"cosine; Muon's rows: optim=muon at the same lr), seed 0, gloo on CPU; final: the mean of the last {TAIL} "
+          f"steps; each row's reference is fsdp on its own model and optimizer\n")  # fmt: skip
+    adamw, muon = means(curves[("fsdp", "llama")])[-1], means(curves[("fsdp", "llama, muon")])[-1]
+    print(f"Muon against AdamW (fsdp, final loss): {muon:.4f} vs {adamw:.4f} ({(muon - adamw) / adamw:+.2%})\n")
     heads = ["family", "model", "layout", "step 1 loss", "final loss", "fsdp's final", "final gap",
              f"largest gap, {TAIL}-step means", "largest gap, one step", "final within 1% of fsdp"]  # fmt: skip
     print(table(heads, rows))

@@ -19,7 +19,8 @@ from framework.optimizers.muon import newton_schulz
 from tests.helpers import losses, read_metrics, read_summary, train_cli
 
 STEPS = 5
-BASE = ["experiment=smoke", f"steps={STEPS}", "progress=false", "optim.grad_clip=0"]
+BASE = ["experiment=smoke", f"steps={STEPS}", "progress=false"]
+NO_CLIP = "optim.grad_clip=0"  # (the framework's files list it; a user's file may leave it out: +optim.grad_clip)
 ONE_BATCH = ["parallel=none,tp,pp", "data.batch_size=8"]  # one data-parallel rank: its batch is the global one
 TWO_BATCHES = ["parallel=ddp,fsdp", "data.batch_size=4"]  # two: 2 x 4
 TOLERANCE = 1e-4  # relative, per step (fp32: the layouts' reordered sums, ~1e-6)
@@ -93,6 +94,11 @@ def assert_same(got: dict[str, list[float]], reference: list[float]) -> None:
 
 def test_a_researchers_optimizer_and_schedule_train_under_every_strategy(user, tmp_path):
     mine = [f"hydra.searchpath=[file://{user}/conf]", "optim=mine", "schedule=mine"]
+    refused = train_cli([*BASE, NO_CLIP, *mine])  # the run setting the user's file leaves out: added with `+`
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "error: optim.grad_clip: optim=mine leaves it out (default 1.0); add it with +optim.grad_clip=0"
+    ), refused.stderr
+    mine = [f"+{NO_CLIP}", *mine]
     one = sweep([*mine, *ONE_BATCH], tmp_path / "one")
     two = sweep([*mine, *TWO_BATCHES], tmp_path / "two")
     reference = one.pop("none")
@@ -103,7 +109,7 @@ def test_a_researchers_optimizer_and_schedule_train_under_every_strategy(user, t
     # the planner cannot price a class that declares nothing: it plans its state as empty, and says so
     note = read_summary(run)["plan"]["not_predicted"]["optim_bytes"]
     assert note.startswith("optim: mine_pkg.MyAdaGrad declares no planner_price; its state is planned as empty")
-    adamw = losses(_single(tmp_path / "adamw", ["parallel=none", "data.batch_size=8"]))
+    adamw = losses(_single(tmp_path / "adamw", [NO_CLIP, "parallel=none", "data.batch_size=8"]))
     assert abs(adamw[-1] - reference[-1]) > 1e-3  # the user's class ran, not the default
 
 
@@ -114,13 +120,13 @@ def _single(run, args):
 
 
 def test_muon_equals_one_process_under_every_layout_and_differs_from_adamw(tmp_path):
-    one = sweep(["optim=muon", *ONE_BATCH], tmp_path / "one")
-    two = sweep(["optim=muon", *TWO_BATCHES], tmp_path / "two")
-    hybrid = _single(tmp_path / "hybrid", ["optim=muon", "parallel=hybrid", "parallel.dp_shard=2", "parallel.tp=2",
+    one = sweep([NO_CLIP, "optim=muon", *ONE_BATCH], tmp_path / "one")
+    two = sweep([NO_CLIP, "optim=muon", *TWO_BATCHES], tmp_path / "two")
+    hybrid = _single(tmp_path / "hybrid", [NO_CLIP, "optim=muon", "parallel=hybrid", "parallel.dp_shard=2", "parallel.tp=2",
                                            "launch.nproc_per_node=4", "data.batch_size=4"])  # fmt: skip
     reference = one.pop("none")
     assert_same(one | two | {"hybrid(dp_shard 2 x tp 2)": losses(hybrid)}, reference)
-    adamw = losses(_single(tmp_path / "adamw", ["parallel=none", "data.batch_size=8"]))
+    adamw = losses(_single(tmp_path / "adamw", [NO_CLIP, "parallel=none", "data.batch_size=8"]))
     assert max(abs(a - b) / b for a, b in zip(adamw[1:], reference[1:], strict=True)) > 1e-3
 
 

@@ -174,6 +174,8 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
         return f"{key}: no such key; use {_SPELT_AS[key]}"
     if key.startswith("callbacks.") and key.count(".") == 1:  # an entry the callbacks choice lacks
         return _no_callback(key, overrides)
+    if own := _own_setting(key, overrides):  # a user's component file leaves a run setting out
+        return own
     base = _compose_without(key, overrides)
     group = key.split(".", 1)[0]
     if "." in key and base is not None and group in base and OmegaConf.is_dict(base[group]):
@@ -183,6 +185,19 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
             return f"{key}: no such key with {group}={choice}; {', '.join(owners)} {'has' if len(owners) == 1 else 'have'} it"
     near = _nearest_key(key, base)
     return f"{key}: no such key" + (f"; did you mean {near!r}?" if near else "")
+
+
+def _own_setting(key: str, overrides: list[str]) -> str | None:
+    """`optim.grad_clip=0` where the chosen optim file leaves that run setting out (a user's
+    `_target_` file need not list them): the `+` that adds it."""
+    from framework.optimizers import OWN
+
+    group, _, leaf = key.partition(".")
+    if group != "optim" or leaf not in OWN:
+        return None
+    choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), "adamw")
+    value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
+    return f"{key}: optim={choice} leaves it out (default {OWN[leaf]}); add it with +{key}={value}"
 
 
 def _choices_with(group: str, leaf: str) -> list[str]:

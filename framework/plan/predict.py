@@ -8,11 +8,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.components import locate
 from framework.config.memory_checks import in_backward_frees
 from framework.config.model import meta_model, model_dims_of, model_spec
-from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
-from framework.components import locate
 from framework.optimizers.prices import unpriced
+from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
 from framework.plan.model import Layout, Shapes, layout_of, model_shapes, optimizer_price, state_bytes
 from framework.plan.ops import Trace, trace_forward
 from framework.plan.peak import cached_bytes, peak_parts
