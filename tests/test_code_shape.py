@@ -357,3 +357,31 @@ def test_the_doors_live_in_their_wing():
         assert deps == {"framework.doors", door}, f"{module} imports {sorted(deps)}: a shim imports its door only"
         assert _modules()[module].read_text().count("\n") <= 10, f"{module}: a shim, not a door"
     assert all(layer_of(d) < top for m, deps in graph.items() if layer_of(m) < top for d in deps)
+
+
+# Groups whose choices are components (framework/components.py): no layer reads their choice's name
+# (a component answers for itself: its checks, its build, its price). Phase 6 moves the other
+# groups here one by one (issue 66: memory, precision; converters).
+COMPONENT_GROUPS = ("optim", "schedule")
+NAME_READING_LAYERS = ("config", "parallel", "plan", "run", "measure")
+
+
+def choice_name_reads(source: str, groups: tuple[str, ...] = COMPONENT_GROUPS) -> list[str]:
+    """`<group>.name`, `<group>.get("name")` and `<group>["name"]` reads in `source`."""
+    alternatives = "|".join(groups)
+    pattern = rf"\b({alternatives})(\.name\b|\.get\(\s*['\"]name['\"]|\[\s*['\"]name['\"]\s*\])"
+    return [m.group(0) for m in re.finditer(pattern, source)]
+
+
+def test_no_layer_branches_on_a_component_choice_s_name():
+    reads = {}
+    for layer in NAME_READING_LAYERS:
+        for path in sorted((FRAMEWORK / layer).rglob("*.py")):
+            if found := choice_name_reads(path.read_text()):
+                reads[str(path.relative_to(ROOT))] = found
+    assert not reads, f"a layer reads a component group's choice by name: {reads}"
+
+
+def test_the_name_check_sees_each_form_of_the_read():
+    source = 'if cfg.optim.name == "adamw": pass\nx = cfg.schedule.get("name")\ny = optim["name"]\nz = cfg.optim.lr'
+    assert choice_name_reads(source) == ["optim.name", 'schedule.get("name"', 'optim["name"]']
