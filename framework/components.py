@@ -81,7 +81,7 @@ def check_component(cfg: DictConfig, group: str, own: Collection[str] = (), runt
     leading positional arguments the framework passes (the parameters); `given`: keywords it passes
     where the class takes them (an LR schedule's `total_steps`). Then the class's own `check(cfg)`
     (the run's whole config: a component may refuse a layout). Returns the class."""
-    node = cfg[group]
+    node = OmegaConf.select(cfg, group)  # a group (optim), or an entry of one (converters.freeze)
     cls = locate(node, group)
     params = _parameters(cls)[runtime:]
     named = {p.name: p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}

@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, ...]] = [
         "schedules",  # the LR schedule components (warm-up + cosine, WSD)
         "figures",
         "hooks",  # the callbacks' contract: hooks, Control, Run (validation reads it)
-        "convert",  # model converters (peft=lora), applied at one point of the build
+        "converters",  # model converters (peft=lora's adapters, the converters group), at one point of the build
     ),  # fmt: skip
     # the measure wing: what a run measures and how it counts (FLOPs, memory, collectives, peaks)
     ("measure",),

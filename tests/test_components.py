@@ -26,6 +26,8 @@ TWO_BATCHES = ["parallel=ddp,fsdp", "data.batch_size=4"]  # two: 2 x 4
 TOLERANCE = 1e-4  # relative, per step (fp32: the layouts' reordered sums, ~1e-6)
 
 USER_PACKAGE = '''
+import os
+
 import torch
 
 
@@ -49,6 +51,26 @@ class MyAdaGrad(torch.optim.Optimizer):
                 p.addcdiv_(p.grad, state["sum"].sqrt().add_(group["eps"]), value=-group["lr"])
 
 
+class FreezeEmb:
+    """A researcher's converter: the embeddings' tables train no more; after each step it notes,
+    in FREEZE_LOG, that they hold no gradient."""
+
+    def __init__(self, log_every=1):
+        self.log_every = log_every
+
+    def convert(self, model):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                module.weight.requires_grad_(False)
+
+    def post_optimizer_hook(self, model):
+        tables = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        frozen = all(not t.requires_grad and t.grad is None for t in tables)
+        with open(os.environ["FREEZE_LOG"], "a") as log:
+            log.write(("frozen" if frozen else "TRAINED") if tables else "no table here")
+            log.write("\\n")
+
+
 class InverseSqrt(torch.optim.lr_scheduler.LambdaLR):
     """A researcher's schedule: linear warm-up, then 1/sqrt(step)."""
 
@@ -57,6 +79,7 @@ class InverseSqrt(torch.optim.lr_scheduler.LambdaLR):
 '''
 OPTIM_YAML = "_target_: mine_pkg.MyAdaGrad\n_partial_: true\nlr: 3e-2\n"
 SCHEDULE_YAML = "_target_: mine_pkg.InverseSqrt\n_partial_: true\nwarmup: 2\n"
+CONVERTER_YAML = "freeze_emb:\n  _target_: mine_pkg.FreezeEmb\n"  # a converter: an entry by its name
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +88,9 @@ def user(tmp_path_factory):
     folder = tmp_path_factory.mktemp("researcher")
     (folder / "mine_pkg").mkdir()
     (folder / "mine_pkg" / "__init__.py").write_text(USER_PACKAGE)
-    for group, text in (("optim", OPTIM_YAML), ("schedule", SCHEDULE_YAML)):
+    for group, text in (("optim", OPTIM_YAML), ("schedule", SCHEDULE_YAML), ("converters", CONVERTER_YAML)):
         (folder / "conf" / group).mkdir(parents=True)
-        (folder / "conf" / group / "mine.yaml").write_text(text)
+        (folder / "conf" / group / ("freeze_emb.yaml" if group == "converters" else "mine.yaml")).write_text(text)
     sys.path.insert(0, str(folder))
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), old) if p)
@@ -76,9 +99,9 @@ def user(tmp_path_factory):
     os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
 
 
-def sweep(args: list[str], folder) -> dict[str, list[float]]:
+def sweep(args: list[str], folder, env: dict[str, str] | None = None) -> dict[str, list[float]]:
     """One multirun; {parallel choice: its losses}."""
-    proc = train_cli(["-m", *BASE, *args, f"hydra.sweep.dir={folder}"], timeout=900)
+    proc = train_cli(["-m", *BASE, *args, f"hydra.sweep.dir={folder}"], timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = [d for d in folder.iterdir() if (d / "summary.json").exists()]
     return {read_summary(d)["choices"]["parallel"]: losses(d) for d in jobs}
@@ -92,17 +115,22 @@ def assert_same(got: dict[str, list[float]], reference: list[float]) -> None:
             assert abs(a - b) / abs(b) <= TOLERANCE, f"{name} step {step}: {a} vs one process {b}"
 
 
-def test_a_researchers_optimizer_and_schedule_train_under_every_strategy(user, tmp_path):
-    mine = [f"hydra.searchpath=[file://{user}/conf]", "optim=mine", "schedule=mine"]
+def test_a_researchers_optimizer_schedule_and_converter_train_under_every_strategy(user, tmp_path):
+    mine = [f"hydra.searchpath=[file://{user}/conf]", "optim=mine", "schedule=mine", "converters=[freeze_emb]"]
     refused = train_cli([*BASE, NO_CLIP, *mine])  # the run setting the user's file leaves out: added with `+`
     assert refused.returncode == 2 and refused.stderr.strip() == (
         "error: optim.grad_clip: optim=mine leaves it out (default 1.0); add it with +optim.grad_clip=0"
     ), refused.stderr
     mine = [f"+{NO_CLIP}", *mine]
-    one = sweep([*mine, *ONE_BATCH], tmp_path / "one")
-    two = sweep([*mine, *TWO_BATCHES], tmp_path / "two")
+    log = tmp_path / "freeze.log"  # each rank's post-optimizer hook, after each step
+    one = sweep([*mine, *ONE_BATCH], tmp_path / "one", {"FREEZE_LOG": str(log)})
+    two = sweep([*mine, *TWO_BATCHES], tmp_path / "two", {"FREEZE_LOG": str(log)})
     reference = one.pop("none")
     assert_same(one | two, reference)
+    # the converter ran at the one point for every layout (1 + 2 + 2 + 2 + 2 ranks), its hook after every
+    # step; a pipeline's last stage holds no embedding table
+    lines = log.read_text().splitlines()
+    assert len(lines) == STEPS * 9 and lines.count("frozen") == STEPS * 8 and "TRAINED" not in lines, lines
     run = next(d for d in (tmp_path / "one").iterdir() if (d / "summary.json").exists())
     lrs = [m["lr"] for m in read_metrics(run)]  # the user's schedule, as its closed form says
     assert lrs == pytest.approx([3e-2 * ((s + 1) / 2 if s < 2 else (2 / (s + 1)) ** 0.5) for s in range(STEPS)])
@@ -194,7 +222,7 @@ def test_a_component_s_bad_key_or_value_is_one_line_naming_it(overrides, key, wo
 
 def test_a_torch_class_is_a_choice_as_it_is():
     """`optim._target_=torch.optim.Adam` trains Adam: the class, its kwargs, the framework's groups."""
-    from framework.optimizers import build_optimizer
+    from framework.optimizers.build import build_optimizer
 
     cfg = compose(["experiment=smoke", "device=cpu", "optim._target_=torch.optim.Adam"])
     validate(cfg)

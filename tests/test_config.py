@@ -20,8 +20,19 @@ DATA_MODEL = {"text": "gpt", "varlen": "gpt", "images": "resnet", "vectors": "ml
               "text_smoke": "gpt", "chat": "llama", "hf": "gpt"}  # fmt: skip
 CUSTOM_DATA = ["data._target_=framework.data.datasets.SyntheticVectors", "+data.num_samples=256", "+data.dim=32",
                "+data.num_classes=8", "+data.seed=0"]  # fmt: skip
-GROUPS = ["backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "schedule", "logger",
-          "callbacks"]
+GROUPS = [
+    "backend",
+    "parallel",
+    "precision",
+    "memory",
+    "peft",
+    "data",
+    "model",
+    "optim",
+    "schedule",
+    "logger",
+    "callbacks",
+]
 HEALTH_ORDER = ["spike", "straggler", "checksum"]  # callbacks/default.yaml's entries, a part file each in health/
 HEALTH = set(HEALTH_ORDER)
 

@@ -254,9 +254,12 @@ def test_the_launcher_checks_a_run_without_importing_what_only_workers_use(tmp_p
     torch._dynamo and Inductor unimported, and under fsdp DTensor and the pipelining package too:
     a second and a half of CPU in every launch otherwise (the workers' forkserver imports them
     once). Under compile too: compile_block imports Inductor's config when it compiles, and the
-    checks read the degrees from framework.parallel.dims, whose package imports nothing."""
+    checks read the degrees from framework.parallel.dims, whose package imports nothing. And
+    train.py's own imports (framework.config, the components' checks) leave torch to the forkserver
+    it starts beside the composing: imported first, it serialises a second of every launch."""
     script = (
         "import sys, train\n"
+        "assert 'torch' not in sys.modules, 'train.py imports torch before its forkserver starts'\n"
         "HEAVY = ('torch._dynamo', 'torch._inductor', 'torch.distributed.tensor', 'torch.distributed.pipelining')\n"
         "from framework.doors.launch import admit\n"
         "from tests.helpers import compose_config\n"

@@ -16,7 +16,7 @@ import torch
 from framework.dist import bound_device, cuda_device_index, slurm_binds_gpus
 from framework.figures import Registry
 from framework.measure.metrics import above_ceiling
-from framework.optimizers import fuses
+from framework.optimizers.build import fuses
 from framework.run.ledger import Ledger
 from framework.run.step import PendingStep
 
@@ -152,7 +152,7 @@ def test_the_optimizer_is_fused_exactly_where_every_parameter_is_on_cuda():
 
     from omegaconf import OmegaConf
 
-    from framework.optimizers import build_optimizer
+    from framework.optimizers.build import build_optimizer
 
     cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1})
     optimizer = build_optimizer(torch.nn.Linear(4, 4), cfg)

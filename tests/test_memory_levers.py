@@ -193,7 +193,7 @@ def test_the_step_in_backward_holds_one_parameters_gradient_at_a_time():
     from omegaconf import OmegaConf
 
     from framework.contract import build_model
-    from framework.optimizers import build_optimizer
+    from framework.optimizers.build import build_optimizer
 
     def most_alive(in_backward: bool) -> tuple[int, int]:
         cfg = OmegaConf.create(world_config([*BASE, "parallel=none", "optim.grad_clip=0",

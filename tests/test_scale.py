@@ -129,9 +129,10 @@ def _optimizer_groups(rank: int, world: int, overrides: list[str]) -> tuple[int,
 
     cfg = OmegaConf.create(world_config(overrides, world))
     setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"))
-    decay, no_decay = setup.optimizer.param_groups
-    assert decay["weight_decay"] == cfg.optim.weight_decay > 0 and no_decay["weight_decay"] == 0
-    return len(decay["params"]), len(no_decay["params"]), type(setup.precision.scaler).__name__
+    groups = setup.optimizer.param_groups  # the blocks' matrices, the other decayed parameters, the rest
+    decay, (no_decay,) = [g for g in groups if g["weight_decay"] > 0], [g for g in groups if g["weight_decay"] == 0]
+    assert all(g["weight_decay"] == cfg.optim.weight_decay > 0 for g in decay) and decay[0].get("matrix")
+    return sum(len(g["params"]) for g in decay), len(no_decay["params"]), type(setup.precision.scaler).__name__
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from framework.data.datasets import VarlenSequences, VarlenShape
 from framework.data.samplers import BatchSizes, distributed_sampler, permutation
 from framework.levers import apply_activation_checkpointing
 from framework.measure.memory import SavedActivationMeter, model_state_bytes
-from framework.optimizers import build_optimizer
+from framework.optimizers.build import build_optimizer
 from framework.precision import build_precision
 from framework.schedules.shapes import WarmupCosine
 from models import GPT, MLP, LSTMClassifier, ResNet

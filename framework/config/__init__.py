@@ -41,6 +41,15 @@ def register_resolvers() -> None:
 
     register_run_id()
     OmegaConf.register_new_resolver("data_vocab", _data_vocab, replace=True)
+    OmegaConf.register_new_resolver("help_groups", help_groups, replace=True)
+
+
+def help_groups() -> str:
+    """`--help`'s groups: each group of conf/ a user picks from and its choices (not the schemas
+    Hydra's own list shows, nor a group's part files); `${help_groups:}` in hydra.help.template."""
+    groups = sorted(d for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra")
+    lines = [f"{d.name}: {', '.join(sorted(p.stem for p in d.glob('*.yaml')))}" for d in groups]
+    return "\n".join(lines)
 
 
 def _data_vocab(*, _root_) -> int | None:

@@ -24,7 +24,7 @@ from framework.contract import (
     locate_target,
     spec_of,
 )
-from framework.peft import apply_peft
+from framework.converters import convert_model
 
 _BUILT: dict[str, tuple[nn.Module, ModelSpec]] = {}  # one meta build per model config
 
@@ -38,7 +38,9 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
 
 
 def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
-    key = OmegaConf.to_yaml(cfg.model, resolve=True) + OmegaConf.to_yaml(cfg.get("peft") or {})
+    key = OmegaConf.to_yaml(cfg.model, resolve=True) + OmegaConf.to_yaml(
+        {k: cfg.get(k) for k in ("peft", "converters")}
+    )
     if key not in _BUILT:
         target = locate_target(cfg.model)
         try:
@@ -53,7 +55,7 @@ def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
         spec = _spec(model, cfg, target)
         _check_peft_settings(cfg.get("peft"))  # before the adapters are built from them (a rank of 0 would raise)
         with suppress(ValueError):  # targets that match nothing: _check_peft names them
-            apply_peft(model, cfg.get("peft"), spec.blocks, 0)  # the planner counts what trains
+            convert_model(model, cfg, spec)  # the converters, as the run applies them: the planner counts what trains
         _BUILT[key] = model, spec
     return _BUILT[key]
 

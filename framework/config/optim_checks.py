@@ -1,5 +1,5 @@
-"""Checks of the components a run is made of, before any worker starts: the optimizer and the LR
-schedule (framework/components.py checks each against its class's signature, then asks the
+"""Checks of the components a run is made of, before any worker starts: the optimizer, the LR
+schedule and the model converters (framework/components.py checks each against its class's signature, then asks the
 class's own `check`), and the optim group's own settings (framework/optimizers' OWN)."""
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ def check_optim(cfg: DictConfig) -> None:
     try:
         check_component(cfg, "optim", OPTIM_OWN)
         check_component(cfg, "schedule", SCHEDULE_OWN, given=("total_steps",))
+        if cfg.get("converters"):
+            from framework.converters import check_converters  # torch: only where converters are listed
+
+            check_converters(cfg)
     except ComponentError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
     o = cfg.optim

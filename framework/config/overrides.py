@@ -188,12 +188,10 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
 
 
 def _own_setting(key: str, overrides: list[str]) -> str | None:
-    """`optim.grad_clip=0` where the chosen optim file leaves that run setting out (a user's
-    `_target_` file need not list them): the `+` that adds it."""
+    """`optim.grad_clip=0` where the optim file (a user's) leaves that run setting out: add it with `+`."""
     from framework.optimizers import OWN
 
-    group, _, leaf = key.partition(".")
-    if group != "optim" or leaf not in OWN:
+    if (group := key.partition(".")[0]) != "optim" or (leaf := key.partition(".")[2]) not in OWN:
         return None
     choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), "adamw")
     value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")

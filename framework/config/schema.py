@@ -247,6 +247,8 @@ class Config:
     nonfinite: Nonfinite = Nonfinite.stop  # a NaN/inf loss or gradient: stop (an error naming the step) or skip it
     # named callbacks, each a `_target_` class and its arguments (framework/callbacks, docs/callbacks.md)
     callbacks: dict[str, Any] = field(default_factory=dict)
+    # model converters, each a `_target_` class with convert(model), applied in order (framework/converters)
+    converters: dict[str, Any] = field(default_factory=dict)
     optimize: Optimize = Optimize.tokens_per_s  # the figure returned to a sweeper
 
 

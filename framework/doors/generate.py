@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from framework.config import ConfigError, resolve_device, resolve_nproc
 from framework.config.door import DoorInput, resolve_input, split_target
 from framework.contract import build_model, logits_of, spec_of
-from framework.convert import convert_model
+from framework.converters import convert_model
 from framework.data.tokenizer import ByteTokenizer, HFTokenizer, data_tokenizer
 from framework.doors.evaluate import load_model
 from framework.modules import materialize_model
@@ -67,7 +67,7 @@ def build_lm(door: DoorInput, device: torch.device) -> torch.nn.Module:
         raise ConfigError(
             "model", f"{cfg.model._target_} is a {spec.task} model; generation needs a language model (lm)"
         )
-    convert_model(model, cfg, spec)  # peft=lora's adapters: a fine-tune's checkpoint holds them
+    convert_model(model, cfg, spec)  # the run's converters (peft=lora's adapters: a fine-tune's checkpoint holds them)
     if door.checkpoint is not None:
         load_model(door.checkpoint, model)
     else:

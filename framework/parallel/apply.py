@@ -20,7 +20,6 @@ each sequence a rank computes.
 from __future__ import annotations
 
 import math
-import random
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -31,8 +30,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from framework import peft
-from framework.contract import ModelSpec, block_matrices, blocks_of, build_model
+from framework.contract import ModelSpec, block_matrices, blocks_of
+from framework.converters import on_meta
 from framework.dist import DistInfo
 from framework.levers import apply_memory_lever, compile_block
 from framework.modules import map_blocks, materialize_model
@@ -88,30 +87,15 @@ def model_dims(model: nn.Module, spec: ModelSpec) -> tuple[int | None, int | Non
 
 
 def parallelize(
-    meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, materialise: Callable = materialize_model
+    model: nn.Module, spec: ModelSpec, cfg: DictConfig, info: DistInfo, materialise: Callable = materialize_model
 ) -> Parallelized:
-    """The model built on the meta device, laid out by the strategy and materialised: this rank's
-    part, with the values of the single-process model. (`materialise(module, spec, cfg, device)`:
-    the planner's dry run allocates fake tensors instead, framework.plan.dry_run.)
-
-    Models with an init rule (gpt), and pretrained weights, stay on the meta device until the
-    strategy says when to allocate them (`Strategy.materialise_late`): either way the values are
-    the single-process model's (row-seeded: models/init.py). Models without one are built on the
-    device whole, from the run's seed, with their own initialisation."""
+    """The converted model (`converted_model`) laid out by the strategy and materialised: this
+    rank's part, with the values of the single-process model. (`materialise(module, spec, cfg,
+    device)`: the planner's dry run allocates fake tensors instead, framework.plan.dry_run.)"""
     strategy = Strategy.of(cfg.parallel)
-    on_meta = spec.on_meta or cfg.model.get("pretrained") is not None
-    late = strategy.materialise_late(on_meta)
-    if on_meta:
-        model = meta
-        if not late:
-            materialise(model, spec, cfg, info.device)
-    else:
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, info.device)
-        peft.apply_peft(model, cfg.get("peft"), spec.blocks, cfg.seed)
-    if peft.enabled(cfg.get("peft")) and info.is_main:
-        print(peft.describe(model, cfg.peft), flush=True)
+    late = strategy.materialise_late(on_meta(spec, cfg))
+    if on_meta(spec, cfg) and not late:
+        materialise(model, spec, cfg, info.device)
     decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
     decay |= {alias for alias, source in spec.ties.items() if source in decay}  # a pipeline's copy of a tie
     par = _wrap(model, spec, cfg, info, strategy)

@@ -106,9 +106,10 @@ def _one_rank(cfg: DictConfig, world: int, layout: Layout, rank: int) -> RankRep
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from framework.contract import build_model, spec_of
+    from framework.converters import converted_model
     from framework.dist import DistInfo
     from framework.measure.memory import model_state_bytes
-    from framework.optimizers import build_optimizer
+    from framework.optimizers.build import build_optimizer
     from framework.parallel.apply import parallelize
 
     start = time.perf_counter()
@@ -118,7 +119,8 @@ def _one_rank(cfg: DictConfig, world: int, layout: Layout, rank: int) -> RankRep
         info = DistInfo(rank, world, 0, 1, torch.device("cpu"), "fake")
         meta = build_model(cfg.model, "meta")
         spec = spec_of(meta, cfg.model)
-        par = parallelize(meta, spec, cfg, info, materialise=_fake_materialiser(fake))
+        model, _ = converted_model(meta, spec, cfg, info)
+        par = parallelize(model, spec, cfg, info, materialise=_fake_materialiser(fake))
         optimizer = build_optimizer(par.module, cfg.optim, par.decay, matrices=par.matrices)
         stages = list(par.pipeline.stages.items()) if par.pipeline is not None else [(0, par.module)]
         with fake:

@@ -13,10 +13,11 @@ from framework.config.memory_checks import in_backward_frees
 from framework.config.model import meta_model, model_dims_of, model_spec
 from framework.optimizers.prices import unpriced
 from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
-from framework.plan.model import Layout, Shapes, layout_of, model_shapes, optimizer_price, state_bytes
+from framework.plan.model import Layout, Shapes, layout_of, model_shapes
 from framework.plan.ops import Trace, trace_forward
 from framework.plan.peak import cached_bytes, peak_parts
 from framework.plan.profile import Profile
+from framework.plan.state import optimizer_price, state_bytes
 from framework.plan.timing import bubble, comm_s, step_split
 from framework.plan.traffic import traffic
 from framework.precision import DTYPES

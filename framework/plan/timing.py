@@ -26,6 +26,7 @@ from framework.plan.activations import (
 )
 from framework.plan.model import Layout, Shapes, stage_rank
 from framework.plan.ops import BACKWARD_ATTENTION, BACKWARD_BYTES, BACKWARD_OPS, Region, Trace
+from framework.plan.state import optimizer_step_cost
 
 
 def bubble(layout: Layout) -> float:
@@ -66,10 +67,12 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
     over its share of the parameters, and the data-parallel gradient copies. Without a trace or a
     probed machine: the FLOPs at the profile's peak, plus a dispatch overhead per estimated operator."""
     kernels = profile.kernels
+    # an optimizer whose step multiplies whole matrices (Muon): its FLOPs on the busiest pipeline rank
+    optimizer_s = max((flops for flops, _ in optimizer_step_cost(shapes, cfg, layout)), default=0) / profile.peak_flops
     if trace is None or kernels is None:
         flops = shapes.hardware_flops_per_token + _budget_recomputed_flops(shapes, cfg, layout)
         flops *= step_tokens(cfg, layout) / max(layout.world, 1)
-        seconds = flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s
+        seconds = flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s + optimizer_s
         return seconds, seconds * profile.share  # the profile's peak is already a rank's share of the cores
     micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
     every, redo = checkpoint_every(cfg), _redo(shapes, cfg, layout)
@@ -92,7 +95,7 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
                 seconds += _region_s(region, "post" if layout.loss_parallel else key, layout, kernels, profile)
         per_rank.append(seconds)
     local_params = sum(math.prod(p.shape) for p in shapes.params) / (layout.tp * layout.pp * max(layout.shard, 1))
-    update = local_params * kernels.optimizer_s_per_param + _grad_copies_s(shapes, layout, kernels)
+    update = local_params * kernels.optimizer_s_per_param + _grad_copies_s(shapes, layout, kernels) + optimizer_s
     scale = kernels.in_situ  # the operators as a real step runs them (framework.plan.calibrate)
     return scale * (micro * max(per_rank) + update), scale * (micro * sum(per_rank) / len(per_rank) + update)
 

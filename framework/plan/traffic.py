@@ -19,6 +19,8 @@ wire bytes, in the shape `framework.measure.comm` measures them (so the two comp
   gradient (float32, the ring's accumulation dtype) cp hops backward; each hop a send and a receive.
   torch's own `context_parallel` (cp_impl=torch) is not modelled.
 - clipping: one 4-byte all-reduce of the squared norm (mesh strategies and FSDP1).
+- the optimizer's own (framework.plan.model.optimizer_step_cost): Muon gathers each sharded matrix
+  whole in its step, over FSDP's shard group and tensor parallel's group in turn.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from omegaconf import DictConfig
 from framework.measure.comm import RING_FACTOR
 from framework.plan.activations import checkpoint_every, micro_batch, tokens_per_rank
 from framework.plan.model import Layout, Shapes, _numel, _tp_local, fsdp_rows, stage_rank
+from framework.plan.state import optimizer_step_cost
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "amp": 2}
 
@@ -107,6 +110,9 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
         if layout.cp_impl != "ring" or shapes.gpt is None:
             return None
         _ring_attention(ranks, shapes, cfg, layout)
+    for t, (_, gathers) in zip(ranks, optimizer_step_cost(shapes, cfg, layout) or [(0, [])] * len(ranks), strict=True):
+        for elements, group, stride in gathers:
+            t.add("tp:all_gather", 4 * elements, group, stride=stride)
     for t in ranks:  # clipping's global norm
         t.add("all_reduce", 4, layout.world)
         if cfg.precision.name == "amp":  # the sharded loss scaler's found_inf (framework/precision.py)

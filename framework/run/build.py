@@ -9,6 +9,7 @@ defines) -> precision -> resume."""
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import replace
@@ -19,14 +20,14 @@ from omegaconf import DictConfig
 from framework.checkpoint import store as checkpoint
 from framework.checkpoint.resume import choose as choose_resume
 from framework.contract import blocks_of, build_model, spec_of
-from framework.convert import convert_model
+from framework.converters import converted_model, hook_converters
 from framework.data import build_data
 from framework.data.datasets import truncation_line
 from framework.dist import DistInfo, restart_count
 from framework.measure.memory import SavedActivationMeter
 from framework.measure.metrics import ForwardTimer, count_flops, peak_flops
 from framework.measure.peak import PeakProbe
-from framework.optimizers import build_optimizer
+from framework.optimizers.build import build_optimizer
 from framework.parallel.apply import Parallelized, parallelize
 from framework.parallel.dims import Strategy
 from framework.precision import build_precision
@@ -34,6 +35,13 @@ from framework.run.measurements import Measurements
 from framework.run.run_files import checkpoint_root
 from framework.run.step import Parts, Resumed
 from framework.schedules import build_scheduler, resumed_schedule
+
+
+def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` on the meta device, where FLOPs are counted (a model built on the device: a copy)."""
+    if all(p.is_meta for p in model.parameters()):
+        return model
+    return copy.deepcopy(model).to("meta")
 
 
 def seed_everything(seed: int) -> None:
@@ -45,14 +53,15 @@ def build(cfg: DictConfig, info: DistInfo, train_data: bool = True) -> Parts:
     """This rank's parts (before `resume` loads a checkpoint into them); `train_data=False`: no
     training data (a front door that reads a split of its own: the training one may be smaller than a batch)."""
     seed_everything(cfg.seed)
-    meta = build_model(cfg.model, "meta")  # free: the contract is read from it and FLOPs counted on it
+    meta = build_model(cfg.model, "meta")  # free: the contract is read from it
     spec = spec_of(meta, cfg.model)
-    convert_model(meta, cfg, spec)  # model converters (framework/convert.py), before FLOPs are counted
-    flops = count_flops(meta, spec, cfg, Strategy.of(cfg.parallel).devices(info.world_size))
-    n_blocks = len(blocks_of(meta, spec))
-    par = parallelize(meta, spec, cfg, info)
-    del meta  # the plain model object keeps nothing alive beyond what `par` holds
+    model, converters = converted_model(meta, spec, cfg, info)  # the one converter point (framework/converters)
+    flops = count_flops(meta_twin(model), spec, cfg, Strategy.of(cfg.parallel).devices(info.world_size))
+    n_blocks = len(blocks_of(model, spec))
+    par = parallelize(model, spec, cfg, info)
+    del meta, model  # the plain model objects keep nothing alive beyond what `par` holds
     optimizer = build_optimizer(par.module, cfg.optim, par.decay, par, par.matrices)
+    hook_converters(converters, optimizer, par.module)  # their post-optimizer hooks, after each step
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps)
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
     if not train_data:

@@ -8,12 +8,14 @@ works as it is: it is stepped once per optimizer step and saved in every checkpo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from omegaconf import DictConfig
 
 from framework.components import build_component
+
+if TYPE_CHECKING:  # the config checks import this package before torch (train.py starts the forkserver first)
+    import torch
 
 OWN = ("steps",)  # schedule.steps: the span (null: the run's steps; a resumed run keeps its own)
 
