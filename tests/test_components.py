@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 from framework.config import ConfigError, compose, validate
 from framework.optimizers.muon import newton_schulz
-from tests.helpers import losses, read_metrics, read_summary, train_cli
+from tests.helpers import ROOT, losses, read_metrics, read_summary, train_cli
 
 STEPS = 5
 BASE = ["experiment=smoke", f"steps={STEPS}", "progress=false"]
@@ -230,3 +231,14 @@ def test_a_torch_class_is_a_choice_as_it_is():
     optimizer = build_optimizer(model, cfg.optim)
     assert type(optimizer) is torch.optim.Adam and [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.0]
     assert math.isclose(optimizer.defaults["lr"], cfg.optim.lr)
+
+
+def test_help_lists_the_groups_a_user_picks_from():
+    """`--help`: each group of conf/ and its choices, the components among them; not the schema/ groups."""
+    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    groups = proc.stdout.split("== Configuration groups ==\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert proc.returncode == 0 and "schema/" not in proc.stdout, proc.stdout[:2000]
+    assert {"optim: adamw, muon, sgd", "schedule: constant, cosine, wsd", "converters: freeze"} <= set(groups), groups
+    assert [g.split(":")[0] for g in groups] == sorted(
+        d.name for d in (ROOT / "conf").iterdir() if d.is_dir() and d.name != "hydra"
+    )
