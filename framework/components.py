@@ -48,7 +48,8 @@ def locate(node: DictConfig, group: str) -> Any:
     its real cause (no such module, or a module without that name)."""
     target = str(node.get("_target_") or "")
     if not target:
-        raise ComponentError(f"{group}._target_", "not set: name the class, e.g. torch.optim.AdamW")
+        example = "pkg.module.MyModel" if group == "model" else "torch.optim.AdamW"
+        raise ComponentError(f"{group}._target_", f"not set: name the class or factory, e.g. {example}")
     parts = target.split(".")
     for cut in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
         module_name = ".".join(parts[:cut])
@@ -58,6 +59,11 @@ def locate(node: DictConfig, group: str) -> Any:
             if err.name is not None and not module_name.startswith(err.name):
                 raise ComponentError(f"{group}._target_", f"importing {module_name!r} failed: {err}") from None
             continue
+        except Exception as err:  # noqa: BLE001 - the module's own error (a syntax error, a failed import in it)
+            why = str(err).splitlines()[0] if str(err) else ""
+            raise ComponentError(
+                f"{group}._target_", f"importing {module_name!r} failed: {type(err).__name__}: {why}"
+            ) from None
         for attr in parts[cut:]:
             if not hasattr(obj, attr):
                 raise ComponentError(f"{group}._target_", f"cannot import {target!r}: module {module_name!r} has no "

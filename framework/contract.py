@@ -158,19 +158,14 @@ def build_model(model_cfg: Any, device: torch.device | str = "meta") -> nn.Modul
 
 
 def locate_target(model_cfg: Any) -> Any:
-    """The class or function ``model._target_`` names; ContractError when it cannot be imported."""
-    from hydra.utils import get_object
+    """The class or function ``model._target_`` names; ContractError when it cannot be imported,
+    with its real cause (no such module, a module without that name, or the module's own error)."""
+    from framework.components import ComponentError, locate
 
-    target = model_cfg.get("_target_")
-    if not target:
-        raise ContractError("model._target_", "not set: name the model's class or factory, e.g. pkg.module.MyModel")
     try:
-        return get_object(target)
-    except Exception as err:  # hydra wraps ImportError/AttributeError in its own
-        cause = str(err).splitlines()[0]
-        raise ContractError(
-            "model._target_", f"cannot import {target!r} ({cause}); is its folder on PYTHONPATH?"
-        ) from None
+        return locate(model_cfg, "model")
+    except ComponentError as err:
+        raise ContractError(err.key, str(err).split(": ", 1)[1]) from None
 
 
 # ----------------------------------------------------------------------------- the spec

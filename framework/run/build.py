@@ -34,7 +34,7 @@ from framework.precision import build_precision
 from framework.run.measurements import Measurements
 from framework.run.run_files import checkpoint_root
 from framework.run.step import Parts, Resumed
-from framework.schedules import build_scheduler, resumed_schedule
+from framework.schedules import build_scheduler, load_schedule, resumed_schedule
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -109,7 +109,7 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
     schedule, the loss scaler, the data position and, on the same layout, every rank's RNG."""
     state, rng = checkpoint.load(path, parts.par.module, parts.optimizer, info.rank, parts.par.tie_names)
     data_position(state.data, parts.data, path)
-    parts.scheduler.load_state_dict(state.scheduler)
+    load_schedule(parts.scheduler, state.scheduler)  # its per-group lists onto this rank's groups
     if state.scaler and parts.precision.scaler.is_enabled():
         parts.precision.scaler.load_state_dict(state.scaler)
     same_ranks = (state.layout["world_size"], state.layout["dp_size"]) == (info.world_size, parts.par.dp_size)

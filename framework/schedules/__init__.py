@@ -25,6 +25,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, run_steps
     return build_component(cfg, OWN, optimizer, total_steps=cfg.get("steps") or run_steps)
 
 
+def load_schedule(scheduler: Any, state: dict) -> None:
+    """A checkpoint's schedule into `scheduler`. Its per-group lists (`base_lrs`, `_last_lr`) are
+    the saving rank's groups, and a rank of another layout may hold fewer (a pipeline stage without
+    the embedding or the head has no group for them): where the saved groups shared one value,
+    each of this rank's groups takes it; else the resume is refused in one line."""
+    groups, state = len(scheduler.optimizer.param_groups), dict(state)
+    for key in ("base_lrs", "_last_lr"):
+        values = state.get(key)
+        if isinstance(values, list) and len(values) != groups:
+            if len({float(v) for v in values}) != 1:
+                raise ValueError(f"checkpoint.resume: the LR schedule's {key} differ by parameter group ({values}), "
+                                 f"and this rank has {groups} groups; resume on the layout it was saved with")  # fmt: skip
+            state[key] = [values[0]] * groups
+    scheduler.load_state_dict(state)
+
+
 def resumed_schedule(scheduler: Any, cfg: DictConfig, steps: int) -> str | None:
     """After loading a checkpoint's schedule: `schedule.steps` re-plans it; otherwise it keeps
     the length it was saved with. Returns the one line to print when that length is not this run's
