@@ -57,6 +57,7 @@ def _no_sync_worker(rank: int, world: int):
     from framework.config.parallel_schema import DDPConfig
     from framework.config.schema import MemoryConfig
     from framework.contract import build_model, spec_of
+    from framework.converters import converted_model
     from framework.dist import DistInfo
     from framework.parallel.apply import parallelize
 
@@ -64,8 +65,10 @@ def _no_sync_worker(rank: int, world: int):
     parts = {"parallel": DDPConfig(), "memory": MemoryConfig(), "model": linear}
     cfg = OmegaConf.create({**parts, "compile": False, "seed": 0})
     info = DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo")
-    model = build_model(cfg.model)
-    par = parallelize(model, spec_of(model, cfg.model), cfg, info)
+    meta = build_model(cfg.model)
+    spec = spec_of(meta, cfg.model)
+    model, _ = converted_model(meta, spec, cfg, info)  # built on this rank's device, as a run builds it
+    par = parallelize(model, spec, cfg, info)
     weight = par.module.module.weight  # DDP holds the model at .module
     x = torch.full((2, 4), float(rank + 1))  # each rank sees different data
     with par.grad_sync(False):
