@@ -14,8 +14,9 @@ What the framework asks of a component's class, each optional, found by attribut
 torch's is priced by its room, framework/optimizers/prices.py):
 
 - `check(cfg)`: a classmethod raising ValueError("<dotted key>: why") where the run's config (its
-  own group's kwargs, the layout) cannot run it, the key in full (`optim.momentum`, `parallel.version`); asked before any worker starts, after the kwargs are
-  checked against the signature here;
+  own group's kwargs, the layout) cannot run it, the key in full (`optim.momentum`,
+  `parallel.version`); asked before any worker starts, after the kwargs are checked against the
+  signature here;
 - `planner_price`: what it costs the planner's forecast (its room says in what terms); a component
   without one is planned as if it cost nothing, and the forecast says so.
 
@@ -143,10 +144,9 @@ def takes(cls: Any, name: str) -> bool:
 @functools.cache
 def _parameters(cls: Any) -> list[inspect.Parameter]:
     try:
-        params = list(inspect.signature(cls).parameters.values())
+        return list(inspect.signature(cls).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
         return [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
-    return params
 
 
 def _contradicts(default: Any, value: Any) -> bool:

@@ -131,7 +131,7 @@ def _optimizer_groups(rank: int, world: int, overrides: list[str]) -> tuple[int,
     setup = build(cfg, DistInfo(rank, world, rank, world, torch.device("cpu"), "gloo"))
     groups = setup.optimizer.param_groups  # the blocks' matrices, the other decayed parameters, the rest
     decay, (no_decay,) = [g for g in groups if g["weight_decay"] > 0], [g for g in groups if g["weight_decay"] == 0]
-    assert all(g["weight_decay"] == cfg.optim.weight_decay > 0 for g in decay)
+    assert all(g["weight_decay"] == cfg.optim.weight_decay > 0 for g in decay) and decay[0].get("matrix")
     return sum(len(g["params"]) for g in decay), len(no_decay["params"]), type(setup.precision.scaler).__name__
 
 

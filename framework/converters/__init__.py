@@ -1,8 +1,9 @@
 """Model converters (torchtitan's ModelConverter protocol): what changes a model's structure, or
 what of it trains, before it is laid out. They apply at one point of the build (`converted_model`)
 to every model, one kept on the meta device or one built whole on the run's device, in order:
-`peft=lora`'s adapters first (framework/peft.py), then each entry of the `converters` group in the order listed (`converters=[freeze_emb]`, from
-conf/converters/freeze_emb.yaml holding `freeze_emb: {_target_: pkg.Cls, ...its kwargs}`).
+`peft=lora`'s adapters first (framework/peft.py), then each entry of the `converters` group in the
+order listed (`converters=[freeze_emb]`, from conf/converters/freeze_emb.yaml holding
+`freeze_emb: {_target_: pkg.Cls, ...its kwargs}`).
 
 A converter is a class (framework/components.py: checked against its signature before any
 worker starts) with
@@ -27,8 +28,8 @@ from framework.peft import apply_peft, describe, enabled
 
 
 def converted_model(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: Any) -> tuple[nn.Module, list]:
-    """The model the run lays out, through the one converter point: `meta`
-    itself where its values come later, else built whole on the device; then every converter, once.
+    """The model the run lays out, through the one converter point: `meta` itself where its values
+    come later, else built whole on the device; then every converter, once.
 
     Models with an init rule (gpt), and pretrained weights, stay on the meta device until the
     strategy says when to allocate them (`Strategy.materialise_late`): either way the values are

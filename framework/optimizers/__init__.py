@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from framework.components import kwargs_of
+
 # the run's own settings in the optim group, with their values where a user's file leaves them out:
 # optim.grad_clip, the max global gradient norm (0: none); optim.in_backward (docs/memory.md)
 OWN = {"grad_clip": 1.0, "in_backward": False}
@@ -30,6 +32,4 @@ def setting(cfg: DictConfig, key: str) -> Any:
 
 def optimizer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """The keyword arguments the optimizer's class gets (the optim group less the run's own keys)."""
-    from framework.components import kwargs_of
-
     return kwargs_of(cfg, OWN)

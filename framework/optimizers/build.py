@@ -29,9 +29,7 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, decay: set[str] | None = 
     def make(gs: list[dict]) -> torch.optim.Optimizer:
         return build_component(cfg, OWN, gs, **fused)
 
-    if setting(
-        cfg, "in_backward"
-    ):  # each parameter's update in its gradient's hook (framework/optimizers/in_backward.py)
+    if setting(cfg, "in_backward"):  # each update in its gradient's hook (framework/optimizers/in_backward.py)
         from framework.optimizers.in_backward import InBackwardOptimizer
 
         return InBackwardOptimizer(groups, make, layout)

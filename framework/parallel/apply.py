@@ -93,15 +93,18 @@ def parallelize(
     rank's part, with the values of the single-process model. (`materialise(module, spec, cfg,
     device)`: the planner's dry run allocates fake tensors instead, framework.plan.dry_run.)"""
     strategy = Strategy.of(cfg.parallel)
-    late = strategy.materialise_late(on_meta(spec, cfg))
-    if on_meta(spec, cfg) and not late:
+    held_back = on_meta(spec, cfg)
+    late = strategy.materialise_late(held_back)
+    if held_back and not late:
         materialise(model, spec, cfg, info.device)
-    decay = {name for name, p in model.named_parameters() if p.dim() >= 2}  # before FSDP1 flattens them
+    # by the plain model's names, before FSDP1 wraps and flattens them
+    decay = {name for name, p in model.named_parameters() if p.dim() >= 2}
     decay |= {alias for alias, source in spec.ties.items() if source in decay}  # a pipeline's copy of a tie
+    matrices = block_matrices(model, spec)
     par = _wrap(model, spec, cfg, info, strategy)
     if late:
         materialise(par.module, spec, cfg, info.device)
-    par.decay, par.matrices, par.tie_names = decay, block_matrices(model, spec), spec.ties
+    par.decay, par.matrices, par.tie_names = decay, matrices, spec.ties
     return par
 
 

@@ -19,7 +19,7 @@ wire bytes, in the shape `framework.measure.comm` measures them (so the two comp
   gradient (float32, the ring's accumulation dtype) cp hops backward; each hop a send and a receive.
   torch's own `context_parallel` (cp_impl=torch) is not modelled.
 - clipping: one 4-byte all-reduce of the squared norm (mesh strategies and FSDP1).
-- the optimizer's own (framework.plan.model.optimizer_step_cost): Muon gathers each sharded matrix
+- the optimizer's own (framework.plan.state.optimizer_step_cost): Muon gathers each sharded matrix
   whole in its step, over FSDP's shard group and tensor parallel's group in turn.
 """
 
@@ -110,9 +110,9 @@ def traffic(shapes: Shapes, cfg: DictConfig, layout: Layout) -> list[Traffic] | 
         if layout.cp_impl != "ring" or shapes.gpt is None:
             return None
         _ring_attention(ranks, shapes, cfg, layout)
-    for t, (_, gathers) in zip(ranks, optimizer_step_cost(shapes, cfg, layout) or [(0, [])] * len(ranks), strict=True):
+    for rank, (_, gathers) in enumerate(optimizer_step_cost(shapes, cfg, layout)):  # Muon's whole matrices
         for elements, group, stride in gathers:
-            t.add("tp:all_gather", 4 * elements, group, stride=stride)
+            ranks[rank].add("tp:all_gather", 4 * elements, group, stride=stride)
     for t in ranks:  # clipping's global norm
         t.add("all_reduce", 4, layout.world)
         if cfg.precision.name == "amp":  # the sharded loss scaler's found_inf (framework/precision.py)
