@@ -9,10 +9,17 @@ HYDRADIST_FAULT:
    is caught and whom it names; and what a check costs: the checksum on every step against none,
    in alternating pairs (A B B A), per step of goodput's productive time (which holds the checks;
    the step windows of step_time_s do not), scaled to the default interval of 100 steps;
-4. goodput: a run with a restart (rank 1 dies before step 11), two saves and an evaluation: its parts.
+4. goodput: a run with a restart (rank 1 dies before step 11), two saves and an evaluation: its parts;
+5. false alarms: the spike guard on healthy training, converging's clean runs (every family, 300 steps;
+   benchmarks/converging.py) with the default guard on (action=warn: what it flags is what rollback
+   would roll back), then each run's logged loss and gradient norm scored again by the guard at smaller
+   windows, warm-ups and thresholds (calibration.replay: the same arithmetic, offline). The config
+   check refuses any setting that flags a step of these runs (framework/callbacks/health/calibration.py).
 
-    python benchmarks/health.py            # about 3 minutes on 2 cores
-    python benchmarks/health.py --pairs 3
+    python benchmarks/health.py                       # about 20 minutes on 2 cores (5. is most of it)
+    python benchmarks/health.py --pairs 3 --keep DIR  # 5.'s runs kept in DIR (and reused when there)
+    python benchmarks/health.py --only false_alarms --write-calibration  # 5. alone; its runs become the
+                                                      # config check's data (framework/callbacks/health/clean_runs.json)
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,16 +145,62 @@ def goodput(tmp: Path) -> None:
           f"{outside:.2f} s, the rest being the summary, W&B and exit). Goodput {g['goodput']:.1%}.\n")  # fmt: skip
 
 
+def false_alarms(tmp: Path, keep: Path | None, write: bool) -> None:
+    import converging
+
+    from framework.callbacks.health.calibration import CLEAN_RUNS, replay
+
+    root = keep or tmp / "converging"
+    root.mkdir(parents=True, exist_ok=True)
+    data = converging.corpus(root / "grammar.txt")
+    runs, in_run = {}, []
+    for i, (family, model, layout) in enumerate(converging.RUNS):
+        out = root / f"run{i}"
+        if not (out / "summary.json").exists():
+            converging.train(out, [*converging.overrides(model, layout, data), "callbacks.spike.action=warn"])
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        block = json.loads((out / "summary.json").read_text())["spike"]
+        runs[f"{family} {model}"] = {k: [float(f"{m[k]:.5g}") for m in lines] for k in ("loss", "grad_norm")}
+        in_run.append([f"{family} {model}", len(lines), max(0, len(lines) - 128), block["count"]])
+    if write:  # what the config check replays (framework/callbacks/health/calibration.py)
+        CLEAN_RUNS.write_text(json.dumps({"command": "python benchmarks/health.py --only false_alarms "
+                                          "--write-calibration", "runs": runs}) + "\n")  # fmt: skip
+    series = {name: [dict(zip(r, v, strict=True)) for v in zip(*r.values(), strict=True)] for name, r in runs.items()}
+    print("## 5. False alarms on healthy training (converging's clean runs, 300 steps each)\n")
+    print("The default guard (window 128, warm-up 128, robust z-score > 6, loss and gradient norm) in each run, "
+          "action=warn (a flag is a rollback that action=rollback would make):\n")  # fmt: skip
+    print(table(["run", "steps", "steps scored", "flagged"], in_run) + "\n")
+    thresholds = [("zscore", 2.0), ("zscore", 3.0), ("zscore", 4.0), ("zscore", 6.0), ("ratio", 1.5), ("ratio", 2.0)]
+    for watch in (("loss", "grad_norm"), ("loss",)):
+        rows = []
+        for window, warmup in [(w, u) for w in (8, 16, 32, 64, 128) for u in (8, 16, 32, 64, 128) if u <= w]:
+            counts = [sum(sum(replay(s, window=window, warmup=warmup, watch=watch, zscore=value if kind ==
+                      "zscore" else None, ratio=value if kind == "ratio" else None)) for s in series.values())
+                      for kind, value in thresholds]  # fmt: skip
+            rows.append([window, warmup, *counts])
+        print(f"Watching {', '.join(watch)}: every run's logged series scored again (calibration.replay), the steps "
+              f"flagged summed over the {len(series)} runs ({sum(len(s) for s in series.values())} steps):\n")  # fmt: skip
+        print(table(["window", "warm-up", *(f"{k} > {v:g}" for k, v in thresholds)], rows) + "\n")
+    print("The config check refuses every setting whose count is not 0 (framework/callbacks/health/calibration.py "
+          "replays the user's own settings over these runs), naming the smallest window that flags none.\n")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--keep", type=Path, default=None, help="5.'s runs in this folder (reused when there)")
+    parser.add_argument("--write-calibration", action="store_true", help="5.'s runs into the config check's data")
+    parser.add_argument("--only", choices=("spikes", "stragglers", "corruption", "goodput", "false_alarms"))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out, recorded("health"):
+    # one part alone prints its table, and docs/results/health.md (all five) is left as it is
+    with tempfile.TemporaryDirectory() as out, nullcontext() if args.only else recorded("health"):
         tmp = Path(out)
-        spikes(tmp)
-        stragglers(tmp)
-        corruption(tmp, args.pairs)
-        goodput(tmp)
+        parts = {"spikes": lambda: spikes(tmp), "stragglers": lambda: stragglers(tmp),
+                 "corruption": lambda: corruption(tmp, args.pairs), "goodput": lambda: goodput(tmp),
+                 "false_alarms": lambda: false_alarms(tmp, args.keep, args.write_calibration)}  # fmt: skip
+        for name, part in parts.items():
+            if args.only in (None, name):
+                part()
 
 
 if __name__ == "__main__":

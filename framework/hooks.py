@@ -37,6 +37,8 @@ HOOKS = (
     "on_log",  # (step, record) a metrics.jsonl line (step 0: an evaluation before training, not in the file)
     "on_evaluate",  # (step, result) an evaluation after step `step`
     "on_save",  # (step, path) a checkpoint after step `step` was written (async: staged)
+    "on_rollback",  # (step) the run went back to its checkpoint of step `step`: the steps after it are abandoned
+    "rollback_reach",  # () -> the oldest step a rollback this callback may still ask for goes back to (None: it asks none)
     "state_dict",  # () -> a JSON-able dict saved in every checkpoint (trainer.json)
     "load_state_dict",  # (state) what state_dict returned, when a run resumes from that checkpoint
     "on_exception",  # (error) the run is failing (then on_end is not called)
@@ -59,6 +61,8 @@ class Callback:
     def on_log(self, step: int, record: Mapping[str, Any]) -> None: ...
     def on_evaluate(self, step: int, result: Mapping[str, Any]) -> None: ...
     def on_save(self, step: int, path: str | None) -> None: ...
+    def on_rollback(self, step: int) -> None: ...
+    def rollback_reach(self) -> int | None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def on_exception(self, error: BaseException) -> None: ...
@@ -68,6 +72,11 @@ class Callback:
 def defined_hooks(cls: type) -> list[str]:
     """The hooks `cls` defines itself (the base class's no-ops are not)."""
     return [h for h in HOOKS if callable(getattr(cls, h, None)) and getattr(cls, h) is not getattr(Callback, h, None)]
+
+
+class CallbackFailure(RuntimeError):
+    """A callback ends the run: its message says it all, in one line (no traceback), and the run's
+    checkpoints stay as they are."""
 
 
 @dataclass
@@ -171,6 +180,7 @@ class Run:
     log: Callable[[dict[str, Any], int, bool], None] = field(repr=False, default=lambda record, step, to_file: None)
     save: Callable[[Any, int], str | None] = field(repr=False, default=lambda checkpointer, done: None)
     call: Callable[..., None] = field(repr=False, default=lambda hook, *args: None)  # every callback's `hook`
+    reach: Callable[[], int | None] = field(repr=False, default=lambda: None)  # Callbacks.reach
 
     @property
     def rank(self) -> int:
@@ -207,6 +217,11 @@ class Callbacks:
 
     def state_dict(self) -> dict[str, Any]:
         return {name: method() for name, method in self.hooks["state_dict"]}
+
+    def reach(self) -> int | None:
+        """The oldest step a rollback may still go back to, over the callbacks that may ask for one
+        (None: none may): the steps up to it are final (framework/callbacks/loggers.py)."""
+        return min((r for _, method in self.hooks["rollback_reach"] if (r := method()) is not None), default=None)
 
     def load_state_dict(self, states: Mapping[str, Any]) -> None:
         for name, method in self.hooks["load_state_dict"]:

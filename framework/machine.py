@@ -94,6 +94,33 @@ def start_forkserver() -> None:
     atexit.register(_end_unused_forkserver, forkserver._forkserver._forkserver_pid)
 
 
+_warmed: list[int] = []  # the forkserver known to have imported what a worker imports (its pid)
+
+
+def warm_forkserver() -> float:
+    """Start the forkserver where none runs and wait until it has imported what a worker imports
+    (framework.doors.preload: torch, the trainer): the seconds that took, none once it is warm. A
+    sweep's job waits here before its own clock starts (framework.doors.launch.job_start): the
+    workers' start-up is the sweep's, paid once, not its first job's. It waits by starting one
+    process that does nothing: the forkserver forks nothing before its imports are done."""
+    from multiprocessing import forkserver
+
+    begin, server = time.time(), forkserver._forkserver
+    if server._forkserver_pid is not None and server._forkserver_pid in _warmed:
+        return 0.0
+    if server._forkserver_pid is None:
+        start_forkserver()
+    child = multiprocessing.get_context("forkserver").Process(target=_nothing, name="hydradist-warm")
+    child.start()
+    child.join()
+    _warmed[:] = [server._forkserver_pid]
+    return time.time() - begin
+
+
+def _nothing() -> None:
+    """warm_forkserver's process: started, it has shown that the forkserver is ready."""
+
+
 def _end_unused_forkserver(pid: int | None) -> None:
     if pid is not None and not _stop_forkserver_at_exit.cache_info().currsize:  # no launch_local
         os.kill(pid, signal.SIGKILL)  # it holds SIGTERM (framework.doors.preload)

@@ -101,7 +101,8 @@ def _worker(fn, args):
 
 def wandb_runs(folder: Path) -> list[dict[str, Any]]:
     """The W&B runs written offline under `folder` (any depth): for each, its group, name, tags
-    and summary keys, read back from the run's `.wandb` transaction log (the file `wandb sync`
+    and summary keys, the steps of its history (`steps`, in order; `rerun`: those marked as run
+    again after a rollback), read back from the run's `.wandb` transaction log (the file `wandb sync`
     uploads: W&B's LevelDB-style log of protobuf records, in 32 KiB blocks of 7-byte-headed chunks)."""
     import struct
 
@@ -111,7 +112,7 @@ def wandb_runs(folder: Path) -> list[dict[str, Any]]:
     for path in sorted(Path(folder).rglob("offline-run-*/run-*.wandb")):
         data = path.read_bytes()
         assert data[:4] == b":W&B", path
-        run: dict[str, Any] = {"path": path, "summary": set()}
+        run: dict[str, Any] = {"path": path, "summary": set(), "steps": [], "rerun": []}
         pos, chunk = 7, b""  # after the file header: ":W&B", magic, version
         while pos + 7 <= len(data):
             left = 32768 - pos % 32768
@@ -133,6 +134,10 @@ def wandb_runs(folder: Path) -> list[dict[str, Any]]:
                             "tags": list(record.run.tags)}  # fmt: skip
                 elif record.WhichOneof("record_type") == "summary":
                     run["summary"] |= {"/".join(u.nested_key) or u.key for u in record.summary.update}
+                elif record.WhichOneof("record_type") == "history":  # a logged step: its number, once each
+                    run["steps"].append(record.history.step.num)
+                    if any((i.key or "/".join(i.nested_key)) == "rollback/rerun" for i in record.history.item):
+                        run["rerun"].append(record.history.step.num)
         runs.append(run)
     return runs
 
@@ -199,7 +204,8 @@ def train_in_process(overrides: list[str], out) -> dict:
 
 
 SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu")  # what makes the host wait for a GPU
-HOST_SIDE = ("framework/loss.py", "framework/data/")  # these read the loader's batches: host memory, no GPU
+# these read the loader's batches (host memory, no GPU), or the config check's own host tensors
+HOST_SIDE = ("framework/loss.py", "framework/data/", "framework/callbacks/health/calibration.py")
 
 
 def count_syncs(monkeypatch, overrides: list[str], out) -> int:

@@ -166,7 +166,8 @@ def test_a_callback_saves_skips_an_update_and_rolls_back(tmp_path):
     """tests.probes.Requests under ddp x2: the checkpoint it asked for after step 1; step 2's update
     not applied (skipped: true, counted); after step 4 the run goes back to that checkpoint and
     replays steps 2-4 bit for bit (the same weights, data and random state), then step 5;
-    metrics.jsonl holds each step once."""
+    metrics.jsonl holds each step once, and the LR the callback set for each step (issue 68: the
+    logged LR is the one applied, whoever set it)."""
     run = tmp_path / "run"
     proc = train_cli([*SMOKE, *LAYOUTS["ddp"], "steps=5", "+callbacks.ask._target_=tests.probes.Requests"], run)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -178,6 +179,7 @@ def test_a_callback_saves_skips_an_update_and_rolls_back(tmp_path):
         False,
     ]
     assert read_summary(run)["nonfinite_skipped"] == 1
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-3 * k for k in range(1, 6)])
     seen = [tuple(s) for s in json.loads((run / "losses-rank0.json").read_text())]
     assert [s for s, _ in seen] == [1, 2, 3, 4, 2, 3, 4, 5]
     assert seen[1:4] == seen[4:7], seen  # the replay: the same losses, bit for bit

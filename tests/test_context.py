@@ -247,7 +247,7 @@ def test_llama_positions_default_is_the_plain_forward():
 
 BAD = [
     (["parallel=cp", "data.seq_len=30"], 2, "data.seq_len", "2 x cp = 4 chunks"),
-    (["parallel=cp", "model=lstm", "data=varlen"], 2, "parallel.cp", "is a classifier"),
+    (["parallel=cp", "model=lstm", "data=varlen"], 2, "parallel.cp", "declares task='classify', which has none"),
     (["parallel=cp", "parallel.cp_impl=torch", "device=cpu"], 2, "parallel.cp_impl", "CUDA SDPA kernels only"),
     (["parallel=hybrid", "parallel.cp=3", "parallel.tp=1"], 4, "parallel.dp_shard", "dp_replicate x cp = 3"),
     (["parallel=hybrid", "parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=2"], 4, "parallel", "world size is 4"),
@@ -270,6 +270,20 @@ def test_bad_cp_config_is_one_clear_error(overrides, world, key, message):
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert err.value.key == key and message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_language_model_is_one_by_its_contract_not_its_forwards_signature(tmp_path):
+    """model=hf (built by a function, task lm) under cp is refused as not built, never as a classifier."""
+    from framework.config import ConfigError, validate
+    from tests.helpers import compose_config, write_tiny_llama_config
+
+    folder = write_tiny_llama_config(tmp_path / "llama")
+    cfg = compose_config(["experiment=smoke", "parallel=cp", "model=hf", f"model.config={folder}", "launch.nproc_per_node=2"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == "parallel.cp" and "classifier" not in str(err.value), str(err.value)
+    assert str(err.value).endswith("whose attention is not this framework's (transformers'): context parallel for "
+                                   "it is not built"), str(err.value)  # fmt: skip
 
 
 def test_a_sliding_window_under_cp_is_the_rings_and_not_torchs():

@@ -14,6 +14,7 @@ import pytest
 from framework.dist import first_host
 from framework.doors.launch import objective
 from framework.doors.report import fastest, find_runs, markdown, write_report
+from framework.run.run_files import read_sweep_startup, write_sweep_startup
 from tests.helpers import (
     CONF,
     ROOT,
@@ -37,9 +38,15 @@ def summaries(sweep: Path) -> dict[str, dict]:
 
 def test_a_strategy_sweep_groups_its_wandb_runs_and_ends_in_a_report(tmp_path):
     sweep = tmp_path / "ddp-vs-fsdp"
+    # as a user's shell has it: W&B not silenced (conftest silences it), matplotlib's font cache not yet built
+    shell = {"WANDB_SILENT": "false", "MPLCONFIGDIR": str(tmp_path / "matplotlib")}
     proc = train_cli(["-m", *SMOKE, "logger=wandb", "parallel=ddp,fsdp", "precision=fp32,bf16",
-                      f"hydra.sweep.dir={sweep}"], timeout=600)  # fmt: skip
+                      f"hydra.sweep.dir={sweep}"], timeout=600, env=shell)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # issue 68: the report prints only its own lines, not W&B's banner nor matplotlib's "generated new fontManager"
+    output = proc.stdout + proc.stderr
+    assert "wandb:" not in output and "fontManager" not in output, output[-3000:]
+    assert "W&B offline report run: " in proc.stdout
     assert all(s["status"] == "ok" for s in summaries(sweep).values()) and len(summaries(sweep)) == 4
 
     # four job runs in one group named after the sweep directory, each named by its overrides,
@@ -82,6 +89,18 @@ def test_a_strategy_sweep_groups_its_wandb_runs_and_ends_in_a_report(tmp_path):
     pngs = sorted(sweep.glob("*.png"))
     assert {p.name for p in pngs} >= {"loss.png", "throughput.png", "memory.png", "comm.png"}
     assert all(is_png_with_content(p) for p in pngs)
+    # issue 68: each job's goodput counts from its own start. The sweep's start-up (Hydra and the
+    # imports before the first job, the workers' forkserver) is paid once, in its own line and in no
+    # job's wall time: the first job's start-up is the others' (it held both, seconds, before)
+    startup = json.loads((sweep / "startup.json").read_text())
+    assert startup["launcher_s"] > 1 and startup["workers_s"] > 0.5, startup
+    assert f"in no job's goodput (each job counts from its own start): {sum(startup.values()):.2f} s" in report
+    goodput = {job: s["goodput"] for job, s in summaries(sweep).items()}
+    others = max(goodput[j]["startup_s"] for j in "123")
+    assert goodput["0"]["startup_s"] < others + sum(startup.values()) / 2, (goodput, startup)
+    for job, figures in goodput.items():
+        assert figures["goodput"] == pytest.approx(figures["productive_s"] / figures["wall_s"])
+        assert float(table(report)[job]["goodput"].strip("*")) == pytest.approx(figures["goodput"], rel=0.01)
     # FSDP shards the model state: its memory column is smaller than DDP's, and bolded as best
     by_parallel = {s["choices"]["parallel"]: s for s in summaries(sweep).values()}
     assert by_parallel["fsdp"]["memory"]["param_bytes"] < by_parallel["ddp"]["memory"]["param_bytes"]
@@ -114,6 +133,11 @@ def test_report_marks_the_best_of_each_column_and_names_the_fastest_run(tmp_path
     assert "**1,000**" in row["0"] and "**2**" in row["1"] and "**2**" in row["10"] and "**4**" not in row["0"]
     assert "Every run: `steps=3`" in text
     assert "| 2 | `parallel=tp` | RuntimeError: out of memory |" in text
+    assert "Sweep start-up" not in text  # no record of one (a folder of runs, not a sweep)
+    write_sweep_startup(str(tmp_path), {"launcher_s": 5.0, "workers_s": 4.5})  # what a sweep's launcher writes
+    text = markdown(runs, "t", [], read_sweep_startup(tmp_path))
+    parts = "9.50 s (Hydra and the imports 5.00 s, the workers' forkserver 4.50 s)."
+    assert f"in no job's goodput (each job counts from its own start): {parts}" in text
 
 
 # issue 36: the four runs of a sweep whose report misled: losses alike to the third digit, the

@@ -17,7 +17,6 @@ import os
 import shlex
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,9 @@ from framework.config import ConfigError, backend_env, resolve_backend, resolve_
 from framework.config.run_folder import discard_refused
 from framework.data import DataError
 from framework.dist import adopt_slurm_env, launched_as_worker, slurm_task
-from framework.machine import launch_local, process_start_time
+from framework.doors.job_clock import job_start
+from framework.hooks import CallbackFailure
+from framework.machine import launch_local
 from framework.parallel.dims import Strategy
 from framework.plan.baseline import ensure_measured
 from framework.run.resilience import DUMP_FOLDER, Preempted, exit_code, flight_recorder_env, read_dumps
@@ -40,7 +41,8 @@ from framework.run.run_files import Summary, read_summary, write_summary
 log = logging.getLogger(__name__)
 
 GROUPS = ("backend", "parallel", "precision", "memory", "peft", "data", "model", "optim", "schedule", "logger")
-ONE_LINE = (CheckpointError, DataError)  # a worker's errors that say it all in their message: no traceback
+# a worker's errors that say it all in their message: no traceback
+ONE_LINE = (CheckpointError, DataError, CallbackFailure)
 
 _SHELL_ENV: dict[str, str | None] = {}  # what the environment held before we exported a knob
 
@@ -63,21 +65,9 @@ class RunFailed(RuntimeError):
     """A worker failed; its error has been printed and the summary says "failed"."""
 
 
-_jobs_started = 0
-
-
-def job_start() -> float:
-    """Where summary.startup_s counts from: the process start for its first job, else this job's
-    start (a sweep's later jobs). Passed to the workers with the config."""
-    global _jobs_started
-    _jobs_started += 1
-    return process_start_time() if _jobs_started == 1 else time.time()
-
-
 def main(cfg: DictConfig) -> float | None:
     """Hydra task function. Returns the figure a sweeper optimises (`optimize`: tokens/s by
     default), NaN for a failed run (a search scores it as a failed trial), None on ranks > 0."""
-    started = job_start()
     if slurm_task():
         adopt_slurm_env(cfg.launch.master_port)  # srun started this process as one rank
     hydra_cfg = HydraConfig.get()
@@ -89,6 +79,7 @@ def main(cfg: DictConfig) -> float | None:
     if sweeping and cfg.sweep.skip_done and (done := finished_summary(run_dir)) is not None:
         print(f"skip: {run_dir} already finished (sweep.skip_done=true)", flush=True)
         return objective(done.to_dict(), cfg.optimize)
+    started = job_start(cfg, hydra_cfg)
     try:
         lock = hold_run_folder(run_dir)  # first: one writer per run folder (framework/checkpoint/runlock.py)
         plan_auto = admit(cfg, run_dir, choices)

@@ -25,7 +25,8 @@ from typing import Any
 
 from framework.doors.report_table import DRIFT, column_texts, columns, fastest, fmt
 from framework.measure.plotting import plot, speed
-from framework.run.run_files import SUMMARY_FILE, read_summary
+from framework.run.run_files import SUMMARY_FILE, read_summary, read_sweep_startup
+from framework.tracking import quiet_settings
 
 CHOICE_KEYS = ("parallel", "precision", "memory", "backend", "model", "data")
 
@@ -145,14 +146,26 @@ NOTES = (
     "Memory is per rank (the largest rank), model state from the tensors each rank holds and activations the "
     "live peak saved for backward; comm is wire bytes per optimizer step under ring algorithms (comm.png stacks "
     "the payload handed to each collective, and marks this wire total); imbalance is the busiest data-parallel "
-    "rank's work over the mean; plan error is the planner's worst relative error over the figures it forecasts "
+    "rank's work over the mean; goodput is productive time over the job's wall time from its own start "
+    "(summary.json goodput); plan error is the planner's worst relative error over the figures it forecasts "
     "(memory by kind, the peak, wire bytes, calls, step time: summary.json plan). A lead is a tie when within "
     f"the noise: the larger of the two runs' step-time spread (metrics.jsonl) and {DRIFT:.0%}, what a machine "
     "drifts between runs."
 )
 
 
-def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
+def _startup(parts: dict[str, float] | None) -> list[str]:
+    """The sweep's one-time start-up (framework/doors/job_clock.py), which no job's goodput holds."""
+    if not parts:
+        return []
+    named = {"launcher_s": "Hydra and the imports", "workers_s": "the workers' forkserver"}
+    each = ", ".join(f"{named.get(k, k)} {v:.2f} s" for k, v in parts.items() if isinstance(v, int | float) and v)
+    total = sum(v for v in parts.values() if isinstance(v, int | float))
+    return [f"Sweep start-up, paid once and in no job's goodput (each job counts from its own start): "
+            f"{total:.2f} s ({each})."]  # fmt: skip
+
+
+def markdown(runs: list[Run], title: str, plots: list[str], startup: dict[str, float] | None = None) -> str:
     common = label_runs(runs)
     ok = [r for r in runs if r.ok]
     failed = [r for r in runs if not r.ok]
@@ -170,6 +183,7 @@ def markdown(runs: list[Run], title: str, plots: list[str]) -> str:
     lines += [f"{len(runs)} runs: {len(ok)} ok, {len(failed)} failed. Best value of each column in bold."]
     if common:
         lines += [f"Every run: `{' '.join(common)}`."]
+    lines += _startup(startup)
     head = ["job", "overrides", "world", "global batch", *CHOICE_KEYS[:3], *(c[0] for c in shown)]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *_rows(ok, shown, best)]
     if failed:
@@ -190,7 +204,7 @@ def write_report(root: str | os.PathLike, runs: list[Run] | None = None) -> tupl
     runs = find_runs(root) if runs is None else runs
     plots = plot(runs, root) if runs else []
     path = root / "report.md"
-    path.write_text(markdown(runs, str(root), plots))
+    path.write_text(markdown(runs, str(root), plots, read_sweep_startup(root)))
     return path, runs
 
 
@@ -214,7 +228,7 @@ def log_to_wandb(root: Path, runs: list[Run], logger: Any) -> str | None:
         group=logger.group or root.name,
         name=f"report-{root.name}",
         job_type="report",
-        settings=wandb.Settings(x_disable_stats=True, console="off"),
+        settings=quiet_settings(wandb, logger.mode),  # offline: its own line below, not W&B's banner
     )
     images = {p.stem: wandb.Image(str(p)) for p in sorted(root.glob("*.png"))}
     wb.log({"report": table, **images})

@@ -5,6 +5,7 @@ named by the run's overrides that set it apart."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 MB = 1e6
@@ -97,6 +98,9 @@ def plot(runs: list, out_dir: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
+    # matplotlib's INFO lines are not the report's: a fresh font cache's "generated new fontManager"
+    # reaches the console through the root logger Hydra sets to INFO
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
     import matplotlib.pyplot as plt
 
     ok = [r for r in runs if r.ok]

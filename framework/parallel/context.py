@@ -132,19 +132,22 @@ def cp_config_problem(dims, cfg: DictConfig) -> tuple[str, str] | None:
     the first thing it cannot run with, or None."""
     from hydra.utils import get_object
 
-    p, cp = cfg.parallel, dims.cp
-    model_cls = get_object(cfg.model._target_)  # the model contract's declarations, read from the class
-    forward = getattr(model_cls, "forward", None)
+    p, cp, target = cfg.parallel, dims.cp, cfg.model._target_
+    model_cls = get_object(target)  # the model contract's declarations, read from the class
+    forward = getattr(model_cls, "forward", None)  # a builder function's model (model=hf's) has none to read
     takes_positions = forward is not None and "positions" in inspect.signature(forward).parameters
-    task = cfg.model.get("task") or getattr(model_cls, "task", "lm" if takes_positions else "classify")
+    task = cfg.model.get("task") or getattr(model_cls, "task", None) or "lm"  # the contract's rule (contract.spec_of)
     name, packed = cfg.data.name, cfg.data.name == "varlen" and bool(cfg.data.get("pack"))
     seq_len = (cfg.data.pack_len if packed else cfg.data.get("seq_len")) or 0
+    no_positions = (f"{target}'s forward takes no `positions` (the global index of each token, as models/gpt.py's "
+                    "does): context parallel for it is not built" if forward is not None else
+                    f"{target} builds a model whose attention is not this framework's (transformers'): context "
+                    "parallel for it is not built")  # fmt: skip
     checks = [
         (p.get("cp_impl", "ring") in CP_IMPLS, "parallel.cp_impl", f"got {p.get('cp_impl')!r}; one of {CP_IMPLS}"),
         (task == "lm", "parallel.cp",
-         f"context parallel splits a language model's sequences; {cfg.model._target_} is a classifier"),
-        (takes_positions, "parallel.cp",
-         f"{cfg.model._target_} does not declare context parallel (its forward takes no `positions`)"),
+         f"context parallel splits a language model's sequences; {target} declares task={task!r}, which has none"),
+        (takes_positions, "parallel.cp", no_positions),
         (name in TOKEN_DATA or packed, "data", f"context parallel takes fixed-length token batches (data="
          f"{','.join(TOKEN_DATA)}, or varlen with data.pack=true); got data={name}"),
         (not (cfg.data.get("pack") and p.get("cp_impl", "ring") == "torch"), "data.pack",

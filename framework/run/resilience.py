@@ -13,8 +13,10 @@
 - **Fault injection for tests.** `HYDRADIST_FAULT="RANK:STEP[:KIND]"`, on the first attempt only:
   kind `exit` (default; dies abruptly), `hang` (stops participating), `nan` (its loss becomes
   NaN), `spike` (its loss 100x), `slow` (50 ms more each step from STEP on), `bitflip` (one bit
-  of one of its parameters), `sigterm`/`sigint` (sends the signal to the process that launched
-  it, as a scheduler or Ctrl-C would; with no launcher, to itself).
+  of one of its parameters), `damage` (its weights x16 in that step's update, after its loss: the
+  checkpoint saved after it holds the damage; RANK `*` damages every replica alike),
+  `sigterm`/`sigint` (sends the signal to the process that launched it, as a scheduler or Ctrl-C
+  would; with no launcher, to itself).
 """
 
 from __future__ import annotations
@@ -296,7 +298,8 @@ def inject_fault(step: int, info: DistInfo, module: Any = None, fired: set[str] 
     kind = kind[0] if kind else "exit"
     if kind not in FAULTS:
         raise ValueError(f"HYDRADIST_FAULT: unknown kind {kind!r} ({' | '.join(FAULTS)})")
-    if info.rank != int(rank) or step < int(at) or (step != int(at) and kind != "slow") or fault in fired:
+    mine = rank == "*" or info.rank == int(rank)
+    if not mine or step < int(at) or (step != int(at) and kind != "slow") or fault in fired:
         return None
     if kind != "slow":
         fired.add(fault)
@@ -312,19 +315,26 @@ def inject_fault(step: int, info: DistInfo, module: Any = None, fired: set[str] 
     if kind == "bitflip":
         flip_bit(next(module.parameters()))
         return None
-    return kind  # nan | spike | slow
+    return kind  # nan | spike | slow | damage
+
+
+@torch.no_grad()
+def damage(module: Any, fault: str | None) -> None:
+    """The `damage` fault, after a step's update: every weight of this rank's part x16."""
+    for param in module.parameters() if fault == "damage" else ():
+        param.mul_(16.0)
 
 
 def faulty(loss: torch.Tensor, fault: str) -> torch.Tensor:
     """A fault in this rank's forward (its first micro-batch): a NaN loss, a loss spike (100x), or
     a slow device (50 ms more, between the forward and the backward)."""
-    if fault == "slow":
-        time.sleep(0.05)
+    if fault in ("slow", "damage"):  # damage: in the update (framework.run.trainer), not the forward
+        time.sleep(0.05 if fault == "slow" else 0)
         return loss
     return loss * (float("nan") if fault == "nan" else 100.0)
 
 
-FAULTS = ("exit", "hang", "sigterm", "sigint", "nan", "spike", "slow", "bitflip")
+FAULTS = ("exit", "hang", "sigterm", "sigint", "nan", "spike", "slow", "bitflip", "damage")
 
 
 @torch.no_grad()

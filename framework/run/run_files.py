@@ -2,7 +2,8 @@
 checkpoint on), summary.json (atomically), and where checkpoints go.
 
 summary.json is the run's one record, whatever its end: a `Summary`, written by `write_summary`
-and read by `read_summary`, here and nowhere else."""
+and read by `read_summary`, here and nowhere else. A sweep's folder holds startup.json beside its
+runs: its one-time start-up, in no job's figures (write_sweep_startup, read_sweep_startup)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # types only: framework.report reads summaries without import
     from framework.dist import DistInfo
 
 SUMMARY_FILE = "summary.json"
+SWEEP_STARTUP_FILE = "startup.json"
 STATUSES = ("ok", "failed", "preempted", "aborted")
 PREEMPTION_KEYS = ("step", "checkpoint", "signal")
 
@@ -79,6 +81,27 @@ def read_summary(run_dir: str | os.PathLike) -> Summary | None:
             return Summary.from_dict(json.load(f))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def write_sweep_startup(sweep_dir: str, parts: dict[str, float]) -> None:
+    """A sweep's start-up, paid once by the process that runs its jobs, in seconds by part:
+    `launcher_s` (the process's start to its first job: Hydra, the imports) and `workers_s` (the
+    workers' forkserver, importing torch and the trainer). Each job counts from its own start."""
+    os.makedirs(sweep_dir, exist_ok=True)
+    path = os.path.join(sweep_dir, SWEEP_STARTUP_FILE)
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(parts, f, indent=2)
+    os.replace(f"{path}.tmp", path)
+
+
+def read_sweep_startup(sweep_dir: str | os.PathLike) -> dict[str, float] | None:
+    """The sweep's start-up by part (write_sweep_startup); None when it has no record of one."""
+    try:
+        with open(os.path.join(sweep_dir, SWEEP_STARTUP_FILE)) as f:
+            parts = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return parts if isinstance(parts, dict) else None
 
 
 def checkpoint_root(cfg: DictConfig, run_dir: str) -> str:

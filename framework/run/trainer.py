@@ -20,7 +20,7 @@ from framework.config import resolve_backend, resolve_device
 from framework.data.tokenizer import data_tokenizer
 from framework.dist import DistInfo, all_gather_object, destroy_distributed, init_distributed
 from framework.figures import Figure
-from framework.hooks import Callbacks, Control, Rollback, Run, Timings
+from framework.hooks import CallbackFailure, Callbacks, Control, Rollback, Run, Timings
 from framework.measure.memory import (
     current_rss_bytes,
     host_allocator,
@@ -34,7 +34,7 @@ from framework.parallel.dims import Strategy
 from framework.run.build import build, build_measurements, generators, layout, resume, resume_from
 from framework.run.ledger import Entry, Ledger, is_logged, is_sampled, log_step, record_steps, syncs_after
 from framework.run.measurements import Measurements
-from framework.run.resilience import Aborted, Guard, Preempted, diagnose, inject_fault, is_collective_failure
+from framework.run.resilience import Aborted, Guard, Preempted, damage, diagnose, inject_fault, is_collective_failure
 from framework.run.run_files import RunFiles, Summary, checkpoint_root
 from framework.run.step import (
     SIGNAL,
@@ -73,7 +73,7 @@ def run(cfg: DictConfig, run_dir: str, choices: dict[str, str], started: float |
                 raise
             except Aborted:
                 raise  # the failing rank wrote the summary
-            except CheckpointError as err:  # every rank has it (a collective verdict): no abort
+            except (CheckpointError, CallbackFailure) as err:  # every rank has it (a collective verdict): no abort
                 files.write_summary(Summary.failed(err, choices))
                 raise
             except BaseException as err:
@@ -145,8 +145,8 @@ class Trainer:
         self.figures = self.callbacks.figures
         for figure in LOOP_FIGURES:
             self.figures.declare(figure, "loop", own=True)
-        run = Run(cfg, info, self.parts, self.figures, self.control, self.files.run_dir, root, self.started,
-                  self.timings, log=self.log_record, save=self.save_to, call=self.callbacks.call)  # fmt: skip
+        run = Run(cfg, info, self.parts, self.figures, self.control, self.files.run_dir, root, self.started, self.timings,
+                  self.log_record, self.save_to, self.callbacks.call, self.callbacks.reach)  # fmt: skip
         self.callbacks.call("on_build", run)
 
     def resume(self) -> Resumed:
@@ -235,6 +235,7 @@ class Trainer:
             hooks.call("on_before_optimizer_step", step)
             gate, clip = self.gate(step, work, step_loss), setting(cfg.optim, "grad_clip")
             update = optimizer_step(parts, clip, cfg.nonfinite == "skip", gate)
+        damage(parts.par.module, work.fault)  # fault injection (HYDRADIST_FAULT's `damage`): in the update's weights
         if work.sampled:
             # before zero_grad frees grads; offloaded_bytes: the part held in host memory (FSDP CPU offload)
             self.stats.state_bytes = model_state_bytes(parts.par.module, parts.optimizer, info.device)
@@ -328,15 +329,14 @@ class Trainer:
                                   + (f" of step {req.at_most} or earlier" if req.at_most is not None else ""))  # fmt: skip
         back = resume_from(path, self.parts, self.info)
         self.callbacks.load_state_dict(back.callbacks)
+        self.callbacks.call("on_rollback", back.step)
         ledger.entries.clear()
         self.files.truncate_metrics(back.step)
         self.stats.rewind(back.step, self.files.prior_losses, back.skipped_steps)
         epoch, samples = req.data_at or (back.data_position[0], back.data_position[1] + req.skip_samples)
         if self.info.is_main:
-            print(
-                f"rolled back to step {back.step} ({path}), the data on from epoch {epoch}, sample {samples}",
-                flush=True,
-            )
+            print(f"rolled back to step {back.step} ({path}), the data on from epoch {epoch}, sample {samples}",
+                  flush=True)  # fmt: skip
         self.timings.add("rollback", time.perf_counter() - t0)
         return back.step, self.parts.data.batches(epoch, samples, back.step)
 

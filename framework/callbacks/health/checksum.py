@@ -98,6 +98,12 @@ class Checksum:
         if is_run_checkpoint(self.run.checkpoint_root, path):  # not a failed save, nor the best one
             self.saved.add(step)
 
+    def rollback_reach(self) -> int | None:
+        """The checkpoint a mismatch now would go back to (or, with none yet, the oldest it could)."""
+        if self.on_mismatch != "rollback":
+            return None
+        return max((done for done in self.saved if done <= self.agreed), default=min(self.saved, default=self.agreed))
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "checks": self.checks,

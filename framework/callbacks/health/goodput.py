@@ -1,8 +1,9 @@
 """goodput (always on): productive training time over the job's wall time, and where the rest went.
 
 The wall time runs from the job's start to the end of training: under `python train.py` the
-launcher's process start, which its restarted workers keep; under torchrun or srun, which start
-each worker afresh, this worker's own start (an earlier attempt's time is not known to it). Every second of it is given to one part, as Google's
+launcher's process start, which its restarted workers keep, and a multirun's job its own start
+(the sweep's one-time start-up is in no job's: framework/doors/job_clock.py); under torchrun or
+srun, which start each worker afresh, this worker's own start (an earlier attempt's time is not known to it). Every second of it is given to one part, as Google's
 ml-goodput-measurement splits badput:
 - `productive_s`: steps whose update counts (their compute, less the parts below);
 - `startup_s`: the job's start to its first step (imports, config, workers, model build), and a
