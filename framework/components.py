@@ -96,7 +96,7 @@ def check_component(cfg: DictConfig, group: str, own: Collection[str] = (), runt
     target = node._target_
     for key, value in kwargs_of(node, own).items():
         if key not in named and not open_ended:
-            near = _nearest(key, [*named, *own])
+            near = nearest(key, [*named, *own])
             hint = f"did you mean {near!r}? " if near else ""
             raise ComponentError(f"{group}.{key}", f"{target} takes no such argument; {hint}it takes: "
                               f"{', '.join([*named, *own]) or 'nothing'}")  # fmt: skip
@@ -127,7 +127,7 @@ def build_component(node: DictConfig, own: Collection[str], *runtime: Any, **giv
     return cls(*runtime, **kwargs, **extra)
 
 
-def _nearest(key: str, names: list[str]) -> str | None:
+def nearest(key: str, names: list[str]) -> str | None:
     """The name `key` misspells, or abbreviates by its words' initials (lerning_rate: lr)."""
     initials = "".join(w[0] for w in key.split("_") if w)
     if "_" in key and initials in names:

@@ -42,6 +42,7 @@ BAD: dict[str, tuple[list[str], str]] = {
     "tp that does not divide the heads": (["parallel=tp", "launch.nproc_per_node=3"], "parallel.tp"),
     "micro-batches below the stages": (["parallel=pp", "launch.nproc_per_node=2", "parallel.n_microbatches=1"],
                                        "parallel.n_microbatches"),
+    "key added that its group lacks": (["+checkpoint.evry=3"], "checkpoint.evry"),  # Hydra's + adds it regardless
 }  # fmt: skip
 # a layout of its own: the plain planner ranks every layout (its dry run checks the one given)
 LAYOUT = {"tp that does not divide the heads", "micro-batches below the stages", "batch schedule that does not split"}
@@ -79,7 +80,8 @@ def contents(folder: Path) -> set[str]:
 
 
 # train.py, a process each (3 s of imports): a case of each class by default, all of them in `make test-all`
-TRAIN_PY_DEFAULT = {"lora rank 0", "parquet that is not", "text corpus not there", "micro-batches below the stages"}
+TRAIN_PY_DEFAULT = {"lora rank 0", "parquet that is not", "text corpus not there", "micro-batches below the stages",
+                    "key added that its group lacks"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", [c if c in TRAIN_PY_DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in BAD])

@@ -233,6 +233,42 @@ def test_a_torch_class_is_a_choice_as_it_is():
     assert math.isclose(optimizer.defaults["lr"], cfg.optim.lr)
 
 
+@pytest.mark.parametrize(
+    "override,head",
+    [
+        ("+optim.lerning_rate=5", "optim.lerning_rate: torch.optim.AdamW takes no such argument; did you mean 'lr'? "
+         "it takes: lr, "),
+        ("+model.n_layerz=3", "model.n_layerz: models.gpt.GPT takes no argument 'n_layerz'; did you mean 'n_layer'? "
+         "it takes: vocab_size, "),
+        ("+callbacks.spike.actoin=warn", "callbacks.spike.actoin: SpikeGuard takes no argument 'actoin'; did you "
+         "mean 'action'? it takes: action, "),
+    ],
+)  # fmt: skip
+def test_an_added_key_a_component_lacks_is_its_class_s_to_refuse(override, head):
+    """A component's node (`_target_`) takes what its class takes (`+model.dim=64` for a user's
+    model): its check refuses any other key, one line with the nearest and the class's arguments."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["experiment=smoke", "device=cpu", override]))
+    assert str(err.value).startswith(head) and "\n" not in str(err.value), str(err.value)
+
+
+def test_plus_on_a_key_the_file_has_names_the_form_that_sets_it(tmp_path):
+    """`+key=value` adds a key the config lacks: on `optim._target_` (every optim file names its
+    class) it is one line naming the form that trains Adam (the test above); on a run setting a
+    user's file leaves out (`grad_clip`) it adds it."""
+    from framework.config.overrides import first_problem
+
+    assert first_problem(["+optim._target_=torch.optim.Adam"]) == (
+        "optim._target_: already in the config; + adds a key it lacks: set it with optim._target_=torch.optim.Adam"
+    )
+    (tmp_path / "optim").mkdir()
+    (tmp_path / "optim" / "mine.yaml").write_text("_target_: torch.optim.Adam\n_partial_: true\nlr: 1e-3\n")
+    cfg = compose(["experiment=smoke", "device=cpu", f"hydra.searchpath=[file://{tmp_path}]", "optim=mine",
+                   "+optim.grad_clip=0"])  # fmt: skip
+    validate(cfg)
+    assert cfg.optim.grad_clip == 0
+
+
 def test_help_lists_the_groups_a_user_picks_from():
     """`--help`: each group of conf/ and its choices, the components among them; not the schema/ groups."""
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -278,6 +278,46 @@ def test_validate_names_the_key_and_what_is_allowed(overrides, key, hint):
     assert hint in str(err.value)
 
 
+# the line train.py prints after "error: " (one line, exit 2, before any worker starts)
+HINTS = [
+    (["model=custom", "model._target_=models.gpt.GPTT"],
+     "model._target_: cannot import 'models.gpt.GPTT': module 'models.gpt' has no 'GPTT'"),
+    (["model=custom", "model._target_=nowhere_pkg.Model"],
+     "model._target_: cannot import 'nowhere_pkg.Model': no module 'nowhere_pkg'; is its folder on PYTHONPATH?"),
+    (["model=hf", "model.pretrained=/no/such/dir"],  # model.config follows it: the key the user set is named
+     "model.pretrained: no folder at '/no/such/dir'; give a folder with a Hugging Face config.json and its *.safetensors"),
+    (["parallel=tp", "parallel.tp=3", "launch.nproc_per_node=2"],
+     "parallel: dp_replicate(1) x dp_shard(1) x cp(1) x tp(3) x pp(1) = 3, but the world size is 2; "
+     "set parallel.tp=-1 to fill it (tp=2)"),
+    (["parallel=tp", "parallel.tp=2", "launch.nproc_per_node=4"],
+     "parallel: dp_replicate(1) x dp_shard(1) x cp(1) x tp(2) x pp(1) = 2, but the world size is 4; "
+     "set parallel.dp_shard=-1 to fill it (dp_shard=2)"),
+    (["parallel=tp", "parallel.tp=3", "parallel.dp_shard=2", "launch.nproc_per_node=4"],
+     "parallel: dp_replicate(1) x dp_shard(2) x cp(1) x tp(3) x pp(1) = 6, but the world size is 4; "
+     "no degree set to -1 fills it: choose degrees whose product divides 4, or launch.nproc_per_node=6"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides,line", HINTS)
+def test_a_refusal_names_its_real_cause_and_advice_that_works(overrides, line):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["experiment=smoke", *overrides]))
+    assert str(err.value) == line
+    if "to fill it" in line:  # the advice, taken, runs
+        advised = line.split("set ", 1)[1].split(" ", 1)[0]
+        validate(compose_config(["experiment=smoke", *overrides, advised]))
+
+
+def test_a_model_without_a_plan_under_tp_is_one_reason(capsys):
+    """No `sequence_parallel: off` note (the plan has no such entries) before the refusal that the
+    model declares no plan at all: a note is said once the layout is accepted."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["parallel=tp", "experiment=lstm", "launch.nproc_per_node=2"]))
+    assert str(err.value) == ("parallel.tp: tensor parallel needs the model's plan; LSTMClassifier declares none. "
+                              "Declare tp_plan (submodule pattern -> colwise|rowwise|...) or set model.tp_plan")  # fmt: skip
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.skipif(cuda_device_count() > 0, reason="checks the message on a machine without CUDA")
 def test_nccl_without_cuda_is_refused():
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
@@ -303,3 +343,10 @@ def test_a_saved_configs_group_choices_are_replaced_as_train_py_composes_them():
     cfg = apply_overrides(saved, ["peft=lora", "callbacks=none", "precision=bf16", "eval.steps=3"])
     assert cfg.peft.name == "lora" and cfg.peft.rank == compose_config(["peft=lora"]).peft.rank
     assert not cfg.callbacks and cfg.precision == compose_config(["precision=bf16"]).precision and cfg.eval.steps == 3
+    for added, line in (
+        ("+parallel.tp=2", "parallel.tp: no such key with parallel=ddp; fsdp, tp, pp, cp, hybrid have it"),
+        ("+checkpoint.evry=3", "checkpoint.evry: no such key; did you mean 'checkpoint.every'?"),
+    ):
+        with pytest.raises(ConfigError) as err:  # a saved config is a plain dict: its choices' schemas say
+            apply_overrides(OmegaConf.create(OmegaConf.to_container(compose_config())), [added])
+        assert str(err.value) == line

@@ -4,14 +4,17 @@ choice, key or value on the command line is one line and exit 2, every YAML key 
 from __future__ import annotations
 
 import ast
+import copy
 import re
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 
 import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
-from framework.config import choices, validate
+from framework.config import ConfigError, choices, validate
+from framework.config.keys import dotted_keys
 from framework.config.overrides import first_problem
 from framework.config.parallel_schema import CPConfig, DDPConfig, FSDPConfig, MeshConfig, PPConfig, TPConfig
 from framework.config.schema import GROUP_SCHEMAS
@@ -146,6 +149,53 @@ def test_a_bad_value_of_a_choices_own_key_names_it():
 )
 def test_overrides_are_checked_as_hydra_composes_them(args, line):
     assert first_problem(args) == line
+
+
+# `+group.key=value` on a key the group's schema lacks: Hydra adds it with OmegaConf's force_add,
+# which struct mode lets through whatever the schema declares; it is refused in one line, the
+# plain form's. (A component's keys, `+optim.lerning_rate` or `+model.n_layerz`, are its class's
+# to judge: tests/test_components.py, test_an_added_key_a_component_lacks_is_its_class_s_to_refuse.)
+ADDED = [
+    ("+parallel.foo=1", "parallel.foo: no such key; parallel takes: name, sync_batchnorm, bucket_cap_mb, "
+     "gradient_as_bucket_view, static_graph, find_unused_parameters, broadcast_buffers, comm_hook, powersgd_rank"),
+    ("+memory.lerning=2", "memory.lerning: no such key; memory takes: name, empty_cache_every, host_allocator"),
+    ("+checkpoint.evry=3", "checkpoint.evry: no such key; did you mean 'checkpoint.every'?"),
+    ("+launch.nprocs=2", "launch.nprocs: no such key; did you mean 'launch.nproc_per_node'?"),
+    ("+backend.nccl.algoo=Ring", "backend.nccl.algoo: no such key; did you mean 'backend.nccl.algo'?"),
+    ("+peft.rank=4", "peft.rank: no such key with peft=none; lora has it"),
+    ("+foo=1", "foo: no such key"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override,line", ADDED)
+def test_an_added_key_the_schema_lacks_is_refused_as_the_plain_form_is(override, line):
+    """train.py composes once and validates (its plain run); `-m` and the other doors ask first_problem."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([override]))
+    assert str(err.value) == line
+    assert first_problem([override]) == line
+
+
+def test_the_plain_form_says_the_same_line():
+    for override, line in ADDED[:3]:
+        assert first_problem([override[1:]]) == line
+
+
+def test_every_section_with_a_schema_refuses_a_key_it_lacks():
+    """Each section a dataclass types (a group's choice, a nested one, the top level) refuses a key
+    added as Hydra adds `+key=value`; a component's node (`_target_`) is its class's to check."""
+    cfg = compose_config(["experiment=smoke"])
+    nodes = {k: OmegaConf.select(cfg, k) if k else cfg for k in ("", *dotted_keys(cfg))}
+    sections = [k for k, n in nodes.items() if is_dataclass(OmegaConf.get_type(n)) and "_target_" not in n]
+    assert {"", "parallel", "data", "memory", "peft", "precision", "backend", "backend.nccl", "logger", "launch",
+            "checkpoint", "metrics", "plan", "eval", "profiler", "sweep"} <= set(sections), sections  # fmt: skip
+    for section in sections:
+        added = copy.deepcopy(cfg)
+        key = f"{section}.no_such_knob".lstrip(".")
+        OmegaConf.update(added, key, 1, force_add=True)  # what Hydra does with +key=1
+        with pytest.raises(ConfigError) as err:
+            validate(added)
+        assert err.value.key == key and str(err.value).startswith(f"{key}: no such key"), str(err.value)
 
 
 def _one_line_exit_2(proc, *parts: str) -> str:

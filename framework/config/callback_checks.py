@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.components import nearest
 from framework.config.errors import ConfigError
 
 # the framework's own callbacks' names (framework/callbacks/build.py): a user's entry takes another
@@ -70,7 +71,9 @@ def _check_arguments(cls: type, entry: Mapping, key: str) -> None:
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         for arg in kwargs:
             if arg not in takes:
-                raise ConfigError(f"{key}.{arg}", f"{cls.__name__} takes {', '.join(takes) or 'no arguments'}")
+                hint = f"did you mean {near!r}? " if (near := nearest(arg, takes)) else ""
+                what = f"it takes: {', '.join(takes)}" if takes else "it takes no arguments"
+                raise ConfigError(f"{key}.{arg}", f"{cls.__name__} takes no argument {arg!r}; {hint}{what}")
     for arg in takes:
         if params[arg].default is inspect.Parameter.empty and arg not in kwargs:
             raise ConfigError(f"{key}.{arg}", f"not set; {cls.__name__} needs it: +{key}.{arg}=...")

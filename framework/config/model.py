@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch.torch_version import TorchVersion
 
+from framework.components import nearest
 from framework.config.errors import ConfigError
 from framework.contract import (
     LM_DATA,
@@ -82,9 +83,10 @@ def check_model(cfg: DictConfig) -> None:
     if cfg.model._target_ == "framework.hf.from_config":
         from framework.hf import check_config_folder
 
-        problem = check_config_folder(cfg.model.get("config"))
-        if problem:
-            raise ConfigError("model.config", problem)
+        config, pretrained = cfg.model.get("config"), cfg.model.get("pretrained")
+        key = "model.pretrained" if pretrained is not None and config == pretrained else "model.config"  # its default
+        if problem := check_config_folder(config, key):
+            raise ConfigError(key, problem)
     declared = getattr(target, "trains_on", None)  # read before building: its keys may point into data
     if declared is not None and cfg.data.name not in (*declared, "custom"):
         raise ConfigError("data", f"{cfg.model._target_} trains on data={'|'.join(declared)}, got data={cfg.data.name}")
@@ -224,8 +226,10 @@ def _check_arguments(cfg: DictConfig, target) -> None:
         return
     for key in cfg.model:
         if key not in RESERVED_KEYS and key != "_target_" and key not in params:
-            accepted = ", ".join(n for n in params if n != "self") or "none"
-            raise ConfigError(f"model.{key}", f"{cfg.model._target_} takes no argument {key!r}; it takes: {accepted}")
+            names = [n for n in params if n != "self"]
+            hint = f"did you mean {near!r}? " if (near := nearest(key, names)) else ""
+            raise ConfigError(f"model.{key}", f"{cfg.model._target_} takes no argument {key!r}; {hint}it takes: "
+                              f"{', '.join(names) or 'none'}")  # fmt: skip
 
 
 def _check_sequence(cfg: DictConfig, model: nn.Module) -> None:

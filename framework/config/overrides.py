@@ -5,7 +5,8 @@ command line is one line and exit 2, before Hydra's own report (a multi-line dum
     lr: no such key; did you mean 'optim.lr'?
 
 It composes the command line's overrides as Hydra will (each value of a sweep once) and names what
-Hydra refuses; what it cannot name it leaves to Hydra.
+Hydra refuses, and a key `+group.key=value` adds that the group's schema lacks (which Hydra adds
+all the same: framework/config/keys.py); what it cannot name it leaves to Hydra.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import difflib
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import fields
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
@@ -24,12 +24,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from framework.config.errors import ConfigError
+from framework.config.keys import choices_with, first_undeclared, no_such_key, undeclared
 
 # Hydra's flags that take a value, and those after which the overrides compose differently (or not
 # at all): the check then stays out of the way
 _WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
-# keys that are spelt another way
-_SPELT_AS = {"memory.cpu_offload": "memory=offload (FSDP CPU offload)"}
 _INFO, _INFO_VALUES = {"--info", "-i"}, {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 _HANDS_OFF = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun",
               "--shell-completion", "-sc", "--help", "-h", "--hydra-help", "--version"}  # fmt: skip
@@ -99,7 +98,7 @@ def _compose_problem(overrides: list[str]) -> str | None:
     from framework.config import compose
 
     try:
-        compose(overrides)
+        cfg = compose(overrides)
     except MissingConfigException as err:
         return _missing_choice(err)
     except ConfigCompositionException as err:
@@ -113,19 +112,23 @@ def _compose_problem(overrides: list[str]) -> str | None:
             return f"{cause.full_key}: {source[1]}={source[2]} sets {cause.value!r}: {str(cause.msg).splitlines()[0]}"
         if isinstance(cause, ValidationError):
             return _bad_value(cause, overrides)
+        if held := re.search(r"An item is already at '([^']+)'", str(err)):  # +key=value on a key it has
+            line = next((o for o in overrides if o.split("=", 1)[0].lstrip("+") == held[1]), f"{held[1]}=...")
+            return f"{held[1]}: already in the config; + adds a key it lacks: set it with {line.lstrip('+')}"
         return f"{getattr(cause, 'full_key', '') or 'config'}: {str(err).splitlines()[0]}"
     except ValueError as err:  # group=null: Hydra's "Config group override must be a string or a list"
         return _null_choice(overrides) if "Config group override" in str(err) else None
     except Exception:  # noqa: BLE001 - what it cannot name, Hydra reports
         return None
-    return None
+    key = next(undeclared(cfg), None)  # +group.key=value: Hydra adds it whatever the group's schema declares
+    return None if key is None else f"{key}: {no_such_key(key, cfg)}"
 
 
 def _set_by_preset(key: str, preset: str, overrides: list[str]) -> str:
     """A preset (experiment=smoke) sets a key the group's choice on the command line lacks."""
     group, _, leaf = key.partition(".")
     choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), None)
-    owners = _choices_with(group, leaf.rsplit(".", 1)[-1])
+    owners = choices_with(group, leaf.rsplit(".", 1)[-1])
     have = f" ({', '.join(owners)} {'has' if len(owners) == 1 else 'have'} it)" if owners else ""
     return f"{key}: {preset} sets it, but {group}={choice or '?'} has no such key{have}; choose another {group}"
 
@@ -170,21 +173,11 @@ def _not_allowed(key: str, got: str, allowed: list[str]) -> str:
 
 
 def _unknown_key(key: str, overrides: list[str]) -> str:
-    if key in _SPELT_AS:
-        return f"{key}: no such key; use {_SPELT_AS[key]}"
     if key.startswith("callbacks.") and key.count(".") == 1:  # an entry the callbacks choice lacks
         return _no_callback(key, overrides)
     if own := _own_setting(key, overrides):  # a user's component file leaves a run setting out
         return own
-    base = _compose_without(key, overrides)
-    group = key.split(".", 1)[0]
-    if "." in key and base is not None and group in base and OmegaConf.is_dict(base[group]):
-        owners = _choices_with(group, key.rsplit(".", 1)[1])
-        choice = base[group].get("name")
-        if owners and choice is not None:
-            return f"{key}: no such key with {group}={choice}; {', '.join(owners)} {'has' if len(owners) == 1 else 'have'} it"
-    near = _nearest_key(key, base)
-    return f"{key}: no such key" + (f"; did you mean {near!r}?" if near else "")
+    return f"{key}: {no_such_key(key, _compose_without(key, overrides))}"
 
 
 def _own_setting(key: str, overrides: list[str]) -> str | None:
@@ -196,46 +189,6 @@ def _own_setting(key: str, overrides: list[str]) -> str | None:
     choice = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), "adamw")
     value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
     return f"{key}: optim={choice} leaves it out (default {OWN[leaf]}); add it with +{key}={value}"
-
-
-def _choices_with(group: str, leaf: str) -> list[str]:
-    """The choices of `group` whose schema has the key `leaf`."""
-    from framework.config.schema import GROUP_SCHEMAS
-
-    schemas = GROUP_SCHEMAS.get(group, {})
-    return [name for name, schema in schemas.items() if name != "base" and leaf in {f.name for f in fields(schema)}]
-
-
-def _nearest_key(key: str, cfg: DictConfig | None) -> str | None:
-    """The config key closest to `key`, by the whole dotted name or by its last part (`lr`: `optim.lr`)."""
-    if cfg is None:
-        return None
-    keys = [k for k in _dotted_keys(cfg) if k != key]
-    leaf = key.rsplit(".", 1)[-1]
-
-    def score(k: str) -> tuple[float, float]:
-        whole, other = difflib.SequenceMatcher(None, key, k).ratio(), k.rsplit(".", 1)[-1]
-        near = 1.0 if _abbreviates(leaf, other) or _abbreviates(other, leaf) else 0.0
-        return max(whole, near, difflib.SequenceMatcher(None, leaf, other).ratio()), whole
-
-    best = max(keys, key=score, default=None)
-    return best if best is not None and score(best)[0] >= 0.6 else None
-
-
-def _abbreviates(short: str, name: str) -> bool:
-    """`short` is `name`'s abbreviation by the initials of its words: lr for learning_rate, bs for
-    batch_size (what spelling alone cannot see: the two share no letters in order)."""
-    words = [w for w in name.split("_") if w]
-    return len(words) > 1 and short == "".join(w[0] for w in words)
-
-
-def _dotted_keys(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
-    for k in cfg.keys():
-        name = f"{prefix}{k}"
-        yield name
-        node = cfg._get_node(k)
-        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
-            yield from _dotted_keys(node, name + ".")
 
 
 def _bad_value(cause: ValidationError, overrides: list[str]) -> str:
@@ -327,14 +280,15 @@ def _set_key(cfg: DictConfig, key: str, override: Override) -> None:
             (OmegaConf.select(cfg, parent) if parent else cfg).pop(leaf, None)
         return
     value = override.value()
+    if override.is_add() and (undeclared_key := first_undeclared(cfg, key)):  # as train.py's schema refuses it
+        raise ConfigError(undeclared_key, no_such_key(undeclared_key, cfg))
     if not override.is_add():  # +key=value adds a key: nothing saved to match
         value = _as_saved(OmegaConf.select(cfg, key, throw_on_missing=False), value, key)
     try:
         with open_dict(cfg) if override.is_add() else contextlib.nullcontext():
             OmegaConf.update(cfg, key, value, merge=True)
     except (ConfigAttributeError, ConfigKeyError):
-        near = _nearest_key(key, cfg)
-        raise ConfigError(key, "no such key" + (f"; did you mean {near!r}?" if near else "")) from None
+        raise ConfigError(key, no_such_key(key, cfg)) from None
     except ValidationError as err:
         raise ConfigError(key, f"got {value!r}; {str(err.msg).splitlines()[0]}") from None
 

@@ -16,6 +16,7 @@ from framework.config.callback_checks import check_callbacks
 from framework.config.choices import Choice
 from framework.config.data_checks import check_data_plan, check_val_split
 from framework.config.errors import ConfigError, check_mandatory, resolution_named
+from framework.config.keys import check_declared
 from framework.config.memory_checks import check_memory
 from framework.config.plan_checks import check_plan
 from framework.config.range_checks import check_ranges
@@ -44,6 +45,7 @@ def validate(cfg: DictConfig, reads_data: bool = True) -> None:
     The model is paired with its data before a strategy's check builds it (its keys may point into data).
     `reads_data=False` (export: the weights and the config only) leaves out the data's files and plan."""
     check_mandatory(cfg)
+    check_declared(cfg)  # +group.key=value: a key the group's schema lacks, which Hydra adds all the same
     data = (check_data_plan, _check_paths, _check_val_split) if reads_data else ()
     for check in (_check_choices, _check_values, check_ranges, _check_loader, _check_device_and_backend, _check_world,
                   _check_model_and_data, _check_strategy, check_memory, _check_batching, *data, _check_eval, check_callbacks):  # fmt: skip
@@ -294,8 +296,6 @@ def _check_strategy(cfg: DictConfig) -> None:
     try:
         dims = ParallelDims.from_config(p, world_size_of(cfg), n_layer, n_head)
         note = resolve_sequence_parallel(cfg, dims.tp)  # auto -> a bool in cfg; said where it is off
-        if note and int(os.environ.get("RANK", 0)) == 0:
-            print(note, flush=True)
         dims.check_run(cfg)
     except DimsError as err:
         raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
@@ -310,6 +310,8 @@ def _check_strategy(cfg: DictConfig) -> None:
         check_tensor_parallel(cfg)
     if dims.pp > 1:
         check_pipeline(cfg)
+    if note and int(os.environ.get("RANK", 0)) == 0:  # once the layout is accepted: a refused one says only why
+        print(note, flush=True)
 
 
 def _check_val_split(cfg: DictConfig) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Axes made by flattening (cp's dp_shard_cp, expert parallel's dp_shard) are sliced from the root
@@ -139,7 +139,8 @@ class ParallelDims:
             raise DimsError(
                 "parallel",
                 f"dp_replicate({rep}) x dp_shard({shard}) x cp({cp}) x tp({tp}) x pp({pp}) = "
-                f"{rep * shard * cp * tp * pp}, but the world size is {world_size}; set one degree to -1 to fill the rest",
+                f"{rep * shard * cp * tp * pp}, but the world size is {world_size}; "
+                + _filling(cfg, world_size, n_layer, n_head, rep * shard * cp * tp * pp),
             )
         dims = cls(rep, shard, tp, pp, world_size, cp, _expert_degree(cfg.get("ep", 1), shard, cp))
         from framework.parallel.pipeline import stages_per_rank
@@ -251,6 +252,22 @@ def _expert_degree(ep: int, dp_shard: int, cp: int) -> int:
     _require(dp_shard % ep == 0, "parallel.ep",
              f"got {ep}; expert parallel splits the dp_shard={dp_shard} ranks, so it must divide them")  # fmt: skip
     return ep
+
+
+def _filling(cfg: DictConfig, world_size: int, n_layer: int | None, n_head: int | None, product: int) -> str:
+    """What makes degrees whose product is not the world size fit it: the one degree that, set to
+    -1, resolves here to a layout the model splits into (each tried as the run resolves it), else
+    the world those degrees take."""
+    given = OmegaConf.to_container(cfg)
+    for key in ("dp_shard", "cp", "pp", "tp"):
+        if given.get(key, 1) == -1:  # it fills the rest already
+            continue
+        try:
+            dims = ParallelDims.from_config(OmegaConf.create({**given, key: -1}), world_size, n_layer, n_head)
+        except DimsError:
+            continue
+        return f"set parallel.{key}=-1 to fill it ({key}={getattr(dims, key)})"
+    return f"no degree set to -1 fills it: choose degrees whose product divides {world_size}, or launch.nproc_per_node={product}"
 
 
 def _rest_of_world(key: str, world_size: int, others: int, names: str) -> int:
