@@ -6,13 +6,18 @@ automatically), and the tensor-parallel plan of the config's ``base_model_tp_pla
 ``load_pretrained`` fills a model that was built on the meta device and parallelized with the
 weights of a folder of safetensors: rank 0 reads one tensor at a time and broadcasts it, and each
 rank keeps its own shard of it, so no rank holds more than one full-size tensor beyond its shards.
+A mixture of experts (Qwen3-MoE, DeepSeek-V3, Mixtral, ...) keeps its experts as one 3-D weight,
+its files one tensor per expert: ``grouped_experts_rename`` reads transformers' own conversion
+mapping to stack them (a grouped weight's slices are held until its last is read).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,11 +29,12 @@ Rename = Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 
 
 def check_config_folder(folder: str | None, key: str = "model.config") -> str | None:
-    """Why `folder` cannot configure a model (None: it can)."""
+    """Why `folder`, given as `key`, cannot configure a model (None: it can)."""
     if folder is None:
         return "not set: model.pretrained=<folder> (config.json and *.safetensors) or model.config=<folder with config.json>"
     if not os.path.isdir(folder):
-        return f"no folder at {folder!r}; give a folder with a Hugging Face config.json"
+        weights = " and its *.safetensors" if key == "model.pretrained" else ""
+        return f"no folder at {folder!r}; give a folder with a Hugging Face config.json{weights}"
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return f"{folder!r} has no config.json"
     return None
@@ -55,6 +61,8 @@ def from_config(config: str, trust_remote_code: bool = False, attn_implementatio
     )
     model.register_forward_pre_hook(_cache_on_meta, with_kwargs=True)
     model.task = "lm"
+    if (rename := grouped_experts_rename(model)) is not None:
+        model.from_hf_name = rename  # a mixture of experts: its files hold one tensor per expert
     model.n_heads = getattr(hf_config, "num_attention_heads", None)
     # `model.tp_plan` is transformers' own: the config's base_model_tp_plan under the base model's
     # prefix, and the head's; the contract reads it, with its style names mapped to ours
@@ -69,6 +77,66 @@ def _cache_on_meta(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     if isinstance(tokens, torch.Tensor) and tokens.is_meta and "use_cache" not in kwargs:
         return args, {**kwargs, "use_cache": True}
     return None
+
+
+class ExpertPart(NamedTuple):
+    """Slice `index` of `count` along dim 0 of the module's tensor `name` (load_pretrained stacks
+    them once all are read): one expert's weight, or, with `joined` > 1, one of the `joined`
+    tensors an expert's slice joins along its dim 0 (gate and up in gate_up_proj: index =
+    expert * joined + which)."""
+
+    name: str
+    index: int
+    count: int
+    joined: int = 1
+
+
+def grouped_experts_rename(model: nn.Module) -> Rename | None:
+    """transformers' own conversion mapping for the model's family, as load_pretrained's rename
+    (None: the folder's names are the model's). A mixture of experts keeps its experts as one
+    3-D weight (``mlp.experts.gate_up_proj``), its files one tensor per expert
+    (``mlp.experts.3.gate_proj.weight``): a converter that stacks them (MergeModulelist(dim=0)),
+    then joins its sources along dim 1 (Concatenate(dim=1)), gives ExpertParts; its renamings
+    apply as they are. A converter with other operations places nothing: model.pretrained then
+    names the parameters it would have filled."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
+
+    transforms = get_model_conversion_mapping(model, add_legacy=False)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not converters:
+        return None
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    shapes = {canonical_name(n): tuple(p.shape) for n, p in model.named_parameters()}
+
+    def rename(name: str) -> tuple[str | ExpertPart, Callable[[torch.Tensor], torch.Tensor]]:
+        renamed = apply_renamings(name, renamings)
+        ours, pattern = apply_converters(renamed, converters)
+        if pattern is None:
+            return ours, _same
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
+        if not _stacks_experts(converter) or expert is None or ours not in shapes:
+            raise KeyError(name)  # left unplaced: named among the parameters the folder did not fill
+        joined = len(converter.source_patterns)
+        index = int(expert.group(1)) * joined + converter.source_patterns.index(pattern)
+        return ExpertPart(ours, index, shapes[ours][0] * joined, joined), _same
+
+    return rename
+
+
+def _stacks_experts(converter: Any) -> bool:
+    """Whether a converter's operations are the ones ExpertParts apply: the experts stacked along a
+    new dim 0, then (several sources) joined along dim 1."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    joins = (
+        [("MergeModulelist", 0), ("Concatenate", 1)] if len(converter.source_patterns) > 1 else [("MergeModulelist", 0)]
+    )
+    return ops == joins and len(converter.target_patterns) == 1
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def ties_embeddings(config: str, trust_remote_code: bool = False) -> bool:
@@ -140,6 +208,8 @@ def load_pretrained(
     `ties` (alias -> source): a copy of a tied parameter (a pipeline's last stage holds the head
     tied to the embedding, which the checkpoint has once) is loaded from its source's tensor."""
     params = {canonical_name(n): p for n, p in module.named_parameters()}
+    # a persistent buffer is in the files too (DeepSeek-V3's router bias): loaded, never required
+    targets = {canonical_name(n): b for n, b in module.named_buffers()} | params
     distributed = dist.is_available() and dist.is_initialized()
     main = not distributed or dist.get_rank() == 0
     names: list = [tensor_index(folder) if main else None]
@@ -157,9 +227,9 @@ def load_pretrained(
             slices[ours.index] = full
             if any(t is None for t in slices):
                 continue
-            ours, full = ours.name, torch.stack(parts.pop(ours.name))
+            ours, full = ours.name, stacked(ours, parts.pop(ours.name))
         for target_name in [ours, *(a for a, s in (ties or {}).items() if s == ours)]:
-            target = params.get(target_name)
+            target = targets.get(target_name)
             if target is None:
                 continue
             if tuple(target.shape) != tuple(full.shape):
@@ -169,6 +239,13 @@ def load_pretrained(
             loaded.add(target_name)
         del full  # one full-size tensor at a time
     return sorted(set(params) - loaded)
+
+
+def stacked(part: tuple, slices: list[torch.Tensor]) -> torch.Tensor:
+    """A Part's slices stacked along a new dim 0; an ExpertPart's `joined` slices of each expert
+    in one along their dim 0 (transformers' MergeModulelist(dim=0), then Concatenate(dim=1))."""
+    full, joined = torch.stack(slices), getattr(part, "joined", 1)
+    return full if joined == 1 else full.reshape(part.count // joined, joined * full.shape[1], *full.shape[2:])
 
 
 def rename_tensor(rename: Rename | None, name: str, full: torch.Tensor) -> tuple[str, torch.Tensor]:

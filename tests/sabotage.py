@@ -167,6 +167,13 @@ SABOTAGES: list[tuple[str, str, str, str, str]] = [
     ("a Mixtral's experts stacked out of order", "framework/hf.py",
      "            slices[ours.index] = full", "            slices[ours.count - 1 - ours.index] = full",
      "tests/test_moe.py::test_a_mixtral_loads_with_transformers_loss_and_goes_back_bitwise"),
+    # model=hf mixtures of experts (issue 67)
+    ("a Hugging Face router's bias (a buffer) left unloaded", "framework/hf.py",
+     "    targets = {canonical_name(n): b for n, b in module.named_buffers()} | params", "    targets = params",
+     "tests/test_hf_moe.py::test_a_moe_folder_loads_and_evaluates_as_transformers_does[deepseek_v3]"),
+    ("a grouped matmul on meta counted as nothing", "framework/measure/flops.py",
+     "        return torch.mm(a, b[0])", "        return a.new_empty(a.shape[0], b.shape[-1])",
+     "tests/test_hf_moe.py::test_a_float32_grouped_matmul_on_meta_counts_as_its_loop_of_matmuls"),
     ("an all-to-all counted by what it receives too", "framework/measure/comm.py",
      "        return _nbytes(args[1])", "        return max(_nbytes(args[0]), _nbytes(args[1]))",
      "tests/test_moe.py::test_expert_parallel_trains_as_one_process"),

@@ -22,6 +22,7 @@ import torch
 
 from framework.machine import cpu_name
 from framework.measure.datasheet import datasheet_tflops
+from framework.measure.flops import training_flops
 
 
 def gpu_peak_tflops(name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = False) -> float | None:
@@ -93,6 +94,7 @@ class Flops:
     hardware: float | None
     devices: int
     by_length: dict[int, float] = field(default_factory=dict)  # data.seq_len_schedule: the model's at each length
+    how: str | None = None  # declared by the model, counted on meta, or estimated (and why): framework.measure.flops
 
     def model_at(self, length: int | None) -> float | None:
         """The model's FLOPs per token at a sequence length of the schedule (else at data.seq_len)."""
@@ -109,40 +111,28 @@ def model_flops(
 ) -> tuple[float, float] | None:
     """(model, hardware) training FLOPs per token of an lm: declared by the model
     (``flops_per_token``), else counted once with FlopCounterMode on a (1, seq_len) batch of the
-    model built on the meta device (nothing is allocated); a checkpointed block adds its forward."""
+    model built on the meta device (nothing is allocated; routed experts' grouped matmuls
+    included), else estimated where the meta forward cannot run (framework.measure.flops); a
+    checkpointed block adds its forward."""
     if seq_len is None or spec.task != "lm":
         return None
-    if spec.flops_per_token is not None:
-        return model.flops_per_token(seq_len), model.flops_per_token(seq_len, recomputed)
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from framework.contract import logits_of
-
-    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    with FlopCounterMode(display=False) as forward:
-        logits = logits_of(model(tokens))
-    with FlopCounterMode(display=False) as backward:
-        logits.float().sum().backward()
-    for p in model.parameters():
-        p.grad = None
-    counts = forward.get_flop_counts()
-    first_block = f"{spec.blocks}.0" if spec.blocks else None
-    block = sum(counts.get(first_block, {}).values()) if first_block else 0
-    total = forward.get_total_flops() + backward.get_total_flops()
-    return total / seq_len, (total + recomputed * block) / seq_len
+    return training_flops(model, spec, seq_len, recomputed)[:2]
 
 
 def count_flops(meta_model: torch.nn.Module, spec: Any, cfg: Any, devices: int) -> Flops:
     """The run's FLOPs per token from the model built on meta (before any sharding: every strategy
     counts the same work), over the `devices` it computes on (the strategy's answer:
-    framework.parallel.dims.Strategy.devices)."""
+    framework.parallel.dims.Strategy.devices), and how they were had."""
     from framework.contract import blocks_of
 
     recomputed = recomputed_blocks(cfg, len(blocks_of(meta_model, spec)))
-    counted = model_flops(meta_model, spec, cfg.data.get("seq_len"), recomputed)
-    lengths = {int(n) for _, n in cfg.data.get("seq_len_schedule") or ()} if counted else set()
-    by_length = {n: model_flops(meta_model, spec, n)[0] for n in sorted(lengths)}
-    return Flops(*(counted or (None, None)), devices, by_length)
+    seq_len = cfg.data.get("seq_len")
+    if seq_len is None or spec.task != "lm":
+        return Flops(None, None, devices)
+    model, hardware, how = training_flops(meta_model, spec, seq_len, recomputed)
+    lengths = sorted({int(n) for _, n in cfg.data.get("seq_len_schedule") or ()})
+    by_length = {n: model_flops(meta_model, spec, n)[0] for n in lengths}
+    return Flops(model, hardware, devices, by_length, how)
 
 
 def mfu(flops_per_tok: float | None, tokens_per_s: float | None, peak: float | None, devices: int) -> float | None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from framework.contract import WRAPPER_PREFIXES, ContractError, ModelSpec, blocks_of, logits_of
 from framework.loss import ScaledLoss
+from framework.measure.flops import GroupedOnMeta
 
 WRAPPED = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES)  # the wrapped module's attribute
 SINGLE_STAGE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
@@ -103,7 +104,7 @@ def trace_split(model: nn.Module, spec: ModelSpec, seq_len: int) -> Split:
     device = next(model.parameters()).device
     tokens = torch.zeros(1, seq_len, dtype=torch.long, device=device)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), GroupedOnMeta():  # on meta, routed experts' grouped matmul runs as a plain one
             out = logits_of(model(tokens))
     finally:
         for h in hooks:

@@ -107,6 +107,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "hfu": None if impossible else hfu,
         "mfu_flag": impossible,  # why MFU and HFU are not reported
         "flops_per_token": flops.model,
+        "flops_counted": flops.how,  # declared by the model, counted on meta, or estimated and why
         "peak_tflops_per_device": peak / 1e12 if peak else None,
         # fp32 matmuls on TF32 tensor cores (precision.tf32 on CUDA): the peak above is TF32's
         "tf32": info.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
@@ -258,6 +259,8 @@ def report(summary: dict[str, Any], segment: Segment, run_dir: str) -> None:
               f"memory budget of {limit / 2**20:g} MB (plan.memory_budget_mb; summary.json plan.budget)", flush=True)  # fmt: skip
     if summary.get("mfu_flag"):
         print(f"warning: {summary['mfu_flag']} (summary.json mfu_flag)", flush=True)
+    if (summary.get("flops_counted") or "").startswith("estimated"):
+        print(f"note: FLOPs per token (MFU) {summary['flops_counted']} (summary.json flops_counted)", flush=True)
 
 
 def ops_over_ranks(comm: list[dict[str, Any] | None]) -> dict[str, dict[str, float]]:
