@@ -81,7 +81,7 @@ def hook_cost(steps: int = 2000) -> tuple[float, float]:
     def per_step(named: list) -> float:
         hooks = Callbacks(named, WORLD)
         for figure in LOOP_FIGURES:
-            hooks.figures.declare(figure, "loop")
+            hooks.figures.declare(figure, "loop", own=True)  # the loop's own (control/), as the trainer declares them
         own, device = {f.name: 0.0 for f in LOOP_FIGURES}, torch.device("cpu")
         t0 = time.perf_counter()
         for step in range(steps):

@@ -143,6 +143,17 @@ def test_the_gpu_script_runs_its_probe_stand_in_and_saves_the_row(tmp_path):
     assert "| probe | ok |" in (tmp_path / "gpu.md").read_text() and (tmp_path / "gpu.log").exists()
 
 
+def test_the_overhead_benchmarks_in_process_part_declares_the_loops_figures_as_the_trainer_does(monkeypatch):
+    """benchmarks/overhead.py's last measure (the callback machinery's cost a step, in-process)
+    declares the loop's own figures (control/...) as the trainer does, as the framework's: a user's
+    figure may not take those names, and the benchmark once died there after printing its table."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import overhead
+
+    bare, noop = overhead.hook_cost(steps=20)
+    assert bare > 0 and noop > 0
+
+
 @pytest.mark.slow  # the benchmark itself, end to end; its parts are tested above
 def test_overhead_benchmark_runs_and_prints_its_ratio():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--pairs", "1", "--steps", "6",

@@ -334,9 +334,10 @@ def test_the_trace_places_each_operator_where_tensor_parallel_splits_it():
 def test_every_combination_the_search_ranks_is_one_the_run_accepts(world):
     """Each layout and knob combination parallel=auto may pick passes the run's own checks (a
     pipeline's micro-batches at least its stages where the schedule needs it): a pick never fails
-    at launch."""
+    at launch; nor one the memory check refuses (memory=selective under cp or a zero-bubble schedule)."""
     import copy
 
+    from framework.config.memory_checks import check_memory
     from framework.config.model import model_dims_of
     from framework.parallel.dims import ParallelDims
     from framework.plan import choose
@@ -349,6 +350,7 @@ def test_every_combination_the_search_ranks_is_one_the_run_accepts(world):
         r.knobs.apply(trial)
         dims = ParallelDims.from_config(trial.parallel, world, *model_dims_of(trial))
         dims.check_run(trial)  # raises DimsError, naming the key, on a combination the run refuses
+        check_memory(trial)  # raises ConfigError, naming the key
         schedules.add(trial.parallel.get("schedule") if dims.pp > 1 else None)
     assert {"1F1B", "Interleaved1F1B", "GPipe"} <= schedules
 
@@ -392,3 +394,53 @@ def test_planner_md_example_prints_what_the_doc_shows(tmp_path, monkeypatch, cap
     assert main(argv) == 0
     assert capsys.readouterr().out == example[2]
     assert not (tmp_path / "hydradist").exists()
+
+
+# the search's shapes whose whole lists go through validate: the default GPT, the Llama, the MoE Llama
+SEARCHED = {"gpt": [], "llama": ["model=llama"], "moe_llama": ["model=llama", "model.flavor=debug_moe"]}
+WALKED = [(s, w) if (s, w) == ("gpt", 2) else pytest.param(s, w, marks=pytest.mark.slow)
+          for s in SEARCHED for w in (2, 4, 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "world"), WALKED)
+def test_no_combination_of_the_search_is_one_the_config_check_refuses(shape, world, monkeypatch):
+    """No candidate of the planner's search is refused by the config check: the search's whole list
+    (every layout at every knob combination) for the default GPT, the Llama and the MoE Llama at 2,
+    4 and 8 ranks, each put through train.py's own `validate`. What the planner's check refuses
+    (it is never priced), validate refuses in the same words: at 2 ranks memory=selective under cp
+    and the zero-bubble schedules, which benchmarks/plan_auto.py once proposed and train.py refused."""
+    import copy
+
+    from omegaconf import open_dict
+
+    from framework.config import ConfigError, validate
+    from framework.config.model import model_dims_of
+    from framework.parallel import pipeline
+    from framework.plan.admit import Admission
+    from framework.plan.knobs import knob_options
+    from framework.plan.search import merged
+
+    # the pipeline's split is the model's alone: traced once, not once per combination (0.17 s each)
+    traced, trace = {}, pipeline.trace_split
+    monkeypatch.setattr(pipeline, "trace_split", lambda m, spec, t: traced.get((id(m), t)) or
+                        traced.setdefault((id(m), t), trace(m, spec, t)))  # fmt: skip
+    cfg = compose_config(["logger=none", *SEARCHED[shape]])
+    admission, admitted = Admission(world, model_dims_of(cfg)), 0
+    for c in candidates(cfg, world):
+        trial = copy.deepcopy(c.cfg)  # one copy a layout, its knobs varied in place (as the search does)
+        with open_dict(trial):
+            trial.launch.nproc_per_node = world
+        for knobs in knob_options(cfg, c.cfg, model_dims_of(cfg)[0]):
+            knobs.apply(trial)
+            why = admission.refusal(trial, merged(c.overrides, knobs.overrides(c.cfg)))
+            try:
+                validate(trial)
+                refused = None
+            except ConfigError as err:
+                refused = str(err)
+            assert refused == why, f"{' '.join(c.overrides)} {' '.join(knobs.overrides(c.cfg))}"
+            admitted += why is None
+    record = admission.record()
+    assert admitted > 100 and record["checked"] == admitted + record["refused"]
+    if world == 2:  # selective checkpointing's cache under cp, and under each zero-bubble schedule
+        assert record["refused"] > 0 and "the selective-checkpoint cache" in record["refused_example"]

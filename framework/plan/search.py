@@ -2,7 +2,8 @@
 with each schedule, cp, the hybrid degrees) times the memory knobs (activation checkpointing of
 none, every k-th or every block; micro-batch against accumulation with the global batch kept; a
 pipeline's micro-batch count), each predicted; the fastest whose predicted peak fits
-`plan.memory_budget_mb` runs.
+`plan.memory_budget_mb` runs. Each combination is put through the config check's own checks of
+what the search varies before it is priced (admit.py): a refused one is dropped and counted.
 
 The knobs vary one copy of each layout's config in place (a deep copy per combination would cost
 more than its prediction), so that a few hundred combinations take seconds.
@@ -25,6 +26,7 @@ from framework.config.schema import group_schema
 from framework.machine import local_ranks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.pipeline import least_microbatches, stages_per_rank
+from framework.plan.admit import Admission
 from framework.plan.gpu import gpu_spec
 from framework.plan.knobs import Knobs, knob_options
 from framework.plan.predict import predict
@@ -180,17 +182,22 @@ FULL_SEARCH = 400  # combinations searched whole; past it, the knobs only on the
 SHORTLIST = 8
 
 
-def rank(cfg: DictConfig, world: int, profile: Profile, budget: float) -> list[Ranked]:
-    """Every layout and knob combination with its prediction: those that fit first, fastest first.
+def rank(
+    cfg: DictConfig, world: int, profile: Profile, budget: float, admission: Admission | None = None
+) -> list[Ranked]:
+    """Every layout and knob combination the config check accepts (`admission`: that check, its
+    refusals counted) with its prediction: those that fit first, fastest first.
 
     A large world admits dozens of layouts: past FULL_SEARCH combinations each layout is first
     tried at its own knobs and at the most frugal ones (checkpoint every block, the smallest
     micro-batch), and only the SHORTLIST best of those get the whole knob grid."""
-    search = Search(cfg, world, profile, budget, (meta_model(cfg), model_spec(cfg), model_dims_of(cfg)))
+    facts = (meta_model(cfg), model_spec(cfg), model_dims_of(cfg))
+    search = Search(cfg, world, profile, budget, facts, admission or Admission(world, facts[2]))
     grids = [(c, knob_options(cfg, c.cfg, search.facts[2][0])) for c in candidates(cfg, world)]
     if sum(len(g) for _, g in grids) > FULL_SEARCH:
         tried = [search.predicted(c, {g[0], _frugal(g)}) for c, g in grids]
-        best = sorted(range(len(grids)), key=lambda i: min(_order(r) for r in tried[i]))[:SHORTLIST]
+        refused = (True, math.inf, math.inf)  # a layout both of whose first tries the config check refused
+        best = sorted(range(len(grids)), key=lambda i: min(map(_order, tried[i]), default=refused))[:SHORTLIST]
         grids = [grids[i] if i in best else (grids[i][0], [r.knobs for r in tried[i]]) for i in range(len(grids))]
     out = [r for c, g in grids for r in search.predicted(c, g)]
     return sorted(out, key=_order)
@@ -216,16 +223,21 @@ class Search:
     profile: Profile
     budget: float
     facts: tuple  # (the meta model, its spec, (n_layer, n_head))
+    admission: Admission  # the config check, asked of each combination before it is priced
 
     def predicted(self, c: Candidate, grid) -> list[Ranked]:
-        """Layout `c` at each knob combination of `grid`, varied on one copy of its config."""
+        """Layout `c` at each knob combination of `grid` the config check accepts, varied on one
+        copy of its config."""
         trial, out = copy.deepcopy(c.cfg), []
         for knobs in grid:
             knobs.apply(trial)
+            overrides = merged(c.overrides, knobs.overrides(c.cfg))
+            if self.admission.refusal(trial, overrides) is not None:
+                continue  # train.py would refuse it: never priced, never proposed
             p = predict(trial, self.world, self.profile, self.facts)
             if knobs.selective and p["memory"]["activation_bytes"] is None:
                 continue  # what selective keeps is not forecast for this model (routed experts): not chosen blind
-            r = Ranked(c, p, False, knobs, merged(c.overrides, knobs.overrides(c.cfg)))
+            r = Ranked(c, p, False, knobs, overrides)
             r.fits = r.footprint() <= self.budget
             out.append(r)
         return out
@@ -247,14 +259,24 @@ def _seconds(prediction: dict[str, Any]) -> float:
     return math.inf
 
 
-def choose(cfg: DictConfig, world: int, measure: str = "probe", with_profile: bool = False) -> tuple:
+def choose(
+    cfg: DictConfig, world: int, measure: str = "probe", with_profile: bool = False, admission: Admission | None = None
+) -> tuple:
     """(the combination parallel=auto runs, every one ranked, the budget in bytes[, the machine
-    profile]). Raises ConfigError naming plan.memory_budget_mb when none fits."""
+    profile]); `admission` (given: read after) counts what the config check refused. Raises
+    ConfigError naming plan.memory_budget_mb when none fits."""
     profile = machine_profile(cfg, world, measure)
     budget = memory_budget_bytes(cfg, world)
-    ranked = rank(cfg, world, profile, budget)
+    admission = admission or Admission(world, model_dims_of(cfg))
+    ranked = rank(cfg, world, profile, budget, admission)
     if not ranked:
-        raise ConfigError("parallel", f"parallel=auto: no layout runs {cfg.model._target_} on {world} ranks")
+        refused = admission.record()
+        why = (
+            f" (the config check refused {refused['refused']}: {refused['refused_example']})"
+            if refused["refused"]
+            else ""
+        )
+        raise ConfigError("parallel", f"parallel=auto: no layout runs {cfg.model._target_} on {world} ranks{why}")
     if not ranked[0].fits:
         smallest = min(ranked, key=Ranked.footprint)
         raise ConfigError(
@@ -291,7 +313,8 @@ class AutoChoice:
 def plan_auto(cfg: DictConfig, world: int, measure: str = "probe") -> AutoChoice:
     """parallel=auto: the layout, memory knobs and record of the fastest combination that fits.
     A pure function of the config (not written), the model's shapes and the machine."""
-    best, ranked, budget = choose(cfg, world, measure)
+    admission = Admission(world, model_dims_of(cfg))
+    best, ranked, budget = choose(cfg, world, measure, admission=admission)
     fitting = [r for r in ranked if r.fits]
     runner_up = (
         f"; next: {fitting[1].prediction['layout']} ({' '.join(fitting[1].overrides)})" if len(fitting) > 1 else ""
@@ -310,5 +333,6 @@ def plan_auto(cfg: DictConfig, world: int, measure: str = "probe") -> AutoChoice
         "why": why,
         "budget_mb": budget / 2**20,
         "ranked": rows,
+        "config_check": admission.record(),  # combinations train.py's check refused: dropped before pricing
     }
     return AutoChoice(best.candidate.cfg.parallel, best.knobs, record)
