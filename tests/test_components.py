@@ -241,7 +241,7 @@ def test_a_torch_class_is_a_choice_as_it_is():
         ("+model.n_layerz=3", "model.n_layerz: models.gpt.GPT takes no argument 'n_layerz'; did you mean 'n_layer'? "
          "it takes: vocab_size, "),
         ("+callbacks.spike.actoin=warn", "callbacks.spike.actoin: SpikeGuard takes no argument 'actoin'; did you "
-         "mean 'action'? it takes: action, "),
+         "mean 'action'? it takes: window, "),
     ],
 )  # fmt: skip
 def test_an_added_key_a_component_lacks_is_its_class_s_to_refuse(override, head):
