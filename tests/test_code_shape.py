@@ -385,3 +385,97 @@ def test_no_layer_branches_on_a_component_choice_s_name():
 def test_the_name_check_sees_each_form_of_the_read():
     source = 'if cfg.optim.name == "adamw": pass\nx = cfg.schedule.get("name")\ny = optim["name"]\nz = cfg.optim.lr'
     assert choice_name_reads(source) == ["optim.name", 'schedule.get("name"', 'optim["name"]']
+
+
+# ----------------------------------------------------------------------------- the map
+
+
+# docs/layout.md's tree: a line starting left of this column is an entry (a name, then what it
+# holds); a line starting at it continues the entry above
+LAYOUT_DESCRIPTION_COLUMN = 22
+
+
+def layout_entries(text: str) -> list[tuple[str, str, str]]:
+    """docs/layout.md's tree as (folder, name, text) entries: the path of the folder an entry sits
+    in ("" at the top, "framework/run/" for trainer.py), the entry's name (what its line gives
+    before the description: `trainer.py`, `run/`, `progress.py, profiler.py, loggers.py`) and its
+    whole text, continuation lines joined; comment lines (`# the components ...`) dropped."""
+    tree = re.search(r"```\n(.*?)```", text, re.S)[1]
+    entries: list[list] = []  # [folder, name, text]
+    folders: list[tuple[int, str]] = []  # the open folders: (indent, path)
+    for line in tree.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if indent >= LAYOUT_DESCRIPTION_COLUMN and entries:
+            entries[-1][2] += " " + line.strip()
+            continue
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        parent = folders[-1][1] if folders else ""
+        name = line.strip().split("  ")[0]
+        if name.endswith("/"):
+            folders.append((indent, parent + name))
+        entries.append([parent, name, line.strip()])
+    return [(folder, name, text) for folder, name, text in entries]
+
+
+def layout_names(entries: list[tuple[str, str, str]]) -> tuple[set[str], set[str]]:
+    """(the files the tree names, the paths its entries' names give). A file is named in the text
+    its folder owns: the folder's own entry and its files' entries, not its subfolders' (under
+    framework/run/, `trainer.py`; under framework/, `plan/__main__.py`), as a path from there."""
+    owned: dict[str, str] = {}
+    entry_paths = set()
+    for folder, name, text in entries:
+        here = folder + name if name.endswith("/") else folder
+        owned[here] = owned.get(here, "") + " " + text
+        entry_paths |= {folder + n for n in name.split(", ")}
+    token = re.compile(r"(?<![\w./])((?:\w+/)*\w+\.py)(?!\w)")
+    named = {folder + m for folder, text in owned.items() for m in token.findall(text)}
+    return named, entry_paths
+
+
+def documented_modules() -> set[str]:
+    """Every module of framework/ and models/, as its path from the repository root; a package's
+    `__init__.py` only where it defines something (one that re-exports is its folder's entry)."""
+    out = set()
+    for path in [*FRAMEWORK.rglob("*.py"), *(ROOT / "models").rglob("*.py")]:
+        if path.name == "__init__.py":
+            body = ast.parse(path.read_text()).body
+            if not any(isinstance(n, ast.FunctionDef | ast.ClassDef) for n in body):
+                continue
+        out.add(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_the_layout_names_every_module():
+    """docs/layout.md names every module of framework/ and models/ in its folder's entry, and each
+    name its tree gives is a file or folder that exists."""
+    named, entry_paths = layout_names(layout_entries((ROOT / "docs" / "layout.md").read_text()))
+    missing = sorted(documented_modules() - named)
+    assert not missing, f"modules docs/layout.md does not name (add each under its folder): {missing}"
+    stale = sorted(p for p in entry_paths if not (ROOT / p).exists())
+    assert not stale, f"docs/layout.md names what is not there: {stale}"
+
+
+def test_the_layout_check_reads_the_tree_as_drawn():
+    tree = (
+        "```\n"
+        "train.py              the entrypoint\n"
+        "framework/\n"
+        "  run/                one rank's run\n"
+        "    trainer.py        the loop\n"
+        "  plan/               the planner: model.py (state),\n"
+        "                      search.py (parallel=auto)\n"
+        "  # a comment names nothing: hooks.py\n"
+        "  evaluate.py, plan/__main__.py\n"
+        "                      shims; (library: checkpoint/export.py)\n"
+        "models/               gpt.py\n"
+        "```\n"
+    )
+    named, entry_paths = layout_names(layout_entries(tree))
+    assert named == {"train.py", "framework/run/trainer.py", "framework/plan/model.py", "framework/plan/search.py",
+                     "framework/evaluate.py", "framework/plan/__main__.py", "framework/checkpoint/export.py",
+                     "models/gpt.py"}  # fmt: skip
+    assert "framework/trainer.py" not in named and "framework/model.py" not in named  # a subfolder's names stay its own
+    assert {"framework/evaluate.py", "framework/plan/__main__.py", "framework/run/trainer.py"} <= entry_paths

@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
         return 2
     layouts = best_per_layout(ranked)
     print(f"{cfg.model._target_} at {world} ranks: {len(layouts)} layouts x memory knobs = {len(ranked)} "
-          "combinations; each layout's best; per rank, per optimizer step")  # fmt: skip
+          "combinations the config check accepts; each layout's best; per rank, per optimizer step")  # fmt: skip
     print(table(layouts, budget))
     print(machine_lines(profile))
     runners = [r for r in ranked if r.fits][1:4]
