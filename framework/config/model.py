@@ -284,7 +284,7 @@ def _plans_sequence_parallel(spec: ModelSpec) -> bool:
 def resolve_sequence_parallel(cfg: DictConfig, tp: int) -> str | None:
     """`parallel.sequence_parallel` null (auto, the default) becomes a bool in `cfg`, the one place
     it is decided: on where the model's plan has sequence-parallel entries, else off, said in one
-    line (a plan without them, like the README's TinyLM or a Hugging Face model's, trains without
+    line (a plan without them, like docs/own_model.md's TinyLM or a Hugging Face model's, trains without
     a flag). Workers and the planner read the bool. A widened tp axis (parallel=fsdp
     parallel.tp=2) gets the key too. An explicit value stays; check_tensor_parallel refuses a true
     that the plan cannot run. Returns the line to print when auto turned it off under tp."""

@@ -44,7 +44,7 @@ def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], dp_mesh, cfg: DictCon
         # offload: shards (and so the optimizer step) live in CPU memory, copied in unit by unit
         "offload_policy": CPUOffloadPolicy() if cfg.memory.name == "offload" else OffloadPolicy(),
     }
-    # A unit whose output is a view (a Linear head on (B, T, dim) returns one: the README's
+    # A unit whose output is a view (a Linear head on (B, T, dim) returns one: docs/own_model.md's
     # TinyLM) would make FSDP warn of wrong gradients: an in-place op on a view drops the hook
     # FSDP puts on it for its pre-backward all-gather. Each unit's output gets a storage of its
     # own first (a hook registered now runs before FSDP's); outputs that are no views pass as they are.
