@@ -46,8 +46,9 @@ MODEL_VARIANTS = {
                                  "model.sliding_window=8")),
     ]
 }  # fmt: skip
-FEATURE_GROUPS = ("precision", "memory", "peft", "optim")
-REFERENCED_GROUPS = ("precision", "peft", "optim")  # the one-process reference runs the same choice
+FEATURE_GROUPS = ("precision", "memory", "peft", "optim", "converters")
+# the one-process reference runs the same choice (a converter's floor too: tests/matrix_run.py `numerics`)
+REFERENCED_GROUPS = ("precision", "peft", "optim", "converters")
 # {model choice: overrides for its smallest shape}; {hf} and {user} are the test's folders
 SHAPES = {
     "gpt": ["model.n_layer=4", "model.n_head=2", "model.n_embd=32"],

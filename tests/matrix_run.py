@@ -119,6 +119,7 @@ def floor_runs(cell: Cell, folders: dict[str, str]) -> dict[str, list[str]]:
     statistics, where that is another model)."""
     precision = [] if cell.precision == "fp32" else [f"precision={cell.precision}"]
     precision += [s for p in precision for s in CHOICE_SETTINGS.get(p, ())]
+    precision += numerics(cell)
     base = _fill([*cell.model.overrides, "parallel=none", *precision], folders)
     runs = {key_of(base): base, key_of(base) + REVERSED: base}
     if cell.model.name.split("(")[0] in BATCH_STATISTICS:  # the ranks' statistics reduced: sync BatchNorm's order
@@ -126,6 +127,12 @@ def floor_runs(cell: Cell, folders: dict[str, str]) -> dict[str, list[str]]:
     else:
         runs[key_of([*base, "accumulation_steps=2"])] = [*base, "accumulation_steps=2"]
     return runs
+
+
+def numerics(cell: Cell) -> list[str]:
+    """The feature's settings that change the arithmetic (a converter: float8's casts), which its
+    floor's runs share: the floor is the model's in that arithmetic."""
+    return [o for o in cell.feature.reference if o.lstrip("+").startswith("converters")]
 
 
 def measured_floor(cell: Cell, out: Path, folders: dict[str, str], errors: dict[str, str]) -> float:

@@ -113,6 +113,16 @@ def test_multirun_sweeps_strategies_each_job_its_own_group_and_summary(tmp_path)
     ],
 )
 def test_bad_input_is_one_clear_message_and_no_worker_starts(tmp_path, args, key):
+    """Two cases run train.py as a process: a value the launcher's check (validate) refuses, which
+    train.py prints as one `error:` line before any worker (as for every value that check refuses:
+    tests/test_bad_inputs.py runs more), and one Hydra cannot merge (train.py's override check). The
+    others are put to the same check in this process (a train.py start each saved)."""
+    if args not in (["launch.nproc_per_node=0"], ["steps=abc"]):
+        from tests.test_front_doors import refused
+
+        err = refused(["logger=none", *args])
+        assert err.key == key and str(err).startswith(f"{key}: ") and "\n" not in str(err), str(err)
+        return
     run = tmp_path / "run"
     proc = train_cli(["logger=none", *args], run)
     assert proc.returncode != 0

@@ -17,7 +17,7 @@ import torch
 
 from framework.config import ConfigError, compose, validate
 from framework.optimizers.muon import newton_schulz
-from tests.helpers import ROOT, losses, read_metrics, read_summary, train_cli
+from tests.helpers import ROOT, losses, on_cpu, read_metrics, read_summary, train_cli
 
 STEPS = 5
 BASE = ["experiment=smoke", f"steps={STEPS}", "progress=false"]
@@ -116,12 +116,22 @@ def assert_same(got: dict[str, list[float]], reference: list[float]) -> None:
             assert abs(a - b) / abs(b) <= TOLERANCE, f"{name} step {step}: {a} vs one process {b}"
 
 
-def test_a_researchers_optimizer_schedule_and_converter_train_under_every_strategy(user, tmp_path):
+@pytest.fixture(scope="module")
+def adamw(tmp_path_factory) -> list[float]:
+    """One process on the framework's default optimizer (AdamW): the losses a user's class and Muon
+    must differ from (one run for both tests)."""
+    return losses(_single(tmp_path_factory.mktemp("adamw") / "adamw", [NO_CLIP, "parallel=none", "data.batch_size=8"]))
+
+
+def test_a_researchers_optimizer_schedule_and_converter_train_under_every_strategy(user, tmp_path, adamw):
+    from framework.config.overrides import first_problem
+
     mine = [f"hydra.searchpath=[file://{user}/conf]", "optim=mine", "schedule=mine", "converters=[freeze_emb]"]
-    refused = train_cli([*BASE, NO_CLIP, *mine])  # the run setting the user's file leaves out: added with `+`
-    assert refused.returncode == 2 and refused.stderr.strip() == (
-        "error: optim.grad_clip: optim=mine leaves it out (default 1.0); add it with +optim.grad_clip=0"
-    ), refused.stderr
+    # the run setting the user's file leaves out: added with `+`. train.py's check of its overrides
+    # (exit 2 with `error: LINE`: tests/test_cli.py), here in this process
+    assert first_problem(on_cpu([*BASE, NO_CLIP, *mine, "logger=none"])) == (
+        "optim.grad_clip: optim=mine leaves it out (default 1.0); add it with +optim.grad_clip=0"
+    )
     mine = [f"+{NO_CLIP}", *mine]
     log = tmp_path / "freeze.log"  # each rank's post-optimizer hook, after each step
     one = sweep([*mine, *ONE_BATCH], tmp_path / "one", {"FREEZE_LOG": str(log)})
@@ -138,7 +148,6 @@ def test_a_researchers_optimizer_schedule_and_converter_train_under_every_strate
     # the planner cannot price a class that declares nothing: it plans its state as empty, and says so
     note = read_summary(run)["plan"]["not_predicted"]["optim_bytes"]
     assert note.startswith("optim: mine_pkg.MyAdaGrad declares no planner_price; its state is planned as empty")
-    adamw = losses(_single(tmp_path / "adamw", [NO_CLIP, "parallel=none", "data.batch_size=8"]))
     assert abs(adamw[-1] - reference[-1]) > 1e-3  # the user's class ran, not the default
 
 
@@ -148,14 +157,13 @@ def _single(run, args):
     return run
 
 
-def test_muon_equals_one_process_under_every_layout_and_differs_from_adamw(tmp_path):
+def test_muon_equals_one_process_under_every_layout_and_differs_from_adamw(tmp_path, adamw):
     one = sweep([NO_CLIP, "optim=muon", *ONE_BATCH], tmp_path / "one")
     two = sweep([NO_CLIP, "optim=muon", *TWO_BATCHES], tmp_path / "two")
     hybrid = _single(tmp_path / "hybrid", [NO_CLIP, "optim=muon", "parallel=hybrid", "parallel.dp_shard=2", "parallel.tp=2",
                                            "launch.nproc_per_node=4", "data.batch_size=4"])  # fmt: skip
     reference = one.pop("none")
     assert_same(one | two | {"hybrid(dp_shard 2 x tp 2)": losses(hybrid)}, reference)
-    adamw = losses(_single(tmp_path / "adamw", [NO_CLIP, "parallel=none", "data.batch_size=8"]))
     assert max(abs(a - b) / b for a, b in zip(adamw[1:], reference[1:], strict=True)) > 1e-3
 
 
@@ -163,8 +171,10 @@ def test_muon_resumes_bitwise_and_reshards_from_ddp_to_fsdp(tmp_path):
     args = ["optim=muon", "data.batch_size=4", "steps=6", "schedule=wsd", "schedule.warmup_steps=2"]
     full = _single(tmp_path / "full", [*args, "parallel=ddp", "checkpoint.every=3"])
     saved = full / "checkpoints" / "step-000003"
-    same = _single(tmp_path / "same", [*args, "parallel=ddp", f"checkpoint.resume={saved}"])
-    other = _single(tmp_path / "fsdp", [*args, "parallel=fsdp", f"checkpoint.resume={saved}"])
+    resumed = tmp_path / "resumed"  # both resumes in one multirun (a launcher's start saved)
+    sweep([*args, "parallel=ddp,fsdp", f"checkpoint.resume={saved}"], resumed)
+    jobs = {read_summary(d)["choices"]["parallel"]: d for d in resumed.iterdir() if (d / "summary.json").exists()}
+    same, other = jobs["ddp"], jobs["fsdp"]
     want = {m["step"]: m for m in read_metrics(full)}
     for m in read_metrics(same):  # the same layout: bitwise, its LR (WSD's) too
         assert (m["loss"], m["lr"]) == (want[m["step"]]["loss"], want[m["step"]]["lr"]), m["step"]
@@ -274,7 +284,7 @@ def test_help_lists_the_groups_a_user_picks_from():
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     groups = proc.stdout.split("== Configuration groups ==\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert proc.returncode == 0 and "schema/" not in proc.stdout, proc.stdout[:2000]
-    assert {"optim: adamw, muon, sgd", "schedule: constant, cosine, wsd", "converters: freeze"} <= set(groups), groups
+    assert {"optim: adamw, muon, sgd", "schedule: constant, cosine, wsd", "converters: float8, freeze"} <= set(groups), groups
     assert [g.split(":")[0] for g in groups] == sorted(
         d.name for d in (ROOT / "conf").iterdir() if d.is_dir() and d.name != "hydra"
     )

@@ -214,8 +214,9 @@ def test_evaluate_an_fsdp_checkpoint_as_one_process(world2, tmp_path):
     # a file given by data.path: consecutive windows at 0, T, 2T, ...; any tool reproduces the mean
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(32, 127)) * 7)  # 665 bytes: 20 windows of 32 and a dropped tail
-    proc = module_cli("framework.evaluate", [str(out / "fsdp2"), f"data.path={text}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from framework.doors.evaluate import main as evaluate  # the door's main, in this process (a start saved)
+
+    assert evaluate([str(out / "fsdp2"), f"data.path={text}"]) == 0
     got = json.loads((out / "fsdp2" / "eval.json").read_text())
     from framework.doors.generate import open_lm
 
@@ -226,7 +227,7 @@ def test_evaluate_an_fsdp_checkpoint_as_one_process(world2, tmp_path):
     assert got["terms"] == 20 * 32 and got["loss"] == pytest.approx(expected.item(), rel=TOL)
 
 
-def test_generate_is_greedy_and_deterministic_and_refuses_a_classifier(world2):
+def test_generate_is_greedy_and_deterministic_and_refuses_a_classifier(world2, capsys):
     out, _ = world2
     args = [str(out / "fsdp2"), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
     first = module_cli("framework.generate", args)
@@ -240,8 +241,12 @@ def test_generate_is_greedy_and_deterministic_and_refuses_a_classifier(world2):
         for _ in range(12):  # the bytes the trained model predicts, one at a time
             tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
     assert first.stdout.rstrip("\n") == bytes(tokens).decode("utf-8", errors="replace").rstrip("\n")
-    proc = module_cli("framework.generate", [str(out / "mlp_ddp"), "--prompt", "x"])
-    assert proc.returncode == 2 and "language model" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    from framework.doors.generate import main as generate  # the refusal: the door's main, in this process
+
+    capsys.readouterr()
+    assert generate([str(out / "mlp_ddp"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "language model" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(

@@ -126,18 +126,26 @@ TRAINED = [k if k.startswith("qwen3") else pytest.param(k, marks=pytest.mark.slo
 @pytest.fixture(scope="module", params=TRAINED)
 def family_runs(request, tmp_path_factory):
     """Each family from its folder, 3 steps in one process, under fsdp x2 and under tp x2 (which
-    exports at its end)."""
+    exports at its end): one multirun over the layouts, each a config file of its own (`+layout=`,
+    on hydra.searchpath: its parallel choice, ranks and batch), so that one launcher starts them all."""
     kind = request.param
     root = tmp_path_factory.mktemp(kind)
     family_folder(kind, root / "hf")
-    runs = {}
+    (root / "conf" / "layout").mkdir(parents=True)
     for name, (layout, batch) in LAYOUTS.items():
-        ranks = "1" if name == "none" else "2"
-        extra = ["checkpoint.every=3", "checkpoint.export=true"] if name == "tp" else []
-        proc = train_cli([*TINY, layout, f"launch.nproc_per_node={ranks}", f"data.batch_size={batch}",
-                          f"model.pretrained={root / 'hf'}", *extra], root / name)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = read_metrics(root / name)
+        extra = "checkpoint:\n  every: 3\n  export: true\n" if name == "tp" else ""
+        (root / "conf" / "layout" / f"{name}.yaml").write_text(
+            f"# @package _global_\ndefaults:\n  - override /parallel: {layout.split('=')[1]}\n"
+            f"launch:\n  nproc_per_node: {1 if name == 'none' else 2}\ndata:\n  batch_size: {batch}\n{extra}"
+        )
+    proc = train_cli(["-m", *TINY, f"+layout={','.join(LAYOUTS)}", f"hydra.searchpath=[file://{root / 'conf'}]",
+                      f"model.pretrained={root / 'hf'}", f"hydra.sweep.dir={root / 'sweep'}"], timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in (root / "sweep").iterdir():  # each job's folder by its layout's name
+        if (job / "summary.json").exists():
+            job.rename(root / json.loads((job / "summary.json").read_text())["choices"]["parallel"])
+    runs = {name: read_metrics(root / name) for name in LAYOUTS}
+    assert json.loads((root / "tp" / "summary.json").read_text())["world_size"] == 2
     return kind, root, runs
 
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from framework.run.sweep import run_configs
 from tests.helpers import losses, read_metrics, run_workers, train_cli, world_config
+from tests.test_front_doors import refused
 
 TINY = """
 import torch.nn.functional as F
@@ -245,9 +246,16 @@ NOT_A_CHAIN = textwrap.dedent("""
     ],
 )
 def test_bad_model_declarations_are_one_line_before_any_worker(user_folder, tmp_path, args, key, hint):
+    """Each is the launcher's check (validate, framework/doors/launch.py `admit`), which train.py
+    prints as `error: LINE` and exits 2 before any worker. The first case runs train.py as a user
+    does (a process: 5-9 s each); the others put their config to the same check in this process."""
     (user_folder / "bad.py").write_text("import tiny\n" + NO_PLAN + BAD_PLAN + NOT_A_CHAIN + FLAT)
     if not args[0].startswith("model=hf"):
         args = ["model=custom", *args]
+    if key != "model._target_":
+        line = f"error: {refused(['experiment=smoke', 'logger=none', *args])}"
+        assert "\n" not in line and line.startswith(f"error: {key}:") and hint in line, line
+        return
     proc = train_cli(["experiment=smoke", "logger=none", *args], tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

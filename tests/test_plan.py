@@ -277,7 +277,7 @@ def _traced_flops(trace, regions=None) -> float:
     total = 0.0
     for key, region in trace.regions.items():
         if regions is None or key in regions:
-            total += sum(2 * m * k * n for m, k, n, _ in region.matmuls)
+            total += sum(2 * m * k * n for m, k, n, *_ in region.matmuls)
             total += sum(4 * m * k * n for m, k, n in region.attention)
     return total
 
@@ -323,10 +323,10 @@ def test_the_trace_places_each_operator_where_tensor_parallel_splits_it():
     net, spec = meta_model(cfg), model_spec(cfg)
     trace = trace_forward(net, spec, 2, 32)
     sharded, replicated = trace.regions["blocks.0", "sharded"], trace.regions["blocks.0", "replicated"]
-    assert [style for *_, style in sharded.matmuls] == ["colwise"] * 3 + ["rowwise", "colwise", "rowwise"]
+    assert [m[3] for m in sharded.matmuls] == ["colwise"] * 3 + ["rowwise", "colwise", "rowwise"]
     assert len(sharded.attention) == 1 and not replicated.matmuls and not replicated.attention
     assert replicated.bytes > 0 and replicated.ops >= 4  # two norms, two residual adds
-    assert [style for *_, style in trace.regions["post"].matmuls] == ["output"]
+    assert [m[3] for m in trace.regions["post"].matmuls] == ["output"]
     assert trace.regions["post"].matmuls[0][:3] == (64, 64, cfg.model.vocab_size)
 
 

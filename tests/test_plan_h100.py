@@ -14,12 +14,12 @@ from framework.config import ConfigError, validate
 from tests.helpers import compose_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from plan_h100 import ROWS, _fsdp_8b, forecast, plan_rows  # noqa: E402
+from plan_h100 import BF16_ROWS, _fsdp_8b, forecast, plan_rows  # noqa: E402
 
 
 def test_every_published_h100_row_is_forecast_within_15_percent_and_the_split_sums_to_the_step():
-    rows = plan_rows()
-    assert len(rows) == len(ROWS) == 8
+    rows = plan_rows(BF16_ROWS)  # the float8 rows: tests/test_plan_float8.py
+    assert len(rows) == len(BF16_ROWS) == 8
     for r in rows:
         assert abs(r["ratio"] - 1) <= 0.15, (r["name"], r["ratio"])
         assert sum(r["split"].values()) == pytest.approx(r["step"], rel=1e-12)
@@ -31,7 +31,7 @@ def test_every_published_h100_row_is_forecast_within_15_percent_and_the_split_su
 def test_every_published_peak_is_forecast_within_10_percent():
     """torchtitan's GiB (the allocator's reserved peak) against the forecast reserved peak: the
     8B rows under its selective "op" checkpointing (memory=selective, memory.matmul_every=2)."""
-    rows = [r for r in plan_rows() if r["published_gib"]]
+    rows = [r for r in plan_rows(BF16_ROWS) if r["published_gib"]]
     assert len(rows) == 4
     for r in rows:
         assert abs(r["peak_ratio"] - 1) <= 0.10, (r["name"], r["reserved_gib"], r["published_gib"])
@@ -95,7 +95,7 @@ def test_torchtitans_405b_layout_fits_an_h100_and_the_llama3_layouts_fit_under_f
     with every block checkpointed each fits."""
     from plan_h100 import H100_BYTES, fit_rows
 
-    fits = {f["name"]: f for f in fit_rows(plan_rows())}
+    fits = {f["name"]: f for f in fit_rows(plan_rows(BF16_ROWS))}
     assert len(fits) == 4 and fits["405B FSDP 16 x TP 8, full AC"]["fits"]
     assert fits["405B FSDP 16 x TP 8, full AC"]["reserved_gib"] * 2**30 <= H100_BYTES
     for name, f in fits.items():

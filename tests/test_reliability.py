@@ -215,11 +215,20 @@ def test_resume_across_an_epoch_boundary_is_bitwise(tmp_path, case):
                                                          want[m["step"]]["loss_scale"])  # fmt: skip
 
 
-def test_async_save_with_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def saved_every_step(tmp_path_factory) -> Path:
+    """6 smoke steps (ddp, 2 ranks), saved asynchronously after each, the newest two kept: the run
+    the async-save test checks, and a clean run and a checkpoint for the tests below that read one
+    (saving changes no loss; a process start each saved)."""
     args = [*SMOKE, "steps=6", "checkpoint.every=1", "checkpoint.keep_last=2", "checkpoint.async_save=true"]
-    run = tmp_path / "run"
+    run = tmp_path_factory.mktemp("saved_every_step") / "run"
     proc = train_cli(args, run)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def test_async_save_with_keep_last_keeps_the_newest_complete_checkpoints(tmp_path, saved_every_step):
+    run = saved_every_step
     kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())  # config.json sits beside them
     assert kept == ["step-000005", "step-000006"]
     for name in kept:
@@ -266,15 +275,12 @@ def test_a_checkpoint_resumes_under_another_strategy_and_world_size(tmp_path, sa
     assert got == pytest.approx(want, rel=1e-4)
 
 
-def test_a_resume_on_data_of_another_size_is_a_clear_error(tmp_path):
+def test_a_resume_on_data_of_another_size_is_a_clear_error(tmp_path, saved_every_step):
     """The position counts samples of an epoch's order, so another global batch or world size
     resumes (tests/test_data_scale.py); data of another size would not map: one line, before the
-    first step."""
-    base = [*SMOKE, "steps=2"]
-    first = tmp_path / "first"
-    assert train_cli([*base, *DDP2, "checkpoint.every=2"], first).returncode == 0
-    ckpt = first / "checkpoints" / "step-000002"
-    more = [*SMOKE, "steps=4", "parallel=fsdp", "data.max_bytes=100000"]
+    first step. The checkpoint: smoke's ddp x2 (DDP2) after step 5 (saved_every_step)."""
+    ckpt = saved_every_step / "checkpoints" / "step-000005"
+    more = [*SMOKE, "steps=7", "parallel=fsdp", "data.max_bytes=100000"]
     proc = train_cli([*more, f"checkpoint.resume={ckpt}"], tmp_path / "x")
     assert proc.returncode != 0
     assert "samples an epoch; this run's data has" in proc.stderr and "does not map" in proc.stderr, proc.stderr[-2000:]
@@ -312,9 +318,8 @@ def test_nonfinite_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_pa
     assert checkpoint_meta(run / "checkpoints" / "step-000004")["step"] == 4
 
 
-def test_nonfinite_skip_leaves_the_step_out_and_counts_it(tmp_path, monkeypatch):
-    clean = tmp_path / "clean"
-    assert train_cli([*SMOKE, "steps=6"], clean).returncode == 0
+def test_nonfinite_skip_leaves_the_step_out_and_counts_it(tmp_path, monkeypatch, saved_every_step):
+    clean = saved_every_step  # the same 6 steps, saved along the way
     monkeypatch.setenv("HYDRADIST_FAULT", "1:3:nan")
     run = tmp_path / "run"
     proc = train_cli([*SMOKE, "steps=6", "nonfinite=skip"], run)

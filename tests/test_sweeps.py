@@ -296,10 +296,18 @@ def test_objective_is_the_chosen_figure_and_nan_for_a_failed_run():
     assert math.isnan(objective(ok, "samples_per_s")) and math.isnan(objective({"status": "failed"}, "final_loss"))
 
 
-def test_submitit_local_launcher_runs_a_two_rank_ddp_job(tmp_path):
-    sweep = tmp_path / "sweep"
+@pytest.fixture(scope="module")
+def submitit_sweep(tmp_path_factory) -> Path:
+    """`python train.py -m hydra/launcher=submitit_local` on SMOKE: one job, submitit's own. Its run
+    is also the SLURM test's `python train.py` to compare with (the same config: a process start saved)."""
+    sweep = tmp_path_factory.mktemp("submitit") / "sweep"
     proc = train_cli(["-m", "hydra/launcher=submitit_local", *SMOKE, "logger=none", f"hydra.sweep.dir={sweep}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep
+
+
+def test_submitit_local_launcher_runs_a_two_rank_ddp_job(submitit_sweep):
+    sweep = submitit_sweep
     summary = read_summary(sweep / "0")
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["choices"]["parallel"] == "ddp"
     assert list((sweep / ".submitit").rglob("*_result.pkl"))  # submitit ran it as its own job
@@ -361,9 +369,10 @@ def test_first_host_of_a_slurm_node_list():
     assert first_host("a-b[1,3]") == "a-b1"
 
 
-def test_two_processes_started_as_slurm_tasks_form_one_run(tmp_path):
+def test_two_processes_started_as_slurm_tasks_form_one_run(tmp_path, submitit_sweep):
     """As `srun --ntasks=2 python train.py` starts them: SLURM variables, no RANK. They form one
-    2-rank run in one directory named after the job, with the losses of `python train.py`."""
+    2-rank run in one directory named after the job, with the losses of `python train.py` (its run
+    under submitit's local launcher: SMOKE, logger=none, as here)."""
     args = [*SMOKE, "logger=none", f"launch.master_port={free_port()}", "backend.timeout_s=120"]
     procs = slurm_tasks(args, tmp_path, job="4242")
     assert wait_tasks(procs, tmp_path, timeout=300) == [0, 0], task_outputs(tmp_path, 2)
@@ -371,7 +380,6 @@ def test_two_processes_started_as_slurm_tasks_form_one_run(tmp_path):
     assert [r.name for r in runs] == ["slurm-4242-0"]  # one run directory, named from the job
     assert read_summary(runs[0])["world_size"] == 2
 
-    local = tmp_path / "local"
-    proc = train_cli([*SMOKE, "logger=none"], local)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    local = submitit_sweep / "0"
+    assert read_summary(local)["world_size"] == 2 and len(losses(local)) == 3
     assert losses(runs[0]) == pytest.approx(losses(local), rel=1e-6)

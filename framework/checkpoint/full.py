@@ -16,7 +16,9 @@ def full_model_state_dict(par) -> dict[str, torch.Tensor]:
     from torch.distributed._state_dict_utils import _gather_state_dict
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(par.module)  # this rank's shards
+    from framework.checkpoint.optim_state import plain_tensors
+
+    state = plain_tensors(get_model_state_dict(par.module))  # this rank's shards, as plain tensors
     rank = dist.get_rank() if dist.is_initialized() else 0
     in_stage_zero_group = par.mesh is None or (par.mesh.dp_rank, par.mesh.tp_rank, par.mesh.cp_rank) == (0, 0, 0)
     keep = rank == 0 or (par.pp_group is not None and in_stage_zero_group)

@@ -4,6 +4,11 @@ optimizer's flattened, every entry keyed by its parameter's name (`state.<name>.
 pipeline stage's entries are its own: unflattened, the stages' `param_groups.0.params` lists
 collided and one stage's won (a pipeline could not resume its own checkpoint).
 
+A parameter a converter holds as a wrapper tensor subclass (torchao's float8 weights, whose
+all-gather casts them) is saved as the plain tensor it wraps, its storage shared (a load writes
+through it): a checkpoint holds plain tensors, which a run without that converter, or torch's
+weights-only unpickler, reads.
+
 A tied parameter held twice (a pipeline holds the embedding and the head on two stages) may be
 missing from a checkpoint that held it once (one process): the copy borrows its source's entries."""
 
@@ -23,7 +28,32 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     """(model's, optimizer's flattened) distributed state dicts."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(model, optimizer, options=options())
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options())
+    return plain_tensors(model_sd), plain_tensors(optim_sd)
+
+
+def plain_tensors(state: dict) -> dict:
+    """`state` with each wrapper subclass holding one tensor of its own shape (its local shard, in
+    a DTensor) replaced by that tensor, the same storage; every other value as it is."""
+    return {k: _plain(v) for k, v in state.items()}
+
+
+def _plain(value):
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(value, DTensor):
+        inner = _plain(value._local_tensor)
+        if inner is value._local_tensor:
+            return value
+        return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())  # fmt: skip
+    if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        inner = [getattr(value, n) for n in names]
+        if len(inner) == 1 and inner[0].shape == value.shape and type(inner[0]) is torch.Tensor:
+            return inner[0]
+    return value
 
 
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:

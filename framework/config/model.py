@@ -5,14 +5,13 @@ keys given to it, builds on the meta device, and declares what the chosen strate
 from __future__ import annotations
 
 import inspect
-from contextlib import suppress
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch.torch_version import TorchVersion
 
-from framework.components import nearest
+from framework.components import ComponentError, nearest
 from framework.config.errors import ConfigError
 from framework.contract import (
     LM_DATA,
@@ -55,8 +54,12 @@ def _meta(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
         _BUILT.clear()
         spec = _spec(model, cfg, target)
         _check_peft_settings(cfg.get("peft"))  # before the adapters are built from them (a rank of 0 would raise)
-        with suppress(ValueError):  # targets that match nothing: _check_peft names them
-            convert_model(model, cfg, spec)  # the converters, as the run applies them: the planner counts what trains
+        try:  # the converters, as the run applies them: the planner counts what trains
+            convert_model(model, cfg, spec)
+        except ComponentError as err:  # a converter's refusal of this model (float8: no eligible linear)
+            raise ConfigError(err.key, str(err).split(": ", 1)[1]) from None
+        except ValueError:  # LoRA's targets that match nothing: _check_peft names them
+            pass
         _BUILT[key] = model, spec
     return _BUILT[key]
 

@@ -10,12 +10,18 @@ worker starts) with
 - `convert(model)`: in place, on the meta device or on the device the model was built on (a
   converter that fills values fills them on either);
 - `post_optimizer_hook(model)` (optional): after every optimizer step, on the laid-out model
-  (registered as the optimizer's step post hook: the loop names no converter).
+  (registered as the optimizer's step post hook: the loop names no converter);
+- `line()` (optional): one line the run prints after converting (what changed, and how);
+- `summary(flops_per_token)` (optional): summary.json's `converters.<entry>`.
+
+Its constructor may take, beside its kwargs, what only the run knows: `run`, a `RunContext` (the
+model's contract, the layout's config, the device); the framework passes it where it is named.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +33,16 @@ from framework.contract import ModelSpec, build_model
 from framework.peft import apply_peft, describe, enabled
 
 
-def converted_model(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: Any) -> tuple[nn.Module, list]:
+@dataclass(frozen=True)
+class RunContext:
+    """What only the run knows, for a converter whose constructor takes `run`."""
+
+    model_spec: ModelSpec
+    parallel: Any  # the layout's config (cfg.parallel)
+    device: Any
+
+
+def converted_model(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: Any) -> tuple[nn.Module, dict]:
     """The model the run lays out, through the one converter point: `meta` itself where its values
     come later, else built whole on the device; then every converter, once.
 
@@ -40,7 +55,7 @@ def converted_model(meta: nn.Module, spec: ModelSpec, cfg: DictConfig, info: Any
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, info.device)
-    return model, convert_model(model, cfg, spec, verbose=info.is_main)
+    return model, convert_model(model, cfg, spec, info.device, verbose=info.is_main)
 
 
 def on_meta(spec: ModelSpec, cfg: DictConfig) -> bool:
@@ -48,18 +63,28 @@ def on_meta(spec: ModelSpec, cfg: DictConfig) -> bool:
     return spec.on_meta or cfg.model.get("pretrained") is not None
 
 
-def convert_model(model: nn.Module, cfg: DictConfig, spec: ModelSpec, verbose: bool = False) -> list[Any]:
+def convert_model(model: nn.Module, cfg: DictConfig, spec: ModelSpec, device: Any = "cpu",
+                  verbose: bool = False) -> dict[str, Any]:  # fmt: skip
     """Apply every converter the config asks for to `model`, in place, in order; the converter
-    objects (their post-optimizer hooks). `verbose`: print what LoRA adapted (rank 0's line)."""
+    objects by entry (their post-optimizer hooks, lines and summaries). `verbose`: print what
+    LoRA adapted and each converter's line (rank 0's)."""
     apply_peft(model, cfg.get("peft"), spec.blocks, cfg.seed)
     if verbose and enabled(cfg.get("peft")):
         print(describe(model, cfg.peft), flush=True)
-    converters = []
-    for node in (cfg.get("converters") or {}).values():
-        converter = build_component(node, ())
+    converters = {}
+    for name, node in (cfg.get("converters") or {}).items():
+        converter = build_component(node, (), run=RunContext(spec, cfg.parallel, device))
         converter.convert(model)
-        converters.append(converter)
+        if verbose and callable(getattr(converter, "line", None)):
+            print(converter.line(), flush=True)
+        converters[name] = converter
     return converters
+
+
+def converter_summaries(converters: dict[str, Any], flops_per_token: float | None) -> dict[str, dict] | None:
+    """summary.json's `converters`: each converter's own summary, where it gives one."""
+    out = {n: c.summary(flops_per_token) for n, c in converters.items() if callable(getattr(c, "summary", None))}
+    return out or None
 
 
 def check_converters(cfg: DictConfig) -> None:
@@ -76,8 +101,8 @@ def check_converters(cfg: DictConfig) -> None:
                                  "converter changes the model in place in its convert(model)")  # fmt: skip
 
 
-def hook_converters(converters: list[Any], optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def hook_converters(converters: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """Each converter's `post_optimizer_hook(model)` after every optimizer step (on the laid-out model)."""
-    for converter in converters:
+    for converter in converters.values():
         if callable(getattr(converter, "post_optimizer_hook", None)):
             optimizer.register_step_post_hook(lambda *_, c=converter: c.post_optimizer_hook(model))

@@ -126,8 +126,11 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh, sequence_parallel: bool
     plan = {}
     for path, style in expand_plan(model, spec).items():
         dtensor_style = tp_style(style, sequence_parallel, loss_parallel)
-        if isinstance(model.get_submodule(path), LoRALinear):
+        module = model.get_submodule(path)
+        if isinstance(module, LoRALinear):
             dtensor_style = _with_adapters(dtensor_style)
+        if dtensor_style is not None and callable(getattr(module, "tensor_parallel_style", None)):
+            dtensor_style = module.tensor_parallel_style(dtensor_style)  # a converted layer's own (float8's)
         if dtensor_style is not None:
             plan[path] = dtensor_style
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}

@@ -308,16 +308,16 @@ def gathered_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
     when units reshard after forward, else every unit of the rank."""
     if not layout.fsdp:
         return 0
-    units: dict[str, int] = {}
-    for p in shapes.params:
-        if p.expert and layout.ep > 1:  # a unit of its own: this rank's experts / ep, whole over tp
-            units[f"{p.unit}:experts"] = units.get(f"{p.unit}:experts", 0) + math.prod(p.shape) // layout.ep
-            continue
-        units[p.unit] = units.get(p.unit, 0) + math.prod(p.shape) // layout.tp
+    units: dict[str, float] = {}
     size = 2 if cfg.precision.name != "fp32" else 4
+    for p in shapes.params:  # bytes gathered: the mixed precision's, or a converter's (float8's 1)
+        if p.expert and layout.ep > 1:  # a unit of its own: this rank's experts / ep, whole over tp
+            units[f"{p.unit}:experts"] = units.get(f"{p.unit}:experts", 0) + size * (math.prod(p.shape) // layout.ep)
+            continue
+        units[p.unit] = units.get(p.unit, 0) + (p.gather_bytes or size) * (math.prod(p.shape) // layout.tp)
     if layout.reshard:
-        return size * sum(sorted(units.values())[-2:])
-    return size * sum(units.values()) // layout.pp
+        return int(sum(sorted(units.values())[-2:]))
+    return int(sum(units.values()) // layout.pp)
 
 
 def offloaded_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> float:

@@ -21,6 +21,10 @@ CPU's probed kernels (framework.plan.kernels.Kernels), so the trace of the model
   per call and a latency per ring step, NVLink's or the network's.
 
 Sources of the constants (none fitted to the tables the planner is checked against):
+- FP8: the datasheets' dense FP8 (E4M3) tensor-core peak, twice the dense bf16's on Hopper (H100 and
+  H200 SXM: 1,979 of 989 TFLOP/s); an A100 has no FP8 units. A converter's matmuls in "fp8" run
+  at the measured bf16 rate times that ratio (GpuKernels.format_share); a part without: emulated,
+  at its 16-bit rate (framework/plan/convert.py).
 - MAMF: stas00/ml-engineering's mamf-finder, as tabled in mag-/gpu_benchmark's README: A100 SXM
   267.9 TFLOP/s (of 312), H100 SXM 792.1 (of 989). The H200 has the H100's SMs and clocks.
 - HBM: 88% of the datasheet, the most a read kernel reached on an A100 80GB SXM (1.80 of
@@ -80,6 +84,7 @@ class GpuSpec:
     tdp_w: float = 400.0  # the datasheet's board power, the default limit
     min_power_w: float = 100.0  # the least power limit the driver takes
     attention_share: float = ATTENTION_SHARE  # FlashAttention-2's share of the 16-bit peak
+    fp8_tflops: float | None = None  # the datasheet's dense FP8 peak (None: no FP8 units)
 
     def link_bytes_per_s(self) -> tuple[float, float]:
         """(within a node, across nodes) bytes per second a collective's ring moves per GPU."""
@@ -89,8 +94,8 @@ class GpuSpec:
 # SXM parts of DGX/HGX nodes: A100 80GB (HDR 200 Gb/s per GPU), H100 and H200 (NDR 400 Gb/s)
 SPECS = {
     "A100": GpuSpec("A100", 108, 2.039, 300.0, 25.0, 267.9, 80.0),
-    "H100": GpuSpec("H100", 132, 3.35, 450.0, 50.0, 792.1, 80.0, 63.0, 700.0, 200.0, 0.35),
-    "H200": GpuSpec("H200", 132, 4.8, 450.0, 50.0, 792.1, 141.0, 63.0, 700.0, 200.0, 0.35),
+    "H100": GpuSpec("H100", 132, 3.35, 450.0, 50.0, 792.1, 80.0, 63.0, 700.0, 200.0, 0.35, fp8_tflops=1979.0),
+    "H200": GpuSpec("H200", 132, 4.8, 450.0, 50.0, 792.1, 141.0, 63.0, 700.0, 200.0, 0.35, fp8_tflops=1979.0),
 }
 
 
@@ -143,6 +148,13 @@ class GpuKernels:
     def attention_s(self, m: float, k: float, n: float) -> float:
         """Seconds of attention's forward for scores of shape (m, n) over head dim k."""
         return 4 * m * k * n / (self.clock * self.peak_flops * self.spec.attention_share)
+
+    def format_share(self, fmt: str | None) -> float:
+        """A matmul in `fmt` ("fp8") against one in the 16-bit compute dtype: the datasheets'
+        peaks' ratio where the part has units for it, else 1 (emulated: the 16-bit matmul)."""
+        if fmt == "fp8" and self.spec.fp8_tflops and self.itemsize == 2:
+            return self.spec.fp8_tflops / _peak_16bit(self.spec)
+        return 1.0
 
 
 def _peak_16bit(spec: GpuSpec) -> float:

@@ -71,6 +71,11 @@ class Kernels:
         of that shape (the scores and their weighted sum)."""
         return 2 * self.matmul_s(m, k, n)
 
+    def format_share(self, fmt: str | None) -> float:
+        """A matmul in another format than the compute dtype's ("fp8"): a CPU has no units for
+        one, so it is emulated at the compute dtype's rate (its casts are priced apart)."""
+        return 1.0
+
     @cached_property
     def _rates(self) -> dict[str, dict[tuple[int, int], float]]:
         """FLOP/s at each grid point (computed once: a search prices thousands of matmuls)."""

@@ -113,6 +113,7 @@ class Param:
     trainable: bool = True  # False: frozen (peft=lora's base), no gradient or optimizer state
     expert: bool = False  # a routed layer's grouped expert weight (experts x ...): split over ep
     matrix: bool = False  # one of the blocks' weight matrices (contract.block_matrices: Muon's)
+    gather_bytes: float | None = None  # bytes an element FSDP gathers it in, where a converter says (float8's 1)
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,10 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
     from framework.contract import block_index, block_matrices, blocks_of, expand_plan
     from framework.measure.metrics import model_flops, recomputed_blocks
     from framework.parallel.pipeline import split_layers
+    from framework.plan.convert import converter_prices, gather_bytes
 
     model, spec = meta_model(cfg), model_spec(cfg)
+    gathered = gather_bytes(converter_prices(cfg, model, spec))
     n_blocks = len(blocks_of(model, spec))
     layers = split_layers(n_blocks, layout.stages) if n_blocks else [[]]
     stage_of = {i: s for s, ids in enumerate(layers) for i in ids}
@@ -178,9 +181,8 @@ def model_shapes(cfg: DictConfig, layout: Layout) -> Shapes:
         unit = f"{spec.blocks}.{layer}" if layer is not None else "root"
         style = plan.get(name.rpartition(".")[0])
         tp_dim, expert = _tp_dim(name, plan, layout), name.rpartition(".")[0] in experts
-        params.append(
-            Param(name, tuple(p.shape), stage, unit, tp_dim, style, p.requires_grad, expert, name in matrices)
-        )
+        params.append(Param(name, tuple(p.shape), stage, unit, tp_dim, style, p.requires_grad, expert,
+                            name in matrices, gathered.get(name)))  # fmt: skip
     counted = model_flops(model, spec, cfg.data.get("seq_len"), recomputed_blocks(cfg, n_blocks))
     buffers: dict[str, int] = defaultdict(int)
     for b in model.buffers():

@@ -13,6 +13,8 @@ from framework.config.memory_checks import in_backward_frees
 from framework.config.model import meta_model, model_dims_of, model_spec
 from framework.optimizers.prices import unpriced
 from framework.plan.activations import activation_bytes, gathered_bytes, micro_batch
+from framework.plan.convert import converter_prices, owned_modules
+from framework.plan.convert import unpriced as converters_unpriced
 from framework.plan.model import Layout, Shapes, layout_of, model_shapes
 from framework.plan.ops import Trace, trace_forward
 from framework.plan.peak import cached_bytes, peak_parts
@@ -106,20 +108,23 @@ def forward_trace(cfg: DictConfig, layout: Layout, model, spec) -> Trace | None:
         return None
     b, tokens = micro_batch(cfg, layout), seq_len // layout.cp
     autocast = DTYPES[cfg.precision.name]  # the trace prices CPU kernels only (profile.kernels)
+    prices = converter_prices(cfg, model, spec)  # the converters' modules, each priced by its converter
+    owned = owned_modules(prices)
 
     def make():
         try:
-            return trace_forward(model, spec, b, tokens, autocast)
+            return trace_forward(model, spec, b, tokens, autocast, owned)
         except Exception:  # a forward that needs real tensors: priced by its FLOPs instead
             return None
 
-    return _cached(("trace", id(model), b, tokens, autocast), model, make)
+    priced = (len(owned), repr(sorted({repr(e) for e in owned.values()})))  # what the converters' prices say
+    return _cached(("trace", id(model), b, tokens, autocast, priced), model, make)
 
 
 def _not_predicted(memory: dict, ranks, shapes: Shapes, cfg: DictConfig) -> dict[str, str]:
     """figure -> why it is not predicted (a clear word rather than a wrong figure); a component
     without a price: planned as if absent, and said here."""
-    why = {}
+    why = converters_unpriced(cfg)
     if optimizer_price(cfg.optim) is None:
         why["optim_bytes"] = unpriced(locate(cfg.optim, "optim"))
     if memory["activation_bytes"] is None:

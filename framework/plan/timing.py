@@ -75,6 +75,8 @@ def compute_s(cfg: DictConfig, layout: Layout, shapes: Shapes, profile, trace: T
         seconds = flops / profile.peak_flops + ops_per_step(shapes, cfg, layout) * profile.op_overhead_s + optimizer_s
         return seconds, seconds * profile.share  # the profile's peak is already a rank's share of the cores
     micro = layout.n_microbatches if layout.pp > 1 else cfg.accumulation_steps
+    if cfg.get("compile") and hasattr(kernels, "spec"):  # a GPU's compiled step: fused elementwise kernels
+        trace = trace.compiled()
     every, redo = checkpoint_every(cfg), _redo(shapes, cfg, layout)
     if not redo.elementwise:  # memory=budget: every block runs again what its knapsack did not keep
         every = 1
@@ -159,7 +161,7 @@ def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwa
     tp = layout.tp
     split = tp if kind == "sharded" or (kind == "replicated" and layout.sequence_parallel) else 1
     matmul = 0.0
-    for m, k, n, style in region.matmuls:
+    for m, k, n, style, formats in region.matmuls:
         if tp > 1 and kind in ("sharded", "post"):
             if style in ("colwise", "output"):
                 n = n / tp
@@ -169,15 +171,17 @@ def _region_s(region: Region, kind: str, layout: Layout, kernels, profile, forwa
                 m = m / tp  # a batched matmul over the heads (attention written out)
         elif split > 1:
             m = m / split
-        forward = kernels.matmul_s(m, k, n)
-        matmul += (
-            forward * forwards + kernels.matmul_s(m, k, n, "input_grad") + kernels.matmul_s(m, k, n, "weight_grad")
-        )
+        share = [kernels.format_share(f) for f in formats] if formats else (1.0, 1.0, 1.0)  # a converter's format
+        forward = kernels.matmul_s(m, k, n) / share[0]
+        matmul += (forward * forwards + kernels.matmul_s(m, k, n, "input_grad") / share[1]
+                   + kernels.matmul_s(m, k, n, "weight_grad") / share[2])  # fmt: skip
     attention = sum(kernels.attention_s(m / split, k, n) for m, k, n in region.attention) * layout.cp
     if region.causal:  # a GPU's FlashAttention skips the masked half (context parallel balances it: zigzag)
         attention *= getattr(kernels, "causal_share", 1.0)
     elementwise = (region.bytes / kernels.bytes_per_s + region.math_bytes / kernels.math_bytes_per_s) / split
     casts = 0.0 if layout.fsdp else region.cast_bytes / kernels.bytes_per_s / split * (forwards + 1)
+    converted = region.converted_bytes  # a converter's own casts (float8's), forward and backward
+    casts += (converted[0] * forwards + converted[1]) / kernels.bytes_per_s / split
     ops = region.ops * profile.op_overhead_s
     return (
         matmul

@@ -147,6 +147,7 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
     gather_bytes = 4 if param_dtype is None else param_dtype.itemsize
     reduce_bytes = reduce_dtype.itemsize
     units: dict[tuple[int, str], int] = defaultdict(int)  # (pp rank, unit) -> padded elements
+    sent: dict[tuple[int, str], float] = defaultdict(float)  # (pp rank, unit) -> padded bytes gathered
     flat: dict[tuple[int, str], int] = defaultdict(int)
     trained: dict[tuple[int, str], int] = defaultdict(int)  # of them with gradients (reduce-scattered)
     for p in shapes.params:
@@ -156,23 +157,25 @@ def _fsdp(ranks: list[Traffic], shapes: Shapes, cfg: DictConfig, layout: Layout)
         if p.expert and layout.ep > 1:  # a unit of its own: experts / ep, over the dp_shard ranks left
             key, rows, group = (key[0], f"{key[1]}:experts"), rows // layout.ep, layout.expert_shard
         units[key] += fsdp_rows(rows, group)[1] * _numel(local[1:])
+        sent[key] += fsdp_rows(rows, group)[1] * _numel(local[1:]) * (p.gather_bytes or gather_bytes)  # a converter's
         trained[key] += fsdp_rows(rows, group)[1] * _numel(local[1:]) * p.trainable
         flat[key] += _numel(local)
     if layout.fsdp == 1:  # one flat parameter per unit, padded to divide evenly
         units = {k: -(-n // layout.shard) * layout.shard for k, n in flat.items()}
+        sent = {k: n * gather_bytes for k, n in units.items()}
         trained = {k: min(trained[k], units[k]) for k in units}
     rounds = cfg.accumulation_steps if layout.sync_every_microbatch else 1
     # FSDP1's no_sync skips the reduce-scatter only: every micro-batch gathers again (FSDP2's
     # accumulation here keeps the parameters gathered between micro-batches)
     gather_rounds = cfg.accumulation_steps if layout.fsdp == 1 else rounds
-    for (rank, unit), elements in units.items():
+    for rank, unit in units:
         t = ranks[rank]
         # experts' units (expert parallel): over the dp_shard ranks ep leaves, ep x tp apart
         group, stride = (
             (layout.expert_shard, layout.ep * layout.tp) if unit.endswith(":experts") else (layout.shard, layout.tp)
         )
         gathers = (1 + (layout.reshard and not unit.startswith("root"))) * gather_rounds
-        t.add("fsdp:all_gather", gathers * elements * gather_bytes, group, gathers, "dp", stride)
+        t.add("fsdp:all_gather", gathers * sent[(rank, unit)], group, gathers, "dp", stride)
         grads = trained[(rank, unit)]
         if grads:  # a unit of frozen parameters (peft=lora's base) reduces nothing
             t.add("fsdp:reduce_scatter", rounds * grads * reduce_bytes, group, rounds, "dp", stride)

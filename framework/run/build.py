@@ -65,13 +65,13 @@ def build(cfg: DictConfig, info: DistInfo, train_data: bool = True) -> Parts:
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps)
     precision = build_precision(cfg.precision, info.device, sharded=Strategy.of(cfg.parallel).on_mesh)
     if not train_data:
-        return Parts(flops, par, optimizer, scheduler, None, precision, spec, n_blocks)
+        return Parts(flops, par, optimizer, scheduler, None, precision, spec, n_blocks, converters)
     data = build_data(cfg.data, (par.dp_rank, par.dp_size), info.device, cfg.seed, spec.task, cfg.accumulation_steps)
     if info.is_main:  # one line when data.max_bytes cuts the text corpus short (a preset may)
         print(truncation_line(cfg.data), end="", flush=True)  # '' when nothing is cut
         if note := getattr(data.dataset, "note", None):  # e.g. data=hf's rows left out
             print(note, flush=True)
-    return Parts(flops, par, optimizer, scheduler, data, precision, spec, n_blocks)
+    return Parts(flops, par, optimizer, scheduler, data, precision, spec, n_blocks, converters)
 
 
 def resume(cfg: DictConfig, info: DistInfo, parts: Parts, run_dir: str) -> Resumed:
@@ -108,6 +108,9 @@ def resume_from(path: str, parts: Parts, info: DistInfo) -> Resumed:
     """Continue from checkpoint `path`: model and optimizer (resharded to this layout), the LR
     schedule, the loss scaler, the data position and, on the same layout, every rank's RNG."""
     state, rng = checkpoint.load(path, parts.par.module, parts.optimizer, info.rank, parts.par.tie_names)
+    for converter in parts.converters.values():  # the weights changed as a step changes them (float8's scales)
+        if callable(getattr(converter, "post_optimizer_hook", None)):
+            converter.post_optimizer_hook(parts.par.module)
     data_position(state.data, parts.data, path)
     load_schedule(parts.scheduler, state.scheduler)  # its per-group lists onto this rank's groups
     if state.scaler and parts.precision.scaler.is_enabled():

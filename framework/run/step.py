@@ -36,6 +36,7 @@ class Parts:
     precision: Precision
     spec: ModelSpec  # what the model declares (framework/contract.py): task, blocks, ...
     n_blocks: int = 0  # the whole model's blocks (a pipeline stage holds some of them)
+    converters: dict = field(default_factory=dict)  # entry -> the converter object (framework/converters)
 
     @property
     def task(self) -> str:  # lm | classify

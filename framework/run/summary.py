@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from framework.config import backend_env
+from framework.converters import converter_summaries
 from framework.dist import DistInfo, all_gather_object
 from framework.figures import Registry
 from framework.measure.comm import mean_totals
@@ -67,13 +68,12 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
               figures: Registry) -> dict[str, Any]:  # fmt: skip
     """The figures of the run's summary.json: per-rank figures are the max over ranks (one gather,
     at the end); the registry's figures over the run's steps, in their blocks (framework/figures.py);
-    callbacks add their own blocks after this (on_end). `checkpoint.saves` counts every checkpoint the run wrote, periodic
-    (checkpoint.every, a preemption's, a callback's request) and a callback's own (the best
-    checkpoint's, which its callback counts apart); `blocking_s` is what training waited for them all."""
+    callbacks add their own blocks after this (on_end). `checkpoint.saves` counts every checkpoint the run wrote,
+    periodic (checkpoint.every, a preemption's, a callback's request) and a callback's own (the best checkpoint's,
+    which its callback counts apart); `blocking_s` is what training waited for them all."""
     everyone = all_gather_object(rank_figures(info, stats, measure), info)
     memory = {k: max(r[k] for r in everyone) if everyone[0].get(k) is not None else None for k in MEMORY_KEYS}
-    # the peak of the rank whose peak is largest, taken apart
-    memory["breakdown"] = max((r["breakdown"] for r in everyone), key=lambda b: b["peak_bytes"] or 0)
+    memory["breakdown"] = max((r["breakdown"] for r in everyone), key=lambda b: b["peak_bytes"] or 0)  # the top rank's
     counting = [r for r in everyone if r["work"]]  # one rank per data-parallel group
     rates = throughput = stats.throughput.rates()
     per_step = stats.throughput.per_step()
@@ -117,6 +117,7 @@ def summarize(cfg: DictConfig, info: DistInfo, parts: Parts, stats: RunStats, me
         "comm": max((r["comm"] for r in everyone if r["comm"]), key=lambda c: c["bytes"], default=None),
         "comm_by_op": ops_over_ranks([r["comm"] for r in everyone]),
         "load_balance": balance,
+        "converters": converter_summaries(parts.converters, flops.model),  # float8: recipe, FLOPs share, MFU's peak
         "data": getattr(parts.data.dataset, "figures", None),  # what the dataset counted (data=hf: rows left out)
         **figures.summarize(stats.figures),
         "figure_columns": figures.columns(),  # the sweep report's columns of declared figures
