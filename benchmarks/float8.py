@@ -80,10 +80,13 @@ def main() -> None:
           f"cell passes within {FLOOR_MULTIPLE}x its floor: the worst relative loss gap over the steps of one "
           "process's float8 run summed in other orders\n")  # fmt: skip
     print(table(["recipe", "layout", "outcome", "loss gap", "float8 floor", "gap / floor", "why"], rows))
+    print("\ntensorwise's floor is float8's own: one scale per tensor, so a batch summed as two halves casts each "
+          "half's activations and gradients with its own scale, as two data-parallel ranks do. The rowwise recipes "
+          "scale each row (a token's) and their floor is float32's.")  # fmt: skip
     print("\nAll-gather payload a step (comm counter), gpt under fsdp x2, bf16, 3 steps: the whole step's, and "
           "that of the converted weights (their bf16 bytes less what float8 saved)\n")  # fmt: skip
     print(table(["recipe", "float8 all-gather", "bf16 bytes", "float8 bytes", "whole step", "converted weights"],
-                [[b["recipe"], b["all_gather"], b["bf16"], b["float8"], f"{b['whole']:.3f}x", f"{b['converted']:.3f}x"]
+                [[b["recipe"], "yes" if b["all_gather"] else "no", b["bf16"], b["float8"], f"{b['whole']:.3f}x", f"{b['converted']:.3f}x"]
                  for b in bytes_rows]))  # fmt: skip
     print(
         "\nThe rowwise recipes gather their weights in bf16 (torchao's float8 all-gather takes one scale per "
