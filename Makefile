@@ -63,6 +63,9 @@ bench: $(STAMP)
 # what the lent GPU machine's python lacks (docs/gpu.md), as wheels for its Python 3.12, into .whl/
 # (ignored; carried with the tree): the versions this .venv runs. antlr4's 4.9.3 is published as a
 # source archive only: built here into a wheel of pure Python.
+# torchao (converters=[float8], gpu.sh's float8 rows) is carried where this .venv has it: a cp310-abi3
+# wheel (~3.4 MB) whose C++ kernels are built for torch 2.11, the lent machine's; float8 training is
+# Python over torch._scaled_mm. Without it the float8 rows say so and skip.
 GPU_WHEELS := hydra-core omegaconf
 GPU_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
 gpu-wheels: $(STAMP)
@@ -71,6 +74,9 @@ gpu-wheels: $(STAMP)
 		$(foreach p,$(GPU_WHEELS),$(p)==$$($(VENV)/bin/python -c "import importlib.metadata as m; print(m.version('$(p)'))"))
 	$(VENV)/bin/pip wheel -q --no-deps -w .whl \
 		antlr4-python3-runtime==$$($(VENV)/bin/python -c "import importlib.metadata as m; print(m.version('antlr4-python3-runtime'))")
+	@v=$$($(VENV)/bin/python -c "import importlib.metadata as m; print(m.version('torchao'))" 2>/dev/null); \
+	if [ -n "$$v" ]; then $(VENV)/bin/pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORM) -d .whl torchao==$$v; \
+	else echo "torchao: not in $(VENV); not carried (gpu.sh's float8 rows skip)"; fi
 	@ls -l .whl && du -sh .whl
 
 lint: $(STAMP)

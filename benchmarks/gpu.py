@@ -9,7 +9,9 @@ Rows, most valuable first (a call cut short keeps what it ran):
 - FSDP with CPU offload (functional, its model state where it lives), the memory breakdown against
   the allocator and the planner, CUDA against CPU parity (losses within 1e-3), `pytest -m gpu`;
 - two-GPU rows (a NCCL hang named from the flight recorder, cp ring against torch's) say so and
-  are skipped on one GPU.
+  are skipped on one GPU;
+- float8 (benchmarks/gpu_float8.py): the headline Llama's tokens/s with float8 linears against
+  bf16, and a small Llama's loss after 200 steps against bf16's; skipped, saying so, without torchao.
 
 Each row appends a JSON line to OUT/rows.jsonl and rewrites OUT/gpu.md; the run folders' summaries
 and metrics go into OUT/runs.tar.gz. A row's timeout is the smaller of its own and the time left
@@ -32,7 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import table  # noqa: E402
-from gpu_rows import ROWS, Context, machine  # noqa: E402
+from gpu_float8 import ROWS as FLOAT8_ROWS  # noqa: E402
+from gpu_rows import ROWS as CORE_ROWS  # noqa: E402
+from gpu_rows import Context, machine  # noqa: E402
+
+# the float8 rows last: they need torchao (carried in .whl/, else skipped saying so), and the
+# two-GPU rows before them take no time on one GPU
+ROWS = {**CORE_ROWS, **FLOAT8_ROWS}
 
 HEADER = ["row", "status", "figures", "wall s"]
 

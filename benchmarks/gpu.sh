@@ -16,7 +16,7 @@ PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 echo "python: $(command -v $PY) ($($PY --version 2>&1))"
 
-# 2. The carried wheels (hydra-core, omegaconf, antlr4), never an index.
+# 2. The carried wheels (hydra-core, omegaconf, antlr4; torchao where .venv has it), never an index.
 if compgen -G ".whl/*.whl" >/dev/null; then
   SITE=${TMPDIR:-/tmp}/hydradist-site
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
@@ -38,6 +38,10 @@ if [ -n "$MISSING" ]; then
     | tee "$OUT/gpu.log"
   exit 1
 fi
+
+# 3b. torchao (the float8 rows) is optional: the machine's or a carried wheel's; absent, those rows say so and skip.
+$PY -c 'import importlib.metadata as m, importlib.util as u
+print("torchao:", m.version("torchao") if u.find_spec("torchao") else "absent (the float8 rows skip; make gpu-wheels carries it)")'
 
 # 4. torch.compile's Triton launcher is built with a C compiler against Python.h: without them the
 #    compiled rows run eager, saying so.

@@ -294,22 +294,40 @@ exposed communication hidden behind the matmuls (Table 4's 2D row: 1,139 against
 876, so the forecast does not credit AsyncTP with hiding all of it).
 
 *Missed, and why* (no constant is set per row). Throughput: Table 2's two longest rows, CP 4 at
-131,072 tokens (1.23x) and CP 8 at 262,144 (1.27x), while CP 1 and CP 2 are 1.01x and 0.93x. At
-these lengths attention is most of the step (FlashAttention-2 at 35% of the peak over the causal
-half of the scores, the constant every H100 row uses); the published rows fall faster with
-length than attention's quadratic work explains (65,536 to 131,072 tokens: 0.42x published, 0.56x
-forecast), so torch's context-parallel attention of December 2024 ran these lengths below the
-planned rate; the planner has no figure of its own for it. Memory: Table 4 (0.79x: 56.8 of 71.9
-GiB) and Table 5 (0.47x and 0.54x). Under a pipeline torch's stage keeps FSDP's unsharded
-gradients of the whole stage in fp32 from the first micro-batch's backward until the last
-(`set_requires_gradient_sync(False)` in torch/distributed/pipelining/stage.py), about 23.6 GiB a
-rank for the 405B at PP 8 x TP 8, which the planner's peak does not count yet; with it the forecast
-would still be about 20% under. The rest of both gaps (about 15 GiB in Table 4, with no pipeline)
-is not accounted for here: the full-AC peak forecast (the fp32 state over 256 or 512 ranks, the
-checkpointed block inputs, one block recomputed, the fp32 logits under loss parallel, the gathered
-units) is the one the bf16 405B row already uses; torchtitan's reserved peak may hold allocator
-blocks (compile's and AsyncTP's workspaces, fragmentation over 16 to 32 micro-batches) that no
-formula here prices.
+131,072 tokens (1.23x) and CP 8 at 262,144 (1.27x), while CP 1 and CP 2 read 1.01x and 0.93x. Every
+row of Table 2 holds 32,768 tokens a rank, so a rank's attention work a token grows in proportion
+to the sequence while its other work stays: at any one attention rate each further 32,768 tokens of
+sequence add the same seconds a token. The published rows add 1.37e-4 s a token from 32,768 to
+65,536 tokens, then 2.70e-4 per 32,768 from 65,536 to 131,072 and 2.23e-4 from 131,072 to 262,144:
+twice as much from CP 4 on, which no single attention rate fits (the forecast, at the rate every
+H100 row uses, is slower than published at CP 2 and faster at CP 4 and 8). torchtitan ran torch's
+context_parallel (this framework's `parallel.cp_impl=torch`), whose collectives and kernels the
+planner does not model (framework/plan/traffic.py); these rows are planned as the framework's
+ring. Memory: Table 5's 1F1B row (0.81x: 66.9 of 82.5 GiB), while its interleaved row reads 0.92x.
+The two layouts hold the same state, the same 15 or 16 blocks a rank, the same 8 micro-batches (the
+first rank runs all 8 forwards before its first backward under both); published, 1F1B takes 9.8
+GiB more, which the forecast (the same 66.9 GiB for both, on the first rank: 8 micro-batches of
+its checkpointed blocks in flight beside the stage's fp32 gradients) does not explain. Not priced:
+a pipeline's last stage keeps every micro-batch's logits to the step's end (torch's stage appends
+each to `output_chunks` for the schedule to merge; 7.8 GiB on Table 5's last rank), AsyncTP's
+symmetric-memory workspaces, the allocator's fragmentation. Pricing the held logits was tried: it
+puts the interleaved row at 0.97x and 1F1B's still at 0.80x, and this framework's own pipeline
+holds them too (framework/parallel/pipeline.py steps the schedule with `return_outputs` left on),
+which puts the Llama 3 rows' last rank at 63 GiB more (32 micro-batches of the whole vocabulary's
+16-bit logits): they would not fit even checkpointed. Whether the framework stops holding them
+(it never reads them) is left open, so the term is left out.
+
+*Memory closed by two general terms* (each also in every bf16 row it applies to; Table 4 read
+0.79x and Table 5's interleaved row 0.54x before them): (1) under a pipeline a stage's gradients
+are held from its first micro-batch's backward to the step's end, beside the activations of the
+micro-batches in flight: under FSDP2 unsharded, in the reduce dtype (torch's stage,
+torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`, turns FSDP's gradient sync
+and resharding off until the last backward): 24 GiB a rank for the 405B at PP 8 x TP 8
+(framework/plan/peak.py `held_gradients`); (2) under loss parallel the loss's
+backward holds three fp32 vocabulary-wide tensors beside log-softmax's saved output, not two
+(torch/distributed/tensor/parallel/loss.py computes log-softmax's backward with nll_loss's:
+the scatter's zeros, exp(output) and their sum at once): 7.8 GiB for Table 4's 16 x 8,192 tokens.
+Table 4 reads 0.90x with them (65.0 of 71.9 GiB), Table 5's interleaved row 0.92x.
 
 NVIDIA's Megatron-Core / NeMo H100 tables and MLPerf Training's H100 results were not
 found in this project's search tools with their layouts, so no row of theirs is shown (no figure

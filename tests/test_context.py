@@ -278,7 +278,9 @@ def test_a_language_model_is_one_by_its_contract_not_its_forwards_signature(tmp_
     from tests.helpers import compose_config, write_tiny_llama_config
 
     folder = write_tiny_llama_config(tmp_path / "llama")
-    cfg = compose_config(["experiment=smoke", "parallel=cp", "model=hf", f"model.config={folder}", "launch.nproc_per_node=2"])
+    cfg = compose_config(
+        ["experiment=smoke", "parallel=cp", "model=hf", f"model.config={folder}", "launch.nproc_per_node=2"]
+    )
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert err.value.key == "parallel.cp" and "classifier" not in str(err.value), str(err.value)

@@ -214,3 +214,23 @@ def test_the_rows_of_two_calls_render_one_table(tmp_path, monkeypatch):
     text = render([first, second]).read_text()
     assert "NVIDIA H200, torch 2.11.0" in text and "| parity | ok | max loss gap 2e-5 |" in text
     assert "time budget spent" not in text and text.index("probe") < text.index("headline") < text.index("parity")
+
+
+def test_the_float8_rows_skip_in_one_line_where_torchao_is_absent(tmp_path, monkeypatch):
+    """The lent machine may hold no torchao, and gpu.sh reaches no index: each float8 row says so
+    in one line and is skipped, starting no job (a carried wheel, make gpu-wheels, lets them run)."""
+    import importlib.util
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_float8
+    from gpu import ROWS
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    monkeypatch.setattr(gpu_float8, "train", lambda *a, **k: pytest.fail("a float8 row started a job"))
+    ctx = gpu_float8.Context(tmp_path, True, time.time() + 60, None)
+    assert set(gpu_float8.ROWS) <= set(ROWS) and list(ROWS)[-len(gpu_float8.ROWS) :] == list(gpu_float8.ROWS)
+    for row in gpu_float8.ROWS.values():
+        status, figures, _ = row.run(ctx, 60)
+        assert status == "skipped" and "torchao absent" in figures and "\n" not in figures, figures
