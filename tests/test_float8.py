@@ -126,15 +126,15 @@ def saved(tmp_path_factory):
     return run
 
 
-def test_a_float8_checkpoint_resumes_bitwise_and_loads_without_float8(saved, tmp_path):
+def test_a_float8_checkpoint_resumes_bitwise_and_loads_into_a_bf16_run(saved, tmp_path):
     at3 = saved / "checkpoints" / "step-000003"
     same = tmp_path / "same"
     proc = train_cli([*LLAMA, F8, "parallel=fsdp", "steps=6", f"checkpoint.resume={at3}"], same)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = {m["step"]: m["loss"] for m in read_metrics(saved)}
     assert [(m["step"], m["loss"]) for m in read_metrics(same)] == [(s, want[s]) for s in (4, 5, 6)]
-    plain = tmp_path / "plain"  # the same weights in a run without float8: a Linear's state is a Float8Linear's
-    proc = train_cli([*LLAMA, "parallel=ddp", "steps=4", f"checkpoint.resume={at3}"], plain)
+    plain = tmp_path / "plain"  # the same weights in a bf16 run without float8: a Linear's state is a Float8Linear's
+    proc = train_cli([*LLAMA, "parallel=ddp", "precision=bf16", "steps=4", f"checkpoint.resume={at3}"], plain)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = read_metrics(plain)[0]
     assert first["step"] == 4 and abs(first["loss"] - want[4]) / want[4] < 0.02  # float8's rounding, not another model
