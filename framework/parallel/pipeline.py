@@ -262,6 +262,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
+        if self.has_last and "return_outputs" in inspect.signature(self.schedule.step).parameters:
+            kwargs["return_outputs"] = False  # the losses are read, never the logits: not one kept per micro-batch
         self.schedule.step(*args, **kwargs)
         if not self.has_last:
             return torch.zeros((), device=target.device)
