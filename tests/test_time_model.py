@@ -47,7 +47,7 @@ def test_a_view_moves_no_bytes_and_math_bound_operators_are_priced_apart():
 def test_each_backward_matmul_reads_its_own_orientations_grid():
     """A CPU without bf16 units runs the input's gradient ten times slower than the forward: the
     step's backward is priced by that grid, not by the forward's shape transposed."""
-    region = Region(matmuls=[(512, 256, 1024, None)])
+    region = Region(matmuls=[(512, 256, 1024, None, None)])  # (m, k, n, weight, formats: a converter's)
     layout = SimpleNamespace(tp=1, cp=1, sequence_parallel=False, fsdp=0)
     overhead = SimpleNamespace(op_overhead_s=0.0)
     flops = 2 * 512 * 256 * 1024
