@@ -36,6 +36,7 @@ def _rows() -> dict[str, dict]:
     return {r["name"]: r for r in plan_rows(FLOAT8_ROWS)}
 
 
+@pytest.mark.slow  # planning the nine rows' models takes minutes: the default tier prices Table 1's 8B row below
 def test_every_float8_row_is_forecast_within_15_percent_and_its_peak_within_10_percent():
     rows = _rows()
     assert len(rows) == len(FLOAT8_ROWS) == 9
