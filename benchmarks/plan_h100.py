@@ -311,9 +311,11 @@ its checkpointed blocks in flight beside the stage's fp32 gradients) does not ex
 a pipeline's last stage keeps every micro-batch's logits to the step's end (torch's stage appends
 each to `output_chunks` for the schedule to merge; 7.8 GiB on Table 5's last rank), AsyncTP's
 symmetric-memory workspaces, the allocator's fragmentation. Pricing the held logits was tried: it
-puts the interleaved row at 0.97x and 1F1B's still at 0.80x; torchtitan's December 2024 runs
-held them, this framework's pipeline does not (framework/parallel/pipeline.py steps the schedule
-with `return_outputs=False`: it reads the losses, never the logits), so the term is left out.
+puts the interleaved row at 0.97x and 1F1B's still at 0.80x, and this framework's own pipeline
+holds them too (framework/parallel/pipeline.py steps the schedule with `return_outputs` left on),
+which puts the Llama 3 rows' last rank at 63 GiB more (32 micro-batches of the whole vocabulary's
+16-bit logits): they would not fit even checkpointed. Whether the framework stops holding them
+(it never reads them) is left open, so the term is left out.
 
 *Memory closed by two general terms* (each also in every bf16 row it applies to; Table 4 read
 0.79x and Table 5's interleaved row 0.54x before them): (1) under a pipeline a stage's gradients
