@@ -365,7 +365,7 @@ cached blocks are read from torch's code, not measured on an H100 here; without 
 
 **Why the Llama 3 rows do not fit as planned.** The paper trained these layouts on 80 GB H100s
 without activation checkpointing at 8K ("with these optimizations, we could pretrain Llama 3 on
-8K tokens without activation checkpointing"); the forecast, 199-239 GiB, says this framework
+8K tokens without activation checkpointing"); the forecast, 186-225 GiB, says this framework
 could not. The planner's accounting is not the cause: the parameters, gradients and optimizer state
 are sharded over tp x pp x dp (0.3-0.6 GiB), the gathered stage parameters are 5.9 GiB, and the
 in-flight count is the interleaved schedule's (above). The saved activations are the cause: a block
@@ -382,7 +382,7 @@ state, over 126 x 8,192 tokens), about what Megatron's accounting of a sequence-
 gives (34 x sequence x width / TP, 4.25 x width at TP 8: inputs saved sharded and gathered again
 in backward, 16-bit norms, k and v not repeated); the paper's implementation is not public, and
 this framework's Llama saves 2.3 times that. With every block checkpointed these layouts fit
-(39 GiB, 13 of them the pipeline stage's held fp32 gradients), at 0.71-0.84x the published throughput (the recomputed forward). One overcount is left
+(25 GiB), at 0.71-0.84x the published throughput (the recomputed forward). One overcount is left
 in these rows' forecast: the loss's fp32 transients at the start of backward (7.8 GiB) and the
 16-bit logits' cached block (2.0 GiB) are added to the busiest rank's peak, the first pipeline
 rank, which holds no head (framework/plan/peak.py takes the activations' maximum over ranks and

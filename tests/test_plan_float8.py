@@ -23,7 +23,9 @@ from plan_h100 import FLOAT8_ROWS, forecast  # noqa: E402
 MISSED = {
     ("8B FSDP 2 x CP 4, 131,072 tokens, float8", "throughput"),
     ("8B FSDP 1 x CP 8, 262,144 tokens, float8", "throughput"),
+    ("70B FSDP 32 x TP 8, float8 (2D)", "memory"),
     ("405B FSDP 8 x TP 8 x PP 8 1F1B, float8", "memory"),
+    ("405B FSDP 8 x TP 8 x PP 8 interleaved, float8", "memory"),
 }
 SMALL = ["model=llama", "model.flavor=8b", "model.n_layers=2", "model.vocab_size=1024", "precision=bf16", "device=cpu",
          "data.seq_len=2048", "data.batch_size=2", "parallel=fsdp"]  # fmt: skip

@@ -13,11 +13,7 @@ allocator's peak), what decides whether a layout fits.
   under `gradient_as_bucket_view` the gradients are views into them, not a second copy);
 - backward frees saved activations block by block while it produces gradients, so at most one of
   the two is whole; the head's transients (the logits' gradient) come at its start, FSDP's
-  reduce-scatter input (one unit's unsharded gradient, in the reduce dtype) at each unit's end.
-  Under a pipeline the two are whole at once: a stage's gradients live from its first
-  micro-batch's backward to the step's end while later micro-batches' activations are held
-  (`held_gradients`: under FSDP2 unsharded, in the reduce dtype, as torch's stage turns the
-  gradient sync off until the last backward);
+  reduce-scatter input (one unit's unsharded gradient, in the reduce dtype) at each unit's end;
 - slack: what the allocator keeps beyond the live bytes, a share measured on this machine
   (`profile.slack`).
 
@@ -32,7 +28,7 @@ import math
 from omegaconf import DictConfig
 
 from framework.plan.activations import host_apart, micro_batch, tokens_per_rank
-from framework.plan.model import Layout, Shapes, _tp_local, stage_rank
+from framework.plan.model import Layout, Shapes
 
 PARTS = ("baseline", "state", "buffers", "gathered", "transient", "slack")
 
@@ -45,35 +41,11 @@ def persistent_buffers(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
 
 
 def head_transient(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
-    """The loss's fp32 b x T x vocab tensors at the start of backward beside log-softmax's saved
-    output: the gradient nll_loss hands back and the one it returns (eager cross-entropy); under
-    loss parallel three, as torch's fused nll_loss/log_softmax backward
-    (torch/distributed/tensor/parallel/loss.py) holds the scatter's zeros, exp(output) and their
-    sum at once before scaling it."""
+    """The logits' gradient and the log-softmax's (fp32, b x T x vocab) at the start of backward."""
     if shapes.gpt is None:
         return 0
     vocab = shapes.gpt["vocab_size"] // (layout.tp if layout.loss_parallel else 1)
-    copies = 3 if layout.loss_parallel else 2
-    return copies * 4 * micro_batch(cfg, layout) * tokens_per_rank(cfg, layout) * vocab
-
-
-def held_gradients(shapes: Shapes, cfg: DictConfig, layout: Layout, grads: int) -> int:
-    """Gradients held beside the saved activations: a pipeline's, from the first micro-batch's
-    backward to the step's end (0 without one). Under FSDP2 torch's stage
-    (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`) turns the gradient sync
-    and resharding off until the last backward, so FSDP accumulates each parameter's unsharded
-    gradient (1/tp) in its reduce dtype; otherwise `grads`, the rank's own."""
-    if layout.pp < 2:
-        return 0
-    if layout.fsdp != 2 or layout.shard < 2:
-        return grads
-    size = 2 if cfg.parallel.get("reduce_dtype", "fp32") in ("bf16", "fp16") else 4
-    per_rank: dict[int, int] = {}
-    for p in shapes.params:
-        if p.trainable:
-            rank = stage_rank(p.stage, layout)
-            per_rank[rank] = per_rank.get(rank, 0) + math.prod(_tp_local(p, layout.tp))
-    return size * max(per_rank.values(), default=0)
+    return 2 * 4 * micro_batch(cfg, layout) * tokens_per_rank(cfg, layout) * vocab
 
 
 def cached_bytes(shapes: Shapes, cfg: DictConfig, layout: Layout) -> int:
@@ -114,11 +86,10 @@ def peak_parts(shapes: Shapes, cfg: DictConfig, layout: Layout, memory: dict, pr
     if memory.get("activation_bytes") is None:
         return None
     params, grads, optim = memory["param_bytes"], memory["grad_bytes"], memory["optim_bytes"]
+    backward = memory["activation_bytes"] + head_transient(shapes, cfg, layout)
     buffers = persistent_buffers(shapes, cfg, layout)
     if buffers and cfg.parallel.get("gradient_as_bucket_view", True):
         grads = 0  # the gradients are views into DDP's buckets: counted there
-    held = held_gradients(shapes, cfg, layout, grads)
-    backward = memory["activation_bytes"] + head_transient(shapes, cfg, layout) + held
     update = grads + reduce_buffer(shapes, cfg, layout)
     live = {
         "baseline": profile.baseline_bytes,
